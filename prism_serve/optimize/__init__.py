@@ -1,0 +1,1 @@
+"""The superoptimizer: IR, symbolic sGraphs, Triton codegen, workloads."""

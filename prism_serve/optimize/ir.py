@@ -1,0 +1,272 @@
+"""The kernel-level IR: a tensor program of immutable, typed nodes.
+
+A `Program` is a topologically ordered tuple of `Node`s plus the names of its
+outputs. Input nodes declare shape and dtype; a dim may be the symbol
+``num_tokens`` (written as that string), bound only when the program runs.
+Every other node's shape and dtype are inferred, so a malformed program fails
+at construction with an error naming the node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Iterable, Mapping
+
+from prism_serve.errors import ProgramError
+
+NUM_TOKENS = "num_tokens"
+DTYPES = ("float32", "float16", "bfloat16")
+IR_VERSION = 1
+
+Dim = int | str  # an int, or NUM_TOKENS
+Shape = tuple[Dim, ...]
+
+ELEMENTWISE_BINARY = ("add", "sub", "mul", "div")
+ELEMENTWISE_UNARY = ("exp", "silu", "square", "sqrt", "rsqrt")
+REDUCTIONS = ("sum", "mean", "max")
+OPS = ("input", "const", "matmul", *ELEMENTWISE_BINARY, *ELEMENTWISE_UNARY, *REDUCTIONS, "rms_norm")
+ARITY = {"input": 0, "const": 0, "matmul": 2, "rms_norm": (1, 2)} | {
+    op: 2 for op in ELEMENTWISE_BINARY} | {op: 1 for op in ELEMENTWISE_UNARY + REDUCTIONS}
+ATTRS = {  # required attributes per op, with their Python types
+    "input": {"shape": tuple, "dtype": str},
+    "const": {"value": float},
+    "matmul": {"transpose_b": bool},
+    "rms_norm": {"eps": float},
+} | {op: {"dim": int, "keepdim": bool} for op in REDUCTIONS}
+DEFAULTS = {"matmul": {"transpose_b": False}} | {op: {"keepdim": False} for op in REDUCTIONS}
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operation. `inputs` name earlier nodes; `attrs` is a sorted tuple of (key, value)."""
+
+    name: str
+    op: str
+    inputs: tuple[str, ...] = ()
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def attr(self, key: str) -> Any:
+        return dict(self.attrs)[key]
+
+
+def node(name: str, op: str, *inputs: str, **attrs: Any) -> Node:
+    """Build a node with normalised attributes (shapes as tuples, floats as floats)."""
+    norm = {}
+    for key, value in (DEFAULTS.get(op, {}) | attrs).items():
+        if key == "shape":
+            value = tuple(value)
+        elif key in ("eps", "value"):
+            value = float(value)
+        norm[key] = value
+    return Node(name, op, tuple(inputs), tuple(sorted(norm.items())))
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: Shape
+    dtype: str
+
+
+def _broadcast(a: Shape, b: Shape, where: str) -> Shape:
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else 1
+        y = b[-i] if i <= len(b) else 1
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            raise ProgramError(f"node '{where}': shapes {a} and {b} do not broadcast")
+    return tuple(reversed(out))
+
+
+def _promote(a: str, b: str) -> str:
+    """Mixed precisions promote to float32; `const` nodes take their partner's dtype."""
+    return a if a == b else "float32"
+
+
+def _infer(n: Node, srcs: list[TensorType]) -> TensorType:
+    if n.op == "input":
+        shape, dtype = n.attr("shape"), n.attr("dtype")
+        if dtype not in DTYPES:
+            raise ProgramError(f"node '{n.name}': dtype {dtype!r} is not one of {DTYPES}")
+        for d in shape:
+            if not (d == NUM_TOKENS or (isinstance(d, int) and not isinstance(d, bool) and d > 0)):
+                raise ProgramError(f"node '{n.name}': dim {d!r} is neither a positive int nor {NUM_TOKENS!r}")
+        return TensorType(shape, dtype)
+    if n.op == "const":
+        return TensorType((), "const")
+    dtypes = [s.dtype for s in srcs if s.dtype != "const"] or ["float32"]
+    dtype = dtypes[0] if all(d == dtypes[0] for d in dtypes) else "float32"
+    if n.op in ELEMENTWISE_BINARY:
+        return TensorType(_broadcast(srcs[0].shape, srcs[1].shape, n.name), dtype)
+    if n.op in ELEMENTWISE_UNARY:
+        return TensorType(srcs[0].shape, dtype)
+    if n.op in REDUCTIONS:
+        shape, dim = srcs[0].shape, n.attr("dim")
+        if not -len(shape) <= dim < len(shape):
+            raise ProgramError(f"node '{n.name}': reduction dim {dim} out of range for shape {shape}")
+        dim %= len(shape)
+        kept = shape[:dim] + ((1,) if n.attr("keepdim") else ()) + shape[dim + 1:]
+        return TensorType(kept, dtype)
+    if n.op == "matmul":
+        a, b = srcs[0].shape, srcs[1].shape
+        if len(a) < 2 or len(b) < 2:
+            raise ProgramError(f"node '{n.name}': matmul needs operands of rank >= 2, got {a} and {b}")
+        bk, bn = (b[-1], b[-2]) if n.attr("transpose_b") else (b[-2], b[-1])
+        if a[-1] != bk:
+            raise ProgramError(f"node '{n.name}': matmul inner dims differ ({a} @ {b}"
+                               f"{'^T' if n.attr('transpose_b') else ''})")
+        batch = _broadcast(a[:-2], b[:-2], n.name)
+        return TensorType(batch + (a[-2], bn), dtype)
+    if n.op == "rms_norm":
+        shape = srcs[0].shape
+        if len(srcs) == 2 and srcs[1].shape != shape[-1:]:
+            raise ProgramError(f"node '{n.name}': rms_norm weight shape {srcs[1].shape} != {shape[-1:]}")
+        return TensorType(shape, dtype)
+    raise AssertionError(n.op)
+
+
+def _check_node(n: Node) -> None:
+    if n.op not in OPS:
+        raise ProgramError(f"node '{n.name}': unsupported op {n.op!r} (supported: {', '.join(OPS)})")
+    arity = ARITY[n.op]
+    allowed = arity if isinstance(arity, tuple) else (arity,)
+    if len(n.inputs) not in allowed:
+        raise ProgramError(f"node '{n.name}': op {n.op} takes {' or '.join(map(str, allowed))} inputs, "
+                           f"got {len(n.inputs)}")
+    attrs = dict(n.attrs)
+    for key, typ in ATTRS.get(n.op, {}).items():
+        if key not in attrs:
+            raise ProgramError(f"node '{n.name}': op {n.op} needs attribute {key!r}")
+        ok = isinstance(attrs[key], typ) and not (typ is int and isinstance(attrs[key], bool))
+        if not ok:
+            raise ProgramError(f"node '{n.name}': attribute {key!r} must be {typ.__name__}, got {attrs[key]!r}")
+    extra = set(attrs) - set(ATTRS.get(n.op, {}))
+    if extra:
+        raise ProgramError(f"node '{n.name}': unknown attributes {sorted(extra)} for op {n.op}")
+
+
+@dataclass(frozen=True)
+class Program:
+    """A tensor program: nodes in topological order and the names of its outputs.
+
+    The program's signature is the order of its `input` nodes.
+    """
+
+    name: str
+    nodes: tuple[Node, ...]
+    outputs: tuple[str, ...]
+    types: Mapping[str, TensorType] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        types: dict[str, TensorType] = {}
+        for n in self.nodes:
+            if not isinstance(n.name, str) or not n.name:
+                raise ProgramError(f"a node has an invalid name {n.name!r}")
+            if n.name in types:
+                raise ProgramError(f"node '{n.name}': defined twice")
+            _check_node(n)
+            for src in n.inputs:
+                if src not in types:
+                    later = any(m.name == src for m in self.nodes)
+                    why = "is defined later (cycle or out of order)" if later else "is not defined"
+                    raise ProgramError(f"node '{n.name}': input '{src}' {why}")
+            types[n.name] = _infer(n, [types[s] for s in n.inputs])
+        if not self.outputs:
+            raise ProgramError(f"program '{self.name}': has no outputs")
+        for out in self.outputs:
+            if out not in types:
+                raise ProgramError(f"program '{self.name}': output '{out}' is not a node")
+            if types[out].dtype == "const":
+                raise ProgramError(f"program '{self.name}': output '{out}' is a constant")
+        object.__setattr__(self, "types", types)
+
+    @cached_property
+    def by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.op == "input")
+
+    # --- canonical hash -------------------------------------------------
+    @cached_property
+    def structural_keys(self) -> dict[str, str]:
+        """Per node, a digest of the computation that defines it.
+
+        Inputs are identified by their position in the signature, so renaming nodes
+        or reordering independent ones leaves every digest unchanged.
+        """
+        positions = {n.name: i for i, n in enumerate(self.inputs)}
+        keys: dict[str, str] = {}
+        for n in self.nodes:
+            if n.op == "input":
+                payload = ["input", positions[n.name], list(map(str, n.attr("shape"))), n.attr("dtype")]
+            else:
+                payload = [n.op, [keys[s] for s in n.inputs], [[k, v] for k, v in n.attrs]]
+            keys[n.name] = hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+        return keys
+
+    @cached_property
+    def canonical_hash(self) -> str:
+        keys = self.structural_keys
+        payload = {"inputs": [keys[n.name] for n in self.inputs], "outputs": [keys[o] for o in self.outputs]}
+        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:32]
+
+    # --- JSON -------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "ir_version": IR_VERSION,
+            "name": self.name,
+            "nodes": [{"name": n.name, "op": n.op, "inputs": list(n.inputs),
+                       "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in n.attrs}}
+                      for n in self.nodes],
+            "outputs": list(self.outputs),
+        }
+
+    @staticmethod
+    def from_json(data: Any) -> "Program":
+        """Parse a program; any malformation raises ProgramError with a precise reason."""
+        if isinstance(data, (str, bytes)):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise ProgramError(f"program JSON does not parse: {exc}") from None
+        if not isinstance(data, dict):
+            raise ProgramError("program JSON must be an object")
+        missing = {"ir_version", "name", "nodes", "outputs"} - set(data)
+        if missing:
+            raise ProgramError(f"program JSON lacks fields: {sorted(missing)}")
+        if data["ir_version"] != IR_VERSION:
+            raise ProgramError(f"program JSON has ir_version {data['ir_version']!r}, expected {IR_VERSION}")
+        if not isinstance(data["nodes"], list) or not isinstance(data["outputs"], list):
+            raise ProgramError("program JSON: 'nodes' and 'outputs' must be lists")
+        nodes = []
+        for i, raw in enumerate(data["nodes"]):
+            if not isinstance(raw, dict) or not {"name", "op"} <= set(raw):
+                raise ProgramError(f"program JSON: node #{i} must be an object with 'name' and 'op'")
+            inputs, attrs = raw.get("inputs", []), raw.get("attrs", {})
+            if not isinstance(inputs, list) or not all(isinstance(s, str) for s in inputs):
+                raise ProgramError(f"node '{raw['name']}': 'inputs' must be a list of names")
+            if not isinstance(attrs, dict):
+                raise ProgramError(f"node '{raw['name']}': 'attrs' must be an object")
+            attrs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in attrs.items()}
+            if isinstance(attrs.get("eps"), int) and not isinstance(attrs.get("eps"), bool):
+                attrs["eps"] = float(attrs["eps"])
+            if isinstance(attrs.get("value"), int) and not isinstance(attrs.get("value"), bool):
+                attrs["value"] = float(attrs["value"])
+            nodes.append(Node(str(raw["name"]), str(raw["op"]), tuple(inputs), tuple(sorted(attrs.items()))))
+        return Program(str(data["name"]), tuple(nodes), tuple(map(str, data["outputs"])))
+
+
+def bind_shape(shape: Shape, num_tokens: int) -> tuple[int, ...]:
+    return tuple(num_tokens if d == NUM_TOKENS else d for d in shape)
+
+
+def program(name: str, nodes: Iterable[Node], outputs: Iterable[str]) -> Program:
+    return Program(name, tuple(nodes), tuple(outputs))

@@ -1,0 +1,120 @@
+"""Reference evaluation of a Program in torch, and the expansion of composite ops.
+
+The reference computes in float32 whatever the declared dtypes, so it is the
+yardstick that every generated kernel (fp32 or half precision) is compared to.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from prism_serve.errors import ProgramError
+from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, node
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def expand_composites(prog: Program) -> Program:
+    """Rewrite every rms_norm into primitives: x * rsqrt(mean(x*x, -1) + eps) [* w].
+
+    A pure pass: the result computes the same function with primitive ops only.
+    """
+    nodes: list[Node] = []
+    for n in prog.nodes:
+        if n.op != "rms_norm":
+            nodes.append(n)
+            continue
+        x, p = n.inputs[0], f"{n.name}."
+        nodes += [
+            node(p + "sq", "square", x),
+            node(p + "ms", "mean", p + "sq", dim=-1, keepdim=True),
+            node(p + "eps", "const", value=n.attr("eps")),
+            node(p + "var", "add", p + "ms", p + "eps"),
+            node(p + "r", "rsqrt", p + "var"),
+        ]
+        if len(n.inputs) == 2:
+            nodes += [node(p + "xr", "mul", x, p + "r"), node(n.name, "mul", p + "xr", n.inputs[1])]
+        else:
+            nodes.append(node(n.name, "mul", x, p + "r"))
+    return Program(prog.name, tuple(nodes), prog.outputs)
+
+
+def _apply(n: Node, args: list[torch.Tensor]) -> torch.Tensor:
+    op = n.op
+    if op == "const":
+        return torch.tensor(n.attr("value"), dtype=torch.float32)
+    if op == "add":
+        return args[0] + args[1]
+    if op == "sub":
+        return args[0] - args[1]
+    if op == "mul":
+        return args[0] * args[1]
+    if op == "div":
+        return args[0] / args[1]
+    if op == "exp":
+        return torch.exp(args[0])
+    if op == "silu":
+        return torch.nn.functional.silu(args[0])
+    if op == "square":
+        return args[0] * args[0]
+    if op == "sqrt":
+        return torch.sqrt(args[0])
+    if op == "rsqrt":
+        return torch.rsqrt(args[0])
+    if op in ("sum", "mean", "max"):
+        fn = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax}[op]
+        return fn(args[0], dim=n.attr("dim"), keepdim=n.attr("keepdim"))
+    if op == "matmul":
+        b = args[1].transpose(-1, -2) if n.attr("transpose_b") else args[1]
+        return torch.matmul(args[0], b)
+    raise AssertionError(op)
+
+
+def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Run `prog` on concrete tensors (in signature order, or by name); float32 results.
+
+    The symbol num_tokens must take one value across all inputs.
+    """
+    decl = prog.inputs
+    if isinstance(inputs, Mapping):
+        missing = [n.name for n in decl if n.name not in inputs]
+        if missing:
+            raise ProgramError(f"program '{prog.name}': inputs missing: {missing}")
+        inputs = [inputs[n.name] for n in decl]
+    if len(inputs) != len(decl):
+        raise ProgramError(f"program '{prog.name}': expects {len(decl)} inputs, got {len(inputs)}")
+    num_tokens: int | None = None
+    env: dict[str, torch.Tensor] = {}
+    for n, t in zip(decl, inputs):
+        shape = n.attr("shape")
+        if t.dim() != len(shape):
+            raise ProgramError(f"input '{n.name}': expected rank {len(shape)}, got shape {tuple(t.shape)}")
+        for want, got in zip(shape, t.shape):
+            if want == NUM_TOKENS:
+                num_tokens = got if num_tokens is None else num_tokens
+                if got != num_tokens:
+                    raise ProgramError(f"input '{n.name}': num_tokens is {got} here but {num_tokens} elsewhere")
+            elif want != got:
+                raise ProgramError(f"input '{n.name}': expected shape {shape}, got {tuple(t.shape)}")
+        env[n.name] = t.to(torch.float32)
+    for n in expand_composites(prog).nodes:
+        if n.op != "input":
+            env[n.name] = _apply(n, [env[s] for s in n.inputs])
+    return [env[o] for o in prog.outputs]
+
+
+def random_inputs(prog: Program, num_tokens: int, *, seed: int | None = None,
+                  device: str = "cpu", dtype: str | None = None) -> list[torch.Tensor]:
+    """Fresh random inputs for `prog` (standard normal, scaled so matmuls stay O(1))."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed if seed is not None else torch.seed())
+    out = []
+    for n in prog.inputs:
+        shape = tuple(num_tokens if d == NUM_TOKENS else d for d in n.attr("shape"))
+        t = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if len(shape) >= 2:
+            t = t / shape[-1] ** 0.25
+        out.append(t.to(device=device, dtype=TORCH_DTYPES[dtype or n.attr("dtype")]))
+    return out

@@ -1,0 +1,1 @@
+"""Workloads: Programs with default shapes, and the hand-built oracle sGraphs."""

@@ -1,0 +1,168 @@
+"""The workloads as Programs: the five Prism workloads and vLLM's per-layer ops.
+
+Weights use vLLM's layout (out_features, in_features), so projections are
+``x @ W^T`` (matmul with transpose_b); norm weights are vectors of the hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from prism_serve.errors import ProgramError
+from prism_serve.optimize.ir import NUM_TOKENS as N
+from prism_serve.optimize.ir import Node, Program, node
+
+EPS = 1e-6
+
+
+def rms_norm(hidden: int = 4096, dtype: str = "float16", eps: float = EPS) -> Program:
+    return Program("rms_norm", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("w", "input", shape=(hidden,), dtype=dtype),
+        node("y", "rms_norm", "x", "w", eps=eps),
+    ), ("y",))
+
+
+def fused_add_rms_norm(hidden: int = 4096, dtype: str = "float16", eps: float = EPS) -> Program:
+    """vLLM's fused op: residual' = x + residual; y = rms_norm(residual') * w. Outputs (y, residual')."""
+    return Program("fused_add_rms_norm", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("residual", "input", shape=(N, hidden), dtype=dtype),
+        node("w", "input", shape=(hidden,), dtype=dtype),
+        node("r", "add", "x", "residual"),
+        node("y", "rms_norm", "r", "w", eps=eps),
+    ), ("y", "r"))
+
+
+def silu_and_mul(intermediate: int = 4096, dtype: str = "float16") -> Program:
+    """vLLM's SiluAndMul on the two halves of gate_up's output, passed as two (strided) views."""
+    return Program("silu_and_mul", (
+        node("gate", "input", shape=(N, intermediate), dtype=dtype),
+        node("up", "input", shape=(N, intermediate), dtype=dtype),
+        node("g", "silu", "gate"),
+        node("y", "mul", "g", "up"),
+    ), ("y",))
+
+
+def rmsnorm_linear(hidden: int = 4096, out: int | None = None, dtype: str = "float16", eps: float = EPS) -> Program:
+    out = out or hidden
+    return Program("rmsnorm_linear", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("g", "input", shape=(hidden,), dtype=dtype),
+        node("w", "input", shape=(out, hidden), dtype=dtype),
+        node("xn", "rms_norm", "x", "g", eps=eps),
+        node("y", "matmul", "xn", "w", transpose_b=True),
+    ), ("y",))
+
+
+def swiglu(hidden: int = 4096, intermediate: int | None = None, dtype: str = "float16") -> Program:
+    inter = intermediate or hidden
+    return Program("swiglu", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("w_gate", "input", shape=(inter, hidden), dtype=dtype),
+        node("w_up", "input", shape=(inter, hidden), dtype=dtype),
+        node("a", "matmul", "x", "w_gate", transpose_b=True),
+        node("b", "matmul", "x", "w_up", transpose_b=True),
+        node("sa", "silu", "a"),
+        node("y", "mul", "sa", "b"),
+    ), ("y",))
+
+
+def rmsnorm_mlp(hidden: int = 4096, intermediate: int | None = None, dtype: str = "float16",
+                eps: float = EPS) -> Program:
+    inter = intermediate or hidden
+    return Program("rmsnorm_mlp", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("g", "input", shape=(hidden,), dtype=dtype),
+        node("w_up", "input", shape=(inter, hidden), dtype=dtype),
+        node("w_gate", "input", shape=(inter, hidden), dtype=dtype),
+        node("xn", "rms_norm", "x", "g", eps=eps),
+        node("u", "matmul", "xn", "w_up", transpose_b=True),
+        node("v", "matmul", "xn", "w_gate", transpose_b=True),
+        node("y", "mul", "u", "v"),
+    ), ("y",))
+
+
+def _attention_nodes(q: str, k: str, v: str, head_dim: int) -> list[Node]:
+    """softmax(q k^T / sqrt(head_dim)) v with the row max subtracted (numerically honest)."""
+    return [
+        node("s", "matmul", q, k, transpose_b=True),
+        node("scale", "const", value=1.0 / math.sqrt(head_dim)),
+        node("ss", "mul", "s", "scale"),
+        node("m", "max", "ss", dim=-1, keepdim=True),
+        node("z", "sub", "ss", "m"),
+        node("e", "exp", "z"),
+        node("l", "sum", "e", dim=-1, keepdim=True),
+        node("p", "div", "e", "l"),
+        node("o", "matmul", "p", v),
+    ]
+
+
+def _attention_inputs(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+                      kv_heads: int | None, dtype: str) -> list[Node]:
+    """GQA packed per KV head: Q is (batch, kv_heads, group * q_len, head_dim)."""
+    kv_heads = kv_heads or min(heads, 8)
+    if heads % kv_heads:
+        raise ProgramError(f"attention: heads {heads} is not a multiple of kv_heads {kv_heads}")
+    group = heads // kv_heads
+    return [
+        node("q", "input", shape=(batch, kv_heads, group * q_len, head_dim), dtype=dtype),
+        node("k", "input", shape=(batch, kv_heads, kv_len, head_dim), dtype=dtype),
+        node("v", "input", shape=(batch, kv_heads, kv_len, head_dim), dtype=dtype),
+    ]
+
+
+def attention(batch: int = 2, heads: int = 8, q_len: int = 1, kv_len: int = 1024, head_dim: int = 128,
+              kv_heads: int | None = None, dtype: str = "float16") -> Program:
+    nodes = _attention_inputs(batch, heads, q_len, kv_len, head_dim, kv_heads, dtype)
+    return Program("attention", tuple(nodes + _attention_nodes("q", "k", "v", head_dim)), ("o",))
+
+
+def qk_norm_attention(batch: int = 2, heads: int = 8, q_len: int = 1, kv_len: int = 1024, head_dim: int = 128,
+                      kv_heads: int | None = None, dtype: str = "float16", eps: float = EPS) -> Program:
+    nodes = _attention_inputs(batch, heads, q_len, kv_len, head_dim, kv_heads, dtype) + [
+        node("q_w", "input", shape=(head_dim,), dtype=dtype),
+        node("k_w", "input", shape=(head_dim,), dtype=dtype),
+        node("qn", "rms_norm", "q", "q_w", eps=eps),
+        node("kn", "rms_norm", "k", "k_w", eps=eps),
+    ]
+    return Program("qk_norm_attention", tuple(nodes + _attention_nodes("qn", "kn", "v", head_dim)), ("o",))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named Program family with its default dims and the shapes that define success."""
+
+    name: str
+    build: Callable[..., Program]
+    default_dims: dict = field(default_factory=dict)
+    default_num_tokens: tuple[int, ...] = (8, 16)
+    shapes: tuple[dict, ...] = ()
+
+    def program(self, **dims) -> Program:
+        return self.build(**(self.default_dims | dims))
+
+
+_NORM_SHAPES = tuple({"hidden": d} for d in (1024, 2048, 4096))
+_ATTN_SHAPES = tuple(dict(zip(("batch", "heads", "q_len", "kv_len", "head_dim"), s)) for s in
+                     ((2, 8, 1, 1024, 128), (2, 8, 128, 1024, 128), (2, 32, 1, 1024, 128), (4, 8, 1, 1024, 128)))
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("rmsnorm_linear", rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("rmsnorm_mlp", rmsnorm_mlp, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("swiglu", swiglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("attention", attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
+    Workload("qk_norm_attention", qk_norm_attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
+    Workload("rms_norm", rms_norm, {"hidden": 4096}, default_num_tokens=(1, 16, 256, 4096)),
+    Workload("fused_add_rms_norm", fused_add_rms_norm, {"hidden": 4096}, default_num_tokens=(1, 16, 256, 4096)),
+    Workload("silu_and_mul", silu_and_mul, {"intermediate": 4096}, default_num_tokens=(1, 16, 256, 4096)),
+)}
+PRISM_WORKLOADS = ("rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention")
+
+
+def get_workload(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise ProgramError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]
