@@ -89,7 +89,7 @@ def _promote(a: str, b: str) -> str:
     return a if a == b else "float32"
 
 
-def _infer(n: Node, srcs: list[TensorType]) -> TensorType:
+def infer_type(n: Node, srcs: list[TensorType]) -> TensorType:
     if n.op == "input":
         shape, dtype = n.attr("shape"), n.attr("dtype")
         if dtype not in DTYPES:
@@ -176,7 +176,7 @@ class Program:
                     later = any(m.name == src for m in self.nodes)
                     why = "is defined later (cycle or out of order)" if later else "is not defined"
                     raise ProgramError(f"node '{n.name}': input '{src}' {why}")
-            types[n.name] = _infer(n, [types[s] for s in n.inputs])
+            types[n.name] = infer_type(n, [types[s] for s in n.inputs])
         if not self.outputs:
             raise ProgramError(f"program '{self.name}': has no outputs")
         for out in self.outputs:

@@ -1,0 +1,422 @@
+"""Triton code generation for an instantiated sGraph.
+
+`render(instance)` produces one readable Python module: a ``@triton.jit``
+kernel per block kernel and a launcher ``run(*inputs, out=None)`` that checks
+shapes, allocates tensors, launches kernels and runs library ops in torch.
+Tiles are padded to powers of two and masked; every reduction or matmul over
+a padded dim masks its operand with the op's neutral element first, so
+padding never leaks into results. Values are computed in fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from types import ModuleType
+
+from prism_serve.errors import CodegenError
+from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node
+from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel
+
+CODEGEN_VERSION = 1
+BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+UNARY = {"exp": "tl.exp({})", "silu": "{0} * tl.sigmoid({0})", "square": "{0} * {0}",
+         "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})"}
+TORCH_UNARY = {"exp": "torch.exp({})", "silu": "torch.nn.functional.silu({})", "square": "{0} * {0}",
+               "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})"}
+MIN_DOT = 16  # tl.dot needs every dim >= 16 on GPUs; smaller products use broadcast-and-sum
+TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
+
+
+def pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def ident(name: str) -> str:
+    return "v_" + re.sub(r"\W", "_", name)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tile in the generated code: its variable, true dims and the 1-D mask of each padded dim."""
+
+    var: str
+    dims: tuple[int, ...]
+    masks: tuple[str | None, ...]
+
+    @property
+    def padded(self) -> tuple[int, ...]:
+        return tuple(pow2(d) for d in self.dims)
+
+
+def _expand(var: str, dim: int, rank: int) -> str:
+    if rank == 1:
+        return var
+    return var + "[" + ", ".join(":" if i == dim else "None" for i in range(rank)) + "]"
+
+
+def _lift(v: Value, rank: int) -> tuple[str, tuple[int, ...], tuple[str | None, ...]]:
+    """Left-pad a value with unit dims up to `rank` (numpy broadcasting made explicit)."""
+    pad = rank - len(v.dims)
+    if pad == 0 or not v.dims:
+        return v.var, (1,) * pad + v.dims, (None,) * pad + v.masks
+    index = "[" + ", ".join(["None"] * pad + [":"] * len(v.dims)) + "]"
+    return v.var + index, (1,) * pad + v.dims, (None,) * pad + v.masks
+
+
+class _KernelWriter:
+    """Emits one @triton.jit kernel for a block kernel of an instance."""
+
+    def __init__(self, inst: Instance, k: BlockKernel, dot_dtype: str):
+        self.inst, self.k, self.dot_dtype = inst, k, dot_dtype
+        self.g = inst.sgraph
+        self.lines: list[str] = []
+        self.masks: dict[str, str] = {}  # mask expression -> variable
+        self.values: dict[str, Value] = {}
+        self.tensors = list(dict.fromkeys(n.attr("tensor") for n in k.nodes if n.op in ("load", "store")))
+        self.uses_tokens = any(TOKENS in d.free_symbols for t in self.tensors for d in self.g.tensors[t].shape)
+
+    # --- helpers ---------------------------------------------------------
+    def emit(self, line: str, depth: int) -> None:
+        self.lines.append("    " * depth + line)
+
+    def params(self) -> list[str]:
+        out = []
+        for t in self.tensors:
+            out.append(f"{t}_ptr")
+            out += [f"{t}_s{d}" for d in range(len(self.g.tensors[t].shape))]
+        return out + (["n_tokens"] if self.uses_tokens else [])
+
+    def _tiling(self, n: Node) -> list[tuple[int, str, str | None, bool]]:
+        """Per dim of a load/store: (tile, start expression, mask variable, loop-dependent)."""
+        t = n.attr("tensor")
+        shape = self.g.tensors[t].shape
+        imap = n.attr("imap") if n.op == "load" else n.attr("omap")
+        fmap = n.attr("fmap") if n.op == "load" else None
+        tile = self.inst.tile(self.k, n.name) if n.op == "load" else self._store_tile(n)
+        out = []
+        for d, size in enumerate(shape):
+            starts, loop_dep = [], False
+            for a, (axis, dim) in enumerate(zip(self.k.grid, imap)):
+                if dim == d:
+                    per_block = tile[d] if axis.over_tokens else self.inst.concrete(size) // self.inst.values[axis.symbol]
+                    starts.append(f"pid{a} * {per_block}")
+            if fmap == d:
+                starts.append(f"it * {tile[d]}")
+                loop_dep = True
+            conds = []
+            if pow2(tile[d]) != tile[d]:
+                conds.append(f"tl.arange(0, {pow2(tile[d])}) < {tile[d]}")
+            if size == TOKENS:
+                conds.append(f"({' + '.join(starts) or '0'} + tl.arange(0, {pow2(tile[d])})) < n_tokens")
+            out.append((tile[d], " + ".join(starts), self._mask(" & ".join(f"({c})" for c in conds)), loop_dep))
+        return out
+
+    def _store_tile(self, n: Node) -> tuple[int, ...]:
+        from prism_serve.optimize.sgraph import tile_shape
+        decl = self.g.tensors[n.attr("tensor")]
+        return tuple(self.inst.concrete(d) for d in tile_shape(self.k, decl.shape, n.attr("omap"), None))
+
+    def _mask(self, expr: str) -> str | None:
+        if not expr:
+            return None
+        if expr not in self.masks:
+            self.masks[expr] = f"mask{len(self.masks)}"
+        return self.masks[expr]
+
+    def _pointers(self, n: Node, tiling, depth: int) -> tuple[str, str | None]:
+        t, rank = n.attr("tensor"), len(tiling)
+        terms, masks = [], []
+        for d, (tile, start, mask, _) in enumerate(tiling):
+            offs = f"offs_{ident(n.name)[2:]}_{d}"
+            self.emit(f"{offs} = {start + ' + ' if start else ''}tl.arange(0, {pow2(tile)})", depth)
+            terms.append(f"{_expand(offs, d, rank)} * {t}_s{d}")
+            if mask:
+                masks.append(_expand(mask, d, rank))
+        return f"{t}_ptr + " + " + ".join(terms), " & ".join(masks) or None
+
+    # --- ops ---------------------------------------------------------------
+    def load(self, n: Node, depth: int) -> None:
+        tiling = self._tiling(n)
+        ptrs, mask = self._pointers(n, tiling, depth)
+        var = ident(n.name)
+        masked = f", mask={mask}, other=0.0" if mask else ""
+        self.emit(f"{var} = tl.load({ptrs}{masked}).to(tl.float32)", depth)
+        self.values[n.name] = Value(var, tuple(t for t, *_ in tiling), tuple(m for _, _, m, _ in tiling))
+
+    def store(self, n: Node, depth: int) -> None:
+        v = self.values[n.inputs[0]]
+        tiling = self._tiling(n)
+        ptrs, mask = self._pointers(n, tiling, depth)
+        dims = tuple(pow2(t) for t, *_ in tiling)
+        val = v.var if v.padded == dims else f"tl.reshape({v.var}, {dims})"
+        masked = f", mask={mask}" if mask else ""
+        self.emit(f"tl.store({ptrs}, {val}.to({n.attr('tensor')}_ptr.dtype.element_ty){masked})", depth)
+
+    def _masked(self, v: Value, dim: int, neutral: str) -> str:
+        if v.masks[dim] is None:
+            return v.var
+        return f"tl.where({_expand(v.masks[dim], dim, len(v.dims))}, {v.var}, {neutral})"
+
+    def compute(self, n: Node, depth: int) -> None:
+        var, op = ident(n.name), n.op
+        srcs = [self.values[s] for s in n.inputs]
+        if op == "const":
+            self.values[n.name] = Value(repr(n.attr("value")), (), ())
+            return
+        if op in ELEMENTWISE_BINARY:
+            rank = max(len(s.dims) for s in srcs)
+            (a, ad, am), (b, bd, bm) = _lift(srcs[0], rank), _lift(srcs[1], rank)
+            if not srcs[0].dims:
+                ad, am = bd, bm
+            if not srcs[1].dims:
+                bd, bm = ad, am
+            dims = tuple(max(x, y) for x, y in zip(ad, bd))
+            masks = tuple(ma if x != 1 else mb for x, ma, mb in zip(ad, am, bm))
+            self.emit(f"{var} = {a} {BINARY_SYMBOL[op]} {b}", depth)
+            self.values[n.name] = Value(var, dims, masks)
+        elif op in UNARY:
+            self.emit(f"{var} = {UNARY[op].format(srcs[0].var)}", depth)
+            self.values[n.name] = Value(var, srcs[0].dims, srcs[0].masks)
+        elif op in ("sum", "mean", "max"):
+            v, dim, keep = srcs[0], n.attr("dim") % len(srcs[0].dims), n.attr("keepdim")
+            x = self._masked(v, dim, 'float("-inf")' if op == "max" else "0.0")
+            fn = "tl.max" if op == "max" else "tl.sum"
+            scale = f" * {1.0 / v.dims[dim]!r}" if op == "mean" else ""
+            self.emit(f"{var} = {fn}({x}, axis={dim}, keep_dims={keep}){scale}", depth)
+            dims = v.dims[:dim] + ((1,) if keep else ()) + v.dims[dim + 1:]
+            masks = v.masks[:dim] + ((None,) if keep else ()) + v.masks[dim + 1:]
+            self.values[n.name] = Value(var, dims, masks)
+        elif op == "matmul":
+            self.matmul(n, srcs[0], srcs[1], depth)
+        else:
+            raise CodegenError(f"kernel '{self.k.name}': op {op!r} has no Triton rendering")
+
+    def matmul(self, n: Node, a: Value, b: Value, depth: int) -> None:
+        var, tb = ident(n.name), n.attr("transpose_b")
+        if any(d != 1 for d in a.dims[:-2] + b.dims[:-2]):
+            raise CodegenError(f"kernel '{self.k.name}' node '{n.name}': batched tiles are not supported; "
+                               f"map the batch dims to the grid")
+        kb = -1 if tb else -2
+        kmask = a.masks[-1] or b.masks[kb]
+        a2 = self._masked(Value(a.var, a.dims, a.masks[:-1] + (kmask,)), len(a.dims) - 1, "0.0")
+        b2 = self._masked(Value(b.var, b.dims, b.masks[:kb] + (kmask,) + b.masks[kb:][1:]),
+                          len(b.dims) + kb, "0.0")
+        (m, kk), (bk, bn) = a.padded[-2:], b.padded[-2:]
+        if len(a.dims) > 2:
+            a2 = f"tl.reshape({a2}, ({m}, {kk}))"
+        if len(b.dims) > 2:
+            b2 = f"tl.reshape({b2}, ({bk}, {bn}))"
+        if tb:
+            b2 = f"tl.trans({b2})"
+        nn = bk if tb else bn
+        if min(m, kk, nn) >= MIN_DOT:
+            prec = ', input_precision="ieee"' if self.dot_dtype == "tl.float32" else ""
+            expr = f"tl.dot({a2}.to({self.dot_dtype}), {b2}.to({self.dot_dtype}){prec})"
+        else:
+            expr = f"tl.sum(({a2})[:, :, None] * ({b2})[None, :, :], axis=1)"
+        rank = max(len(a.dims), len(b.dims))
+        ndim = b.dims[-2] if tb else b.dims[-1]
+        nmask = b.masks[-2] if tb else b.masks[-1]
+        dims = (1,) * (rank - 2) + (a.dims[-2], ndim)
+        if rank > 2:
+            expr = f"tl.reshape({expr}, {tuple(pow2(d) for d in dims)})"
+        self.emit(f"{var} = {expr}", depth)
+        self.values[n.name] = Value(var, dims, (None,) * (rank - 2) + (a.masks[-2], nmask))
+
+    def accum_init(self, n: Node, depth: int) -> None:
+        shape = tuple(pow2(self.inst.concrete(d)) for d in self.g.block_types(self.k)[n.name].shape)
+        init = 'float("-inf")' if n.attr("kind") == "max" else "0.0"
+        self.emit(f"{ident(n.name)} = tl.full({shape}, {init}, tl.float32)", depth)
+
+    def accum_step(self, n: Node, depth: int) -> None:
+        acc, x, kind = ident(n.name), self.values[n.inputs[0]], n.attr("kind")
+        if kind == "max":
+            self.emit(f"{acc}_prev = {acc}", depth)
+            self.emit(f"{acc} = tl.maximum({acc}, {x.var})", depth)
+        elif kind == "rescaled_sum":
+            m = ident(n.inputs[1])
+            self.emit(f"{acc} = {acc} * tl.exp({m}_prev - {m}) + {x.var}", depth)
+        else:
+            self.emit(f"{acc} = {acc} + {x.var}", depth)
+        self.values[n.name] = Value(acc, x.dims, x.masks)
+
+    def write(self) -> list[str]:
+        k, stages = self.k, self.k.stages
+        body_start = len(self.lines)
+        for a in range(len(k.grid)):
+            self.emit(f"pid{a} = tl.program_id({a})", 1)
+        for phase in ("pre", "loop", "post"):
+            depth = 2 if phase == "loop" else 1
+            if phase == "loop" and k.forloop:
+                for n in k.nodes:
+                    if n.op == "accum":
+                        self.accum_init(n, 1)
+                self.emit(f"for it in range(0, {self.inst.values[k.forloop]}):", 1)
+            for n in k.nodes:
+                stage = stages[n.name]
+                if n.op == "accum":
+                    if phase == "loop":
+                        self.accum_step(n, depth)
+                    elif phase == "post" and n.attr("kind") == "mean":
+                        self.emit(f"{ident(n.name)} = {ident(n.name)} * {1.0 / self.inst.values[k.forloop]!r}", 1)
+                    continue
+                if stage != phase:
+                    continue
+                if n.op == "load":
+                    self.load(n, depth)
+                elif n.op == "store":
+                    self.store(n, depth)
+                else:
+                    self.compute(n, depth)
+        masks = [f"    {var} = {expr}" for expr, var in self.masks.items()]
+        body = self.lines[body_start:]
+        grid = ", ".join(f"{a.symbol}={self.inst.values[a.symbol]}" for a in k.grid)
+        loop = f", loop {k.forloop}={self.inst.values[k.forloop]}" if k.forloop else ""
+        header = ["@triton.jit", f"def {self.kname}({', '.join(self.params())}):",
+                  f"    # grid ({grid}){loop}"]
+        return header + body[:len(k.grid)] + masks + body[len(k.grid):]
+
+    @property
+    def kname(self) -> str:
+        return f"{ident(self.g.name)[2:]}_{ident(self.k.name)[2:]}"
+
+
+def _library_line(op: Node) -> str:
+    x = [ident(s) for s in op.inputs]
+    out = ident(op.name)
+    if op.op in BINARY_SYMBOL:
+        return f"{out} = {x[0]} {BINARY_SYMBOL[op.op]} {x[1]}"
+    if op.op in TORCH_UNARY:
+        return f"{out} = {TORCH_UNARY[op.op].format(x[0])}"
+    if op.op in ("sum", "mean", "max"):
+        fn = {"sum": "torch.sum", "mean": "torch.mean", "max": "torch.amax"}[op.op]
+        return f"{out} = {fn}({x[0]}, dim={op.attr('dim')}, keepdim={op.attr('keepdim')})"
+    if op.op == "matmul":
+        b = f"{x[1]}.transpose(-1, -2)" if op.attr("transpose_b") else x[1]
+        return f"{out} = torch.matmul({x[0]}, {b})"
+    if op.op == "rms_norm":
+        w = x[1] if len(x) > 1 else "None"
+        return f"{out} = torch.nn.functional.rms_norm({x[0]}, ({x[0]}.shape[-1],), {w}, {op.attr('eps')!r})"
+    raise CodegenError(f"library op {op.op!r} has no torch rendering")
+
+
+def render(inst: Instance, *, interpret: bool | None = None) -> str:
+    """The whole generated module for `inst` as Python source."""
+    interpret = interpreting() if interpret is None else interpret
+    g = inst.sgraph
+    prog = g.program
+    dtypes = {n.attr("dtype") for n in prog.inputs}
+    half = next((d for d in ("float16", "bfloat16") if d in dtypes), None)
+    # The interpreter multiplies bf16 operands of tl.dot wrongly: keep dot operands fp32 there.
+    dot_dtype = TL_DTYPES[half] if half and not interpret else "tl.float32"
+    values = ", ".join(f"{k}={v}" for k, v in inst.assignment)
+    out = [f'"""Generated by prism-serve codegen v{CODEGEN_VERSION} for sGraph {g.name!r} '
+           f'(program {prog.canonical_hash}) on {inst.gpu}: {values}."""',
+           "import torch", "import triton", "import triton.language as tl", ""]
+    writers = {}
+    for k in g.kernels:
+        if isinstance(k, BlockKernel):
+            w = _KernelWriter(inst, k, dot_dtype)
+            out += w.write() + ["", ""]
+            writers[k.name] = w
+    token_inputs = [(n.name, n.attr("shape").index(NUM_TOKENS)) for n in prog.inputs if NUM_TOKENS in n.attr("shape")]
+    args = ", ".join(ident(n.name) for n in prog.inputs)
+    out.append(f"def run({args}, *, out=None):")
+    out.append(f'    """Compute {", ".join(prog.outputs)} of {prog.name!r}; `out` may give preallocated outputs."""')
+    if token_inputs:
+        name, dim = token_inputs[0]
+        out.append(f"    n_tokens = {ident(name)}.shape[{dim}]")
+    else:
+        out.append("    n_tokens = 0")
+    for n in prog.inputs:
+        shape = ", ".join("n_tokens" if d == NUM_TOKENS else str(d) for d in n.attr("shape"))
+        out.append(f"    if tuple({ident(n.name)}.shape) != ({shape},):")
+        out.append(f"        raise ValueError(f\"input {n.name!r}: expected shape ({shape},), "
+                   f"got {{tuple({ident(n.name)}.shape)}}\")")
+    device = ident(prog.inputs[0].name) + ".device"
+    for i, o in enumerate(prog.outputs):
+        shape = _shape_code(inst, o)
+        dt = f"torch.{g.tensors[o].dtype}"
+        if any(isinstance(k, BlockKernel) and o in (s.attr("tensor") for s in k.stores) for k in g.kernels):
+            out.append(f"    {ident(o)} = out[{i}] if out is not None else torch.empty({shape}, dtype={dt}, "
+                       f"device={device})")
+    for t in g.intermediates:
+        if any(isinstance(k, BlockKernel) and t.name in (s.attr("tensor") for s in k.stores) for k in g.kernels):
+            out.append(f"    {ident(t.name)} = torch.empty({_shape_code(inst, t.name)}, "
+                       f"dtype=torch.{t.dtype}, device={device})")
+    for k in g.kernels:
+        if isinstance(k, LibraryKernel):
+            out.append("    " + _library_line(k.op))
+            if k.op.name in prog.outputs:
+                i = prog.outputs.index(k.op.name)
+                out.append(f"    if out is not None:")
+                out.append(f"        {ident(k.op.name)} = out[{i}].copy_({ident(k.op.name)})")
+            continue
+        w = writers[k.name]
+        grid = ", ".join(f"triton.cdiv(n_tokens, {inst.values[a.symbol]})" if a.over_tokens
+                         else str(inst.values[a.symbol]) for a in k.grid)
+        call = []
+        for t in w.tensors:
+            call.append(ident(t))
+            call += [f"{ident(t)}.stride({d})" for d in range(len(g.tensors[t].shape))]
+        if w.uses_tokens:
+            call.append("n_tokens")
+        if any(a.over_tokens for a in k.grid):
+            out.append("    if n_tokens == 0:")
+            out.append(f"        return {_outputs_tuple(prog.outputs)}")
+        out.append(f"    {w.kname}[({grid},)]({', '.join(call)})")
+    out.append(f"    return {_outputs_tuple(prog.outputs)}")
+    return "\n".join(out) + "\n"
+
+
+def _outputs_tuple(outputs) -> str:
+    return "(" + ", ".join(ident(o) for o in outputs) + ",)"
+
+
+def _shape_code(inst: Instance, name: str) -> str:
+    dims = []
+    for d in inst.sgraph.tensors[name].shape:
+        if d == TOKENS:
+            dims.append("n_tokens")
+        else:
+            dims.append(str(inst.concrete(d)))
+    return "(" + ", ".join(dims) + ",)"
+
+
+_MODULES: dict[str, ModuleType] = {}
+
+
+def load(source: str) -> ModuleType:
+    """Import generated source from the per-user kernel cache (Triton needs a real file)."""
+    from prism_serve.paths import cache_dir
+    digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+    if digest in _MODULES:
+        return _MODULES[digest]
+    folder = cache_dir() / "kernels"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"k_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"prism_kernel_{digest}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a generated module that fails to import is a codegen bug
+        raise CodegenError(f"generated kernel module {path} failed to load: {exc}") from exc
+    _MODULES[digest] = module
+    return module
+
+
+def compile_instance(inst: Instance, *, interpret: bool | None = None):
+    """The `run` launcher of the instance's generated module."""
+    return load(render(inst, interpret=interpret)).run

@@ -1,0 +1,426 @@
+"""Symbolic hierarchical kernel graphs (sGraphs).
+
+An `SGraph` implements a `Program` as a sequence of kernels over named tensors:
+`LibraryKernel`s (one IR op, run by torch) and `BlockKernel`s (graph-defined
+kernels). A block kernel is one thread block's program: a grid of symbolic
+extents, an optional for-loop of symbolic range, and a block graph of IR
+nodes plus three block-only ops:
+
+- ``load``  (attrs ``tensor``, ``imap``, ``fmap``): the tile of a kernel tensor.
+  ``imap[a]`` is the data dim grid axis ``a`` partitions (None: replicated);
+  ``fmap`` is the data dim the for-loop partitions (None: loaded once, before the loop).
+- ``accum`` (attrs ``kind``): a for-loop accumulator: ``sum``, ``mean``
+  (sum / range), ``max``, or ``rescaled_sum`` whose second input is a ``max``
+  accumulator: ``acc = acc * exp(m_old - m_new) + x`` (online softmax). Inside
+  the loop a ``max`` accumulator reads as the running max; after it, the final one.
+- ``store`` (attrs ``tensor``, ``omap``): write a value as the tile of a kernel tensor.
+
+Tile dims are sympy expressions of the symbols. A grid axis over the symbolic
+``num_tokens`` dim is parametrised by its block of tokens (`over_tokens`),
+because num_tokens is only known at launch: its extent is ceil(num_tokens / symbol)
+and the last block is masked. Every other division must be exact.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Mapping
+
+import sympy
+
+from prism_serve.errors import ProgramError, SGraphError
+from prism_serve.optimize.gpus import GpuSpec
+from prism_serve.optimize.ir import NUM_TOKENS, REDUCTIONS, Node, Program, TensorType, infer_type, node
+
+SGRAPH_VERSION = 1
+TOKENS = sympy.Symbol(NUM_TOKENS, positive=True, integer=True)
+ACCUM_KINDS = ("sum", "mean", "max", "rescaled_sum")
+BLOCK_OPS = ("load", "accum", "store")
+Expr = sympy.Expr
+
+
+def sym(name: str) -> sympy.Symbol:
+    return TOKENS if name == NUM_TOKENS else sympy.Symbol(name, positive=True, integer=True)
+
+
+def to_expr(dim: Any) -> Expr:
+    if isinstance(dim, sympy.Basic):
+        return dim
+    if isinstance(dim, int):
+        return sympy.Integer(dim)
+    if isinstance(dim, str):
+        return sympy.sympify(dim, locals={s: sym(s) for s in _names_in(dim)})
+    raise SGraphError(f"invalid dim {dim!r}")
+
+
+def _names_in(text: str) -> set[str]:
+    import re
+    return set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
+
+
+@dataclass(frozen=True)
+class GridAxis:
+    """One grid dim. `symbol` is its extent, or for a token axis the tokens per block."""
+
+    symbol: str
+    over_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    shape: tuple[Expr, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class LibraryKernel:
+    """One IR op run as a library kernel (torch); `op.name` is the tensor it writes."""
+
+    op: Node
+
+
+@dataclass(frozen=True)
+class BlockKernel:
+    name: str
+    grid: tuple[GridAxis, ...]
+    forloop: str | None  # the symbol of the loop range, or None for no loop
+    nodes: tuple[Node, ...]
+
+    @cached_property
+    def by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @property
+    def loads(self) -> list[Node]:
+        return [n for n in self.nodes if n.op == "load"]
+
+    @property
+    def stores(self) -> list[Node]:
+        return [n for n in self.nodes if n.op == "store"]
+
+    @cached_property
+    def stages(self) -> dict[str, str]:
+        """'pre' (before the loop), 'loop' (every iteration) or 'post' (after it), per node."""
+        stages: dict[str, str] = {}
+        for n in self.nodes:
+            if n.op == "load":
+                stages[n.name] = "loop" if n.attr("fmap") is not None else "pre"
+            elif n.op == "accum":
+                stages[n.name] = "post"
+            else:
+                src = [stages.get(s, "pre") for s in n.inputs]  # unknown inputs are reported by the check
+                stages[n.name] = "loop" if "loop" in src else "post" if "post" in src else "pre"
+        return stages
+
+
+Kernel = LibraryKernel | BlockKernel
+
+
+def tile_shape(kernel: BlockKernel, shape: tuple[Expr, ...], imap: tuple, fmap: int | None) -> tuple[Expr, ...]:
+    """The tile one block sees of a tensor of `shape` under `imap` / `fmap`."""
+    tile = list(shape)
+    for axis, dim in zip(kernel.grid, imap):
+        if dim is None:
+            continue
+        tile[dim] = sym(axis.symbol) if axis.over_tokens else tile[dim] / sym(axis.symbol)
+    if fmap is not None:
+        tile[fmap] = tile[fmap] / sym(kernel.forloop)
+    return tuple(sympy.simplify(t) for t in tile)
+
+
+@dataclass(frozen=True)
+class SGraph:
+    """A symbolic kernel graph implementing `program`. Validated at construction."""
+
+    name: str
+    program: Program
+    intermediates: tuple[TensorDecl, ...]
+    kernels: tuple[Kernel, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_types", _check_sgraph(self))
+
+    @property
+    def tensors(self) -> dict[str, TensorDecl]:
+        return self._types[0]
+
+    def block_types(self, kernel: BlockKernel) -> dict[str, TensorType]:
+        """Symbolic tile type of every node of a block kernel."""
+        return self._types[1][kernel.name]
+
+    @cached_property
+    def symbols(self) -> tuple[str, ...]:
+        names: set[str] = set()
+        for k in self.kernels:
+            if isinstance(k, BlockKernel):
+                names |= {a.symbol for a in k.grid} | ({k.forloop} if k.forloop else set())
+        for t in self.intermediates:
+            names |= {str(s) for d in t.shape for s in d.free_symbols}
+        return tuple(sorted(names - {NUM_TOKENS}))
+
+    # --- JSON -------------------------------------------------------------
+    def to_json(self) -> dict:
+        def kernel_json(k: Kernel) -> dict:
+            if isinstance(k, LibraryKernel):
+                return {"kind": "library", "op": _node_json(k.op)}
+            return {"kind": "block", "name": k.name, "forloop": k.forloop,
+                    "grid": [{"symbol": a.symbol, "over_tokens": a.over_tokens} for a in k.grid],
+                    "nodes": [_node_json(n) for n in k.nodes]}
+        return {"sgraph_version": SGRAPH_VERSION, "name": self.name, "program": self.program.to_json(),
+                "intermediates": [{"name": t.name, "shape": [str(d) for d in t.shape], "dtype": t.dtype}
+                                  for t in self.intermediates],
+                "kernels": [kernel_json(k) for k in self.kernels]}
+
+    @staticmethod
+    def from_json(data: Any) -> "SGraph":
+        if isinstance(data, (str, bytes)):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise SGraphError(f"sGraph JSON does not parse: {exc}") from None
+        try:
+            if data["sgraph_version"] != SGRAPH_VERSION:
+                raise SGraphError(f"sGraph JSON has version {data['sgraph_version']!r}, expected {SGRAPH_VERSION}")
+            kernels: list[Kernel] = []
+            for k in data["kernels"]:
+                if k["kind"] == "library":
+                    kernels.append(LibraryKernel(_node_from_json(k["op"])))
+                else:
+                    grid = tuple(GridAxis(a["symbol"], bool(a["over_tokens"])) for a in k["grid"])
+                    kernels.append(BlockKernel(k["name"], grid, k["forloop"],
+                                               tuple(_node_from_json(n) for n in k["nodes"])))
+            inter = tuple(TensorDecl(t["name"], tuple(to_expr(d) for d in t["shape"]), t["dtype"])
+                          for t in data["intermediates"])
+            return SGraph(data["name"], Program.from_json(data["program"]), inter, tuple(kernels))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise SGraphError(f"malformed sGraph JSON: {type(exc).__name__}: {exc}") from None
+
+
+def _node_json(n: Node) -> dict:
+    return {"name": n.name, "op": n.op, "inputs": list(n.inputs),
+            "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in n.attrs}}
+
+
+def _node_from_json(d: dict) -> Node:
+    attrs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.get("attrs", {}).items()}
+    return node(d["name"], d["op"], *d.get("inputs", []), **attrs)
+
+
+def _fail(where: str, msg: str) -> SGraphError:
+    return SGraphError(f"{where}: {msg}")
+
+
+def _check_sgraph(g: SGraph) -> tuple[dict[str, TensorDecl], dict[str, dict[str, TensorType]]]:
+    prog = g.program
+    tensors: dict[str, TensorDecl] = {
+        n.name: TensorDecl(n.name, tuple(to_expr(d) for d in n.attr("shape")), n.attr("dtype"))
+        for n in prog.inputs}
+    declared = {t.name: t for t in g.intermediates}
+    for out in prog.outputs:
+        t = prog.types[out]
+        declared[out] = TensorDecl(out, tuple(to_expr(d) for d in t.shape), t.dtype)
+    written: set[str] = set(tensors)
+    block_types: dict[str, dict[str, TensorType]] = {}
+    for k in g.kernels:
+        if isinstance(k, LibraryKernel):
+            where = f"sGraph '{g.name}' library kernel '{k.op.name}'"
+            for s in k.op.inputs:
+                if s not in written:
+                    raise _fail(where, f"reads tensor '{s}' before any kernel writes it")
+            if k.op.name not in declared:
+                raise _fail(where, f"writes undeclared tensor '{k.op.name}'")
+            try:
+                t = infer_type(k.op, [TensorType(tensors[s].shape, tensors[s].dtype) for s in k.op.inputs])
+            except ProgramError as exc:
+                raise _fail(where, str(exc)) from None
+            if tuple(t.shape) != declared[k.op.name].shape:
+                raise _fail(where, f"produces shape {t.shape}, tensor is declared {declared[k.op.name].shape}")
+            tensors[k.op.name] = declared[k.op.name]
+            written.add(k.op.name)
+        else:
+            block_types[k.name] = _check_block(g.name, k, tensors, declared, written)
+            for st in k.stores:
+                tensors[st.attr("tensor")] = declared[st.attr("tensor")]
+                written.add(st.attr("tensor"))
+    missing = [o for o in prog.outputs if o not in written]
+    if missing:
+        raise SGraphError(f"sGraph '{g.name}': no kernel writes outputs {missing}")
+    return tensors, block_types
+
+
+def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, written: set) -> dict[str, TensorType]:
+    where = f"sGraph '{gname}' kernel '{k.name}'"
+    if not 1 <= len(k.grid) <= 3:
+        raise _fail(where, f"grid must have 1 to 3 dims, has {len(k.grid)}")
+    if len({a.symbol for a in k.grid} | ({k.forloop} if k.forloop else set())) != len(k.grid) + bool(k.forloop):
+        raise _fail(where, "grid and for-loop symbols must be distinct")
+    types: dict[str, TensorType] = {}
+    has_accum = False
+    for n in k.nodes:
+        at = f"{where} node '{n.name}'"
+        if n.name in types:
+            raise _fail(at, "defined twice")
+        for s in n.inputs:
+            if s not in types:
+                raise _fail(at, f"input '{s}' is not an earlier node of the block graph")
+        if n.op in ("load", "store"):
+            name = n.attr("tensor")
+            table = tensors if n.op == "load" else declared
+            if n.op == "store" and name not in declared:
+                raise _fail(at, f"stores into '{name}', which is neither an intermediate nor an output")
+            if name not in table and name not in declared:
+                raise _fail(at, f"names unknown tensor '{name}'")
+            if n.op == "load" and name not in written:
+                raise _fail(at, f"loads tensor '{name}' before any kernel writes it")
+            decl = table[name]
+            imap = n.attr("imap" if n.op == "load" else "omap")
+            fmap = n.attr("fmap") if n.op == "load" else None
+            _check_maps(at, k, decl, imap, fmap)
+            tile = tile_shape(k, decl.shape, imap, fmap)
+            if n.op == "load":
+                types[n.name] = TensorType(tile, decl.dtype)
+            else:
+                value = types[n.inputs[0]]
+                if [d for d in value.shape if d != 1] != [d for d in tile if d != 1]:
+                    raise _fail(at, f"value tile {value.shape} does not fit the tile {tile} of '{name}'")
+                if k.stages[n.inputs[0]] == "loop":
+                    raise _fail(at, "stores a value of the loop body; accumulate it first")
+                types[n.name] = value
+        elif n.op == "accum":
+            has_accum = True
+            kind = n.attr("kind")
+            if kind not in ACCUM_KINDS:
+                raise _fail(at, f"accumulator kind {kind!r} is not one of {ACCUM_KINDS}")
+            if k.forloop is None:
+                raise _fail(at, "accumulator in a kernel without a for-loop")
+            if k.stages[n.inputs[0]] != "loop":
+                raise _fail(at, "accumulates a value that does not change in the loop")
+            if (kind == "rescaled_sum") != (len(n.inputs) == 2):
+                raise _fail(at, "rescaled_sum takes (value, max accumulator); other kinds take one input")
+            if kind == "rescaled_sum":
+                m = k.by_name[n.inputs[1]]
+                if m.op != "accum" or m.attr("kind") != "max":
+                    raise _fail(at, f"rescales by '{m.name}', which is not a max accumulator")
+            types[n.name] = types[n.inputs[0]]
+        else:
+            if k.stages[n.name] == "loop":
+                bad = [s for s in n.inputs if k.stages[s] == "post" and
+                       not (k.by_name[s].op == "accum" and k.by_name[s].attr("kind") == "max")]
+                if bad:
+                    raise _fail(at, f"uses post-loop values {bad} inside the loop")
+            try:
+                types[n.name] = infer_type(n, [types[s] for s in n.inputs])
+            except ProgramError as exc:
+                raise _fail(where, str(exc)) from None
+    if k.forloop is not None and not has_accum:
+        raise _fail(where, "has a for-loop but no accumulator")
+    if not k.stores:
+        raise _fail(where, "stores nothing")
+    return types
+
+
+def _check_maps(at: str, k: BlockKernel, decl: TensorDecl, imap: tuple, fmap: int | None) -> None:
+    rank = len(decl.shape)
+    if len(imap) != len(k.grid):
+        raise _fail(at, f"map has {len(imap)} entries for a grid of {len(k.grid)} dims")
+    dims = [d for d in imap if d is not None]
+    if any(not isinstance(d, int) or not 0 <= d < rank for d in dims) or len(set(dims)) != len(dims):
+        raise _fail(at, f"map {imap} must name distinct dims of '{decl.name}' (rank {rank})")
+    for axis, d in zip(k.grid, imap):
+        if d is not None and (decl.shape[d] == TOKENS) != axis.over_tokens:
+            raise _fail(at, f"grid axis '{axis.symbol}' {'must' if not axis.over_tokens else 'can only'} "
+                        f"partition {'a fixed' if not axis.over_tokens else 'the num_tokens'} dim")
+    if fmap is not None:
+        if k.forloop is None:
+            raise _fail(at, "has a for-loop map in a kernel without a for-loop")
+        if not isinstance(fmap, int) or not 0 <= fmap < rank or decl.shape[fmap].free_symbols & {TOKENS}:
+            raise _fail(at, f"for-loop map {fmap} must name a fixed dim of '{decl.name}'")
+
+
+# --- instantiation ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Instance:
+    """An sGraph with every symbol assigned, checked against a GPU spec."""
+
+    sgraph: SGraph
+    assignment: tuple[tuple[str, int], ...]
+    gpu: str
+
+    @property
+    def values(self) -> dict[str, int]:
+        return dict(self.assignment)
+
+    def subs(self) -> dict[sympy.Symbol, int]:
+        return {sym(k): v for k, v in self.assignment}
+
+    def concrete(self, expr: Expr) -> int:
+        """A tile or tensor dim as an int (num_tokens left as the symbol is an error)."""
+        value = sympy.sympify(expr).subs(self.subs())
+        return int(value)
+
+    def tile(self, kernel: BlockKernel, name: str) -> tuple[int, ...]:
+        return tuple(self.concrete(d) for d in self.sgraph.block_types(kernel)[name].shape)
+
+    def tensor_shape(self, name: str, num_tokens: int) -> tuple[int, ...]:
+        subs = self.subs() | {TOKENS: num_tokens}
+        return tuple(int(sympy.sympify(d).subs(subs)) for d in self.sgraph.tensors[name].shape)
+
+
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def instantiate(g: SGraph, assignment: Mapping[str, int], gpu: GpuSpec) -> Instance:
+    """Assign every symbol; check exact divisibility and the limits of `gpu`."""
+    missing = [s for s in g.symbols if s not in assignment]
+    if missing:
+        raise SGraphError(f"sGraph '{g.name}': symbols left unassigned: {missing}")
+    extra = sorted(set(assignment) - set(g.symbols))
+    if extra:
+        raise SGraphError(f"sGraph '{g.name}': assignment names unknown symbols {extra}")
+    bad = {s: v for s, v in assignment.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+    if bad:
+        raise SGraphError(f"sGraph '{g.name}': symbol values must be positive ints, got {bad}")
+    subs = {sym(k): v for k, v in assignment.items()}
+    for t in g.intermediates:
+        for d in t.shape:
+            _exact(g.name, f"intermediate '{t.name}'", d, subs)
+    for k in g.kernels:
+        if not isinstance(k, BlockKernel):
+            continue
+        smem = 0
+        for n in k.nodes:
+            tile = g.block_types(k)[n.name]
+            dims = [_exact(g.name, f"kernel '{k.name}' node '{n.name}'", d, subs) for d in tile.shape]
+            padded = 1
+            for d in dims:
+                padded *= 1 << (d - 1).bit_length()
+            if padded > gpu.max_block_elements:
+                raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': tile of '{n.name}' has {padded} "
+                                  f"elements, over the {gpu.max_block_elements} one block may hold")
+            if n.op == "load":
+                smem += padded * BYTES[tile.dtype]
+            elif n.op == "accum":
+                smem += padded * 4
+        if smem > gpu.smem_per_block:
+            raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': tiles need {smem} bytes of shared memory, "
+                              f"{gpu.name} allows {gpu.smem_per_block} per block")
+        for i, axis in enumerate(k.grid):
+            if not axis.over_tokens and assignment[axis.symbol] > gpu.max_grid[i]:
+                raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': grid dim {i} = "
+                                  f"{assignment[axis.symbol]} exceeds {gpu.name}'s limit {gpu.max_grid[i]}")
+    return Instance(g, tuple(sorted(assignment.items())), gpu.name)
+
+
+def _exact(gname: str, where: str, dim: Expr, subs: dict) -> int:
+    """Evaluate a tile dim; it must be a positive integer (token dims are their block size)."""
+    value = sympy.sympify(dim).subs(subs)
+    if value.free_symbols:
+        raise SGraphError(f"sGraph '{gname}' {where}: dim {dim} still depends on {value.free_symbols}")
+    if not value.is_integer or value < 1:
+        raise SGraphError(f"sGraph '{gname}' {where}: dim {dim} = {value} under the assignment; "
+                          f"the sizes do not divide exactly")
+    return int(value)

@@ -1,0 +1,210 @@
+"""Hand-built sGraphs: the known good fused designs the search must rediscover.
+
+Each builder takes the workload's Program and returns an SGraph for it, plus a
+default symbol assignment for small test shapes (`default_assignment`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prism_serve.errors import SGraphError
+from prism_serve.optimize.ir import Node, Program, node
+from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
+
+TOKEN_BLOCK = "BT"
+ONE_PER_BLOCK = ("B", "H")  # grid axes over batch and heads: one batch entry / head per block
+
+
+def load(name: str, tensor: str, imap: tuple, fmap: int | None = None) -> Node:
+    return node(name, "load", tensor=tensor, imap=tuple(imap), fmap=fmap)
+
+
+def store(name: str, value: str, tensor: str, omap: tuple) -> Node:
+    return node(name, "store", value, tensor=tensor, omap=tuple(omap))
+
+
+def accum(name: str, value: str, kind: str, rescale_by: str | None = None) -> Node:
+    return node(name, "accum", value, *([rescale_by] if rescale_by else []), kind=kind)
+
+
+def _rms_nodes(x: str, hidden: int, eps: float, prefix: str = "") -> list[Node]:
+    """r = rsqrt(mean(x^2) + eps) over the last dim of a whole-row tile."""
+    return [node(prefix + "sq", "square", x), node(prefix + "ms", "mean", prefix + "sq", dim=-1, keepdim=True),
+            node(prefix + "eps", "const", value=eps), node(prefix + "var", "add", prefix + "ms", prefix + "eps"),
+            node(prefix + "r", "rsqrt", prefix + "var")]
+
+
+def _eps(prog: Program) -> float:
+    return next(n.attr("eps") for n in prog.nodes if n.op == "rms_norm")
+
+
+def rms_norm(prog: Program) -> SGraph:
+    """One block per BT rows, each row whole in the block."""
+    hidden = prog.by_name["x"].attr("shape")[1]
+    nodes = [load("x", "x", (0,)), load("w", "w", (None,)), *_rms_nodes("x", hidden, _eps(prog)),
+             node("xr", "mul", "x", "r"), node("y", "mul", "xr", "w"), store("out", "y", "y", (0,))]
+    k = BlockKernel("rms_norm", (GridAxis(TOKEN_BLOCK, over_tokens=True),), None, tuple(nodes))
+    return SGraph("rms_norm_oracle", prog, (), (k,))
+
+
+def fused_add_rms_norm(prog: Program) -> SGraph:
+    hidden = prog.by_name["x"].attr("shape")[1]
+    nodes = [load("x", "x", (0,)), load("res", "residual", (0,)), load("w", "w", (None,)),
+             node("sum_xr", "add", "x", "res"), *_rms_nodes("sum_xr", hidden, _eps(prog)),
+             node("xr", "mul", "sum_xr", "r"), node("y", "mul", "xr", "w"),
+             store("out_y", "y", "y", (0,)), store("out_r", "sum_xr", "r", (0,))]
+    k = BlockKernel("fused_add_rms_norm", (GridAxis(TOKEN_BLOCK, over_tokens=True),), None, tuple(nodes))
+    return SGraph("fused_add_rms_norm_oracle", prog, (), (k,))
+
+
+def silu_and_mul(prog: Program) -> SGraph:
+    """Blocks of BT rows x (intermediate / G) columns."""
+    nodes = [load("gate", "gate", (0, 1)), load("up", "up", (0, 1)), node("g", "silu", "gate"),
+             node("y", "mul", "g", "up"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel("silu_and_mul", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), None, tuple(nodes))
+    return SGraph("silu_and_mul_oracle", prog, (), (k,))
+
+
+def rmsnorm_linear(prog: Program) -> SGraph:
+    """(x*g) @ W^T and sum(x^2) accumulated in one loop over hidden; divided by the rms at the end."""
+    hidden = prog.by_name["x"].attr("shape")[1]
+    nodes = [load("x", "x", (0, None), fmap=1), load("g", "g", (None, None), fmap=0),
+             load("w", "w", (None, 0), fmap=1),
+             node("xg", "mul", "x", "g"), node("p", "matmul", "xg", "w", transpose_b=True),
+             node("sq", "square", "x"), node("ss", "sum", "sq", dim=-1, keepdim=True),
+             accum("acc_p", "p", "sum"), accum("acc_ss", "ss", "sum"),
+             node("inv_d", "const", value=1.0 / hidden), node("ms", "mul", "acc_ss", "inv_d"),
+             node("eps", "const", value=_eps(prog)), node("var", "add", "ms", "eps"), node("r", "rsqrt", "var"),
+             node("y", "mul", "acc_p", "r"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel("rmsnorm_linear", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
+    return SGraph("rmsnorm_linear_oracle", prog, (), (k,))
+
+
+def swiglu(prog: Program) -> SGraph:
+    """Both projections accumulated in one loop; silu(a) * b in the epilogue."""
+    nodes = [load("x", "x", (0, None), fmap=1), load("wg", "w_gate", (None, 0), fmap=1),
+             load("wu", "w_up", (None, 0), fmap=1),
+             node("a", "matmul", "x", "wg", transpose_b=True), node("b", "matmul", "x", "wu", transpose_b=True),
+             accum("acc_a", "a", "sum"), accum("acc_b", "b", "sum"),
+             node("sa", "silu", "acc_a"), node("y", "mul", "sa", "acc_b"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel("swiglu", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
+    return SGraph("swiglu_oracle", prog, (), (k,))
+
+
+def rmsnorm_mlp(prog: Program) -> SGraph:
+    """Both projections of x*g and sum(x^2) in one loop; (u*r) * (v*r) in the epilogue."""
+    hidden = prog.by_name["x"].attr("shape")[1]
+    nodes = [load("x", "x", (0, None), fmap=1), load("g", "g", (None, None), fmap=0),
+             load("wu", "w_up", (None, 0), fmap=1), load("wv", "w_gate", (None, 0), fmap=1),
+             node("xg", "mul", "x", "g"),
+             node("u", "matmul", "xg", "wu", transpose_b=True), node("v", "matmul", "xg", "wv", transpose_b=True),
+             node("sq", "square", "x"), node("ss", "sum", "sq", dim=-1, keepdim=True),
+             accum("acc_u", "u", "sum"), accum("acc_v", "v", "sum"), accum("acc_ss", "ss", "sum"),
+             node("inv_d", "const", value=1.0 / hidden), node("ms", "mul", "acc_ss", "inv_d"),
+             node("eps", "const", value=_eps(prog)), node("var", "add", "ms", "eps"), node("r", "rsqrt", "var"),
+             node("ur", "mul", "acc_u", "r"), node("vr", "mul", "acc_v", "r"), node("y", "mul", "ur", "vr"),
+             store("out", "y", "y", (0, 1))]
+    k = BlockKernel("rmsnorm_mlp", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
+    return SGraph("rmsnorm_mlp_oracle", prog, (), (k,))
+
+
+def attention(prog: Program) -> SGraph:
+    """Split-KV (flash-decoding): S splits of the KV sequence, each an online-softmax loop of F
+    steps writing an unnormalised partial output, its row sum and row max; a combine kernel
+    rescales the partials to the global max and normalises."""
+    b, hk, gq, hd = prog.by_name["q"].attr("shape")
+    scale = prog.by_name["scale"].attr("value")
+    split = lambda *dims: tuple(to_expr(d) for d in dims)  # noqa: E731
+    inter = (TensorDecl("o_part", split(b, hk, "S", gq, hd), "float32"),
+             TensorDecl("l_part", split(b, hk, "S", gq, 1), "float32"),
+             TensorDecl("m_part", split(b, hk, "S", gq, 1), "float32"))
+    partial = [
+        load("q", "q", (0, 1, None)), load("k", "k", (0, 1, 2), fmap=2), load("v", "v", (0, 1, 2), fmap=2),
+        node("s", "matmul", "q", "k", transpose_b=True), node("scale", "const", value=scale),
+        node("ss", "mul", "s", "scale"), node("rowmax", "max", "ss", dim=-1, keepdim=True),
+        accum("m", "rowmax", "max"), node("z", "sub", "ss", "m"), node("e", "exp", "z"),
+        node("rowsum", "sum", "e", dim=-1, keepdim=True), accum("l", "rowsum", "rescaled_sum", "m"),
+        node("pv", "matmul", "e", "v"), accum("acc", "pv", "rescaled_sum", "m"),
+        store("st_o", "acc", "o_part", (0, 1, 2)), store("st_l", "l", "l_part", (0, 1, 2)),
+        store("st_m", "m", "m_part", (0, 1, 2))]
+    combine = [
+        load("op", "o_part", (0, 1)), load("lp", "l_part", (0, 1)), load("mp", "m_part", (0, 1)),
+        node("mx", "max", "mp", dim=2, keepdim=True), node("dm", "sub", "mp", "mx"), node("w", "exp", "dm"),
+        node("ow", "mul", "op", "w"), node("num", "sum", "ow", dim=2),
+        node("lw", "mul", "lp", "w"), node("den", "sum", "lw", dim=2),
+        node("o", "div", "num", "den"), store("st", "o", "o", (0, 1))]
+    k1 = BlockKernel("split_kv", (GridAxis("B"), GridAxis("H"), GridAxis("S")), "F", tuple(partial))
+    k2 = BlockKernel("combine", (GridAxis("B"), GridAxis("H")), None, tuple(combine))
+    return SGraph("attention_split_kv_oracle", prog, inter, (k1, k2))
+
+
+ORACLES: dict[str, Callable[[Program], SGraph]] = {
+    "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
+    "rmsnorm_linear": rmsnorm_linear, "swiglu": swiglu, "rmsnorm_mlp": rmsnorm_mlp, "attention": attention,
+}
+
+
+def oracle(prog: Program) -> SGraph:
+    if prog.name not in ORACLES:
+        raise SGraphError(f"no hand-built sGraph for program {prog.name!r}; have: {', '.join(ORACLES)}")
+    return ORACLES[prog.name](prog)
+
+
+def default_assignment(g: SGraph, *, block_tokens: int = 16, target_tile: int = 64,
+                       kv_splits: int = 4) -> dict[str, int]:
+    """A valid assignment: token blocks of `block_tokens`, one batch entry / head per block,
+    `kv_splits` KV splits, other dims split in powers of two while tiles stay >= `target_tile`."""
+    prog = g.program
+    out: dict[str, int] = {}
+    for k in g.kernels:
+        if not isinstance(k, BlockKernel):
+            continue
+        for axis, dim_size in _axis_sizes(g, k):
+            if axis.over_tokens:
+                out[axis.symbol] = block_tokens
+            elif axis.symbol in ONE_PER_BLOCK:
+                out[axis.symbol] = dim_size
+            elif axis.symbol == "S":
+                out["S"] = kv_splits
+            elif axis.symbol not in out:
+                out[axis.symbol] = _split(dim_size, target_tile)
+        if k.forloop:
+            size = _loop_size(g, k) // _grid_share(g, k, out)
+            out[k.forloop] = _split(size, target_tile)
+    return {s: v for s, v in out.items() if s in g.symbols}
+
+
+def _axis_sizes(g: SGraph, k: BlockKernel):
+    for a, axis in enumerate(k.grid):
+        for n in k.loads + k.stores:
+            imap = n.attr("imap") if n.op == "load" else n.attr("omap")
+            d = imap[a]
+            shape = g.tensors[n.attr("tensor")].shape
+            if d is not None and not shape[d].free_symbols:
+                yield axis, int(shape[d])
+                break
+        else:
+            yield axis, 1
+
+
+def _loop_size(g: SGraph, k: BlockKernel) -> int:
+    n = next(n for n in k.loads if n.attr("fmap") is not None)
+    return int(g.tensors[n.attr("tensor")].shape[n.attr("fmap")])
+
+
+def _grid_share(g: SGraph, k: BlockKernel, values: dict[str, int]) -> int:
+    """How many grid blocks split the loop's data dim before the loop does (split-KV)."""
+    n = next(n for n in k.loads if n.attr("fmap") is not None)
+    share = 1
+    for axis, d in zip(k.grid, n.attr("imap")):
+        if d == n.attr("fmap"):
+            share *= values[axis.symbol]
+    return share
+
+
+def _split(size: int, target: int) -> int:
+    parts = 1
+    while size % (parts * 2) == 0 and size // (parts * 2) >= target:
+        parts *= 2
+    return parts

@@ -1,0 +1,112 @@
+"""sGraph validation, symbolic tiles, instantiation checks and JSON errors."""
+
+import pytest
+import sympy
+
+from prism_serve.errors import SGraphError
+from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.ir import node
+from prism_serve.optimize.sgraph import TOKENS, BlockKernel, GridAxis, SGraph, TensorDecl, instantiate, sym
+from prism_serve.optimize.workloads.oracles import accum, load, oracle, store
+from prism_serve.optimize.workloads.programs import WORKLOADS
+
+H100, L40S = get_gpu("h100"), get_gpu("l40s")
+
+
+def linear(**dims):
+    return oracle(WORKLOADS["rmsnorm_linear"].program(**dims))
+
+
+def test_tiles_are_expressions_of_the_symbols():
+    g = linear(hidden=4096, out=1024)
+    k = g.kernels[0]
+    types = g.block_types(k)
+    assert types["x"].shape == (sym("BT"), 4096 / sym("F"))
+    assert types["w"].shape == (1024 / sym("G"), 4096 / sym("F"))
+    assert types["acc_p"].shape == (sym("BT"), 1024 / sym("G"))
+    assert set(g.symbols) == {"BT", "G", "F"}
+    assert k.stages["x"] == "loop" and k.stages["acc_p"] == "post" and k.stages["y"] == "post"
+
+
+def test_instantiation_checks_divisibility_and_assignment():
+    g = linear(hidden=96, out=48)
+    inst = instantiate(g, {"BT": 16, "G": 2, "F": 4}, H100)
+    assert inst.tile(g.kernels[0], "w") == (24, 24)
+    with pytest.raises(SGraphError, match="do not divide exactly"):
+        instantiate(g, {"BT": 16, "G": 5, "F": 4}, H100)
+    with pytest.raises(SGraphError, match=r"unassigned: \['F'\]"):
+        instantiate(g, {"BT": 16, "G": 2}, H100)
+    with pytest.raises(SGraphError, match="unknown symbols"):
+        instantiate(g, {"BT": 16, "G": 2, "F": 4, "Z": 1}, H100)
+    with pytest.raises(SGraphError, match="positive ints"):
+        instantiate(g, {"BT": 16, "G": 0, "F": 4}, H100)
+
+
+def test_instantiation_checks_shared_memory_of_the_named_gpu():
+    g = linear(hidden=4096, out=4096)
+    # 64 x 4096 fp16 weight tile plus the x tile: 557 KB, over every GPU's per-block limit.
+    with pytest.raises(SGraphError, match="shared memory"):
+        instantiate(g, {"BT": 16, "G": 64, "F": 1}, H100)
+    fits_h100 = {"BT": 16, "G": 16, "F": 16}  # 256 x 256 fp16 = 128 KB + small tiles
+    instantiate(g, fits_h100, H100)
+    with pytest.raises(SGraphError, match="l40s allows 101376"):
+        instantiate(g, fits_h100, L40S)
+
+
+def _kernel(nodes, grid=(GridAxis("BT", True),), forloop=None):
+    return BlockKernel("k", grid, forloop, tuple(nodes))
+
+
+def test_malformed_block_graphs_are_rejected_with_the_node_named():
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=64)
+    ok = [load("gate", "gate", (0,)), load("up", "up", (0,)), node("g", "silu", "gate"),
+          node("y", "mul", "g", "up"), store("out", "y", "y", (0,))]
+    SGraph("ok", prog, (), (_kernel(ok),))
+    cases = {
+        "names unknown tensor 'nope'": [load("gate", "nope", (0,))] + ok[1:],
+        "must name distinct dims": [load("gate", "gate", (5,))] + ok[1:],
+        "can only partition the num_tokens dim": [load("gate", "gate", (1,))] + ok[1:],
+        "input 'missing' is not an earlier node": ok[:3] + [node("y", "mul", "g", "missing")] + ok[4:],
+        "neither an intermediate nor an output": ok[:4] + [store("out", "y", "gate", (0,))],
+        "accumulator in a kernel without a for-loop": ok[:4] + [accum("a", "y", "sum"), store("out", "a", "y", (0,))],
+    }
+    for message, nodes in cases.items():
+        with pytest.raises(SGraphError, match=message):
+            SGraph("bad", prog, (), (_kernel(nodes),))
+    scratch = (TensorDecl("t", (TOKENS, sympy.Integer(64)), "float32"),)
+    with pytest.raises(SGraphError, match=r"no kernel writes outputs \['y'\]"):
+        SGraph("bad", prog, scratch, (_kernel(ok[:4] + [store("out", "y", "t", (0,))]),))
+
+
+def test_loop_rules():
+    prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32)
+    g = oracle(prog)
+    k = g.kernels[0]
+    no_accum = [n for n in k.nodes if n.op != "accum" and n.name not in ("ms", "var", "r", "y", "out")]
+    with pytest.raises(SGraphError, match="stores a value of the loop body"):
+        SGraph("bad", prog, (), (BlockKernel("k", k.grid, "F", tuple(no_accum + [store("o", "p", "y", (0, 1))])),))
+    bad_rescale = list(k.nodes)
+    bad_rescale[bad_rescale.index(k.by_name["acc_ss"])] = accum("acc_ss", "ss", "rescaled_sum", "acc_p")
+    with pytest.raises(SGraphError, match="not a max accumulator"):
+        SGraph("bad", prog, (), (BlockKernel("k", k.grid, "F", tuple(bad_rescale)),))
+
+
+def test_token_axis_masks_the_last_block():
+    g = oracle(WORKLOADS["rms_norm"].program(hidden=64))
+    assert g.tensors["x"].shape == (TOKENS, sympy.Integer(64))
+    inst = instantiate(g, {"BT": 16}, H100)
+    assert inst.tile(g.kernels[0], "x") == (16, 64)
+
+
+def test_json_errors_are_clear():
+    g = oracle(WORKLOADS["rms_norm"].program(hidden=64))
+    with pytest.raises(SGraphError, match="does not parse"):
+        SGraph.from_json("{not json")
+    data = g.to_json()
+    data["sgraph_version"] = 99
+    with pytest.raises(SGraphError, match="version 99"):
+        SGraph.from_json(data)
+    data = g.to_json()
+    del data["kernels"][0]["grid"]
+    with pytest.raises(SGraphError, match="malformed sGraph JSON"):
+        SGraph.from_json(data)
