@@ -118,3 +118,12 @@ def random_inputs(prog: Program, num_tokens: int, *, seed: int | None = None,
             t = t / shape[-1] ** 0.25
         out.append(t.to(device=device, dtype=TORCH_DTYPES[dtype or n.attr("dtype")]))
     return out
+
+
+# max |got - ref| / max |ref| allowed per output dtype: fp32 accumulates in fp32; halves are
+# bounded by output rounding, bf16 also by the interpreter's truncating cast (1 ulp).
+TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float().cpu() - ref.cpu()).abs().max() / ref.abs().max().clamp_min(1e-30)).item()

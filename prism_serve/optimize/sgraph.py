@@ -391,28 +391,40 @@ def instantiate(g: SGraph, assignment: Mapping[str, int], gpu: GpuSpec) -> Insta
     for k in g.kernels:
         if not isinstance(k, BlockKernel):
             continue
-        smem = 0
-        for n in k.nodes:
-            tile = g.block_types(k)[n.name]
-            dims = [_exact(g.name, f"kernel '{k.name}' node '{n.name}'", d, subs) for d in tile.shape]
-            padded = 1
-            for d in dims:
-                padded *= 1 << (d - 1).bit_length()
-            if padded > gpu.max_block_elements:
-                raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': tile of '{n.name}' has {padded} "
-                                  f"elements, over the {gpu.max_block_elements} one block may hold")
-            if n.op == "load":
-                smem += padded * BYTES[tile.dtype]
-            elif n.op == "accum":
-                smem += padded * 4
-        if smem > gpu.smem_per_block:
-            raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': tiles need {smem} bytes of shared memory, "
-                              f"{gpu.name} allows {gpu.smem_per_block} per block")
+        _check_block_limits(g, k, subs, gpu)
         for i, axis in enumerate(k.grid):
             if not axis.over_tokens and assignment[axis.symbol] > gpu.max_grid[i]:
                 raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': grid dim {i} = "
                                   f"{assignment[axis.symbol]} exceeds {gpu.name}'s limit {gpu.max_grid[i]}")
     return Instance(g, tuple(sorted(assignment.items())), gpu.name)
+
+
+def _check_block_limits(g: SGraph, k: BlockKernel, subs: dict, gpu: GpuSpec) -> None:
+    """The resource model: matmul operands are staged through shared memory (twice, for the
+    pipelined loop); every other tile lives in registers, one fp32 register per element."""
+    smem = regs = 0
+    types = g.block_types(k)
+    dot_operands = {s for n in k.nodes if n.op == "matmul" for s in n.inputs}
+    where = f"sGraph '{g.name}' kernel '{k.name}'"
+    for n in k.nodes:
+        if n.op in ("store", "const"):
+            continue
+        padded = 1
+        for d in types[n.name].shape:
+            padded *= 1 << (_exact(g.name, f"kernel '{k.name}' node '{n.name}'", d, subs) - 1).bit_length()
+        if padded > gpu.max_block_elements:
+            raise SGraphError(f"{where}: tile of '{n.name}' has {padded} elements, over the "
+                              f"{gpu.max_block_elements} one block may hold")
+        if n.name in dot_operands:
+            stages = 2 if k.stages[n.name] == "loop" else 1
+            smem += padded * BYTES.get(types[n.name].dtype, 4) * stages
+        if n.op in ("load", "accum", "matmul"):
+            regs += padded
+    if smem > gpu.smem_per_block:
+        raise SGraphError(f"{where}: tiles need {smem} bytes of shared memory, {gpu.name} allows "
+                          f"{gpu.smem_per_block} per block")
+    if regs > gpu.regs_per_sm:
+        raise SGraphError(f"{where}: tiles need {regs} registers, {gpu.name} has {gpu.regs_per_sm} per SM")
 
 
 def _exact(gname: str, where: str, dim: Expr, subs: dict) -> int:

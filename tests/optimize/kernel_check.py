@@ -5,16 +5,8 @@ from __future__ import annotations
 import torch
 
 from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.reference import TORCH_DTYPES, evaluate, random_inputs
+from prism_serve.optimize.reference import TOLERANCE, TORCH_DTYPES, evaluate, max_rel_error, random_inputs
 from prism_serve.optimize.sgraph import Instance
-
-# max |got - ref| / max |ref|: fp32 accumulates in fp32; halves are bounded by output rounding,
-# and bf16 by the interpreter's truncating cast (1 ulp, see ENVIRONMENT.md).
-TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
-
-
-def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def check_instance(inst: Instance, num_tokens: int, dtype: str) -> list[float]:

@@ -44,13 +44,20 @@ def test_instantiation_checks_divisibility_and_assignment():
 
 def test_instantiation_checks_shared_memory_of_the_named_gpu():
     g = linear(hidden=4096, out=4096)
-    # 64 x 4096 fp16 weight tile plus the x tile: 557 KB, over every GPU's per-block limit.
+    # 64 x 4096 fp16 weight tile: 512 KB, over every GPU's per-block limit.
     with pytest.raises(SGraphError, match="shared memory"):
         instantiate(g, {"BT": 16, "G": 64, "F": 1}, H100)
-    fits_h100 = {"BT": 16, "G": 16, "F": 16}  # 256 x 256 fp16 = 128 KB + small tiles
+    fits_h100 = {"BT": 16, "G": 16, "F": 32}  # 256 x 128 fp16 double-buffered = 128 KB + the x tiles
     instantiate(g, fits_h100, H100)
     with pytest.raises(SGraphError, match="l40s allows 101376"):
         instantiate(g, fits_h100, L40S)
+
+
+def test_instantiation_checks_registers():
+    g = oracle(WORKLOADS["rms_norm"].program(hidden=8192))
+    instantiate(g, {"BT": 4}, H100)
+    with pytest.raises(SGraphError, match="registers"):
+        instantiate(g, {"BT": 16}, H100)  # 16 x 8192 fp32 rows cannot stay in registers
 
 
 def _kernel(nodes, grid=(GridAxis("BT", True),), forloop=None):

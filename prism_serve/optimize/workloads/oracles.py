@@ -10,7 +10,8 @@ from typing import Callable
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.ir import Node, Program, node
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
+from prism_serve.optimize.gpus import GpuSpec
+from prism_serve.optimize.sgraph import BlockKernel, GridAxis, Instance, SGraph, TensorDecl, instantiate, to_expr
 
 TOKEN_BLOCK = "BT"
 ONE_PER_BLOCK = ("B", "H")  # grid axes over batch and heads: one batch entry / head per block
@@ -173,6 +174,18 @@ def default_assignment(g: SGraph, *, block_tokens: int = 16, target_tile: int = 
             size = _loop_size(g, k) // _grid_share(g, k, out)
             out[k.forloop] = _split(size, target_tile)
     return {s: v for s, v in out.items() if s in g.symbols}
+
+
+def fitting_instance(g: SGraph, gpu: GpuSpec, *, target_tile: int = 64, kv_splits: int = 4) -> Instance:
+    """The default assignment with the largest token block (16 down to 1) that fits `gpu`."""
+    error: SGraphError | None = None
+    for block_tokens in (16, 8, 4, 2, 1):
+        try:
+            return instantiate(g, default_assignment(g, block_tokens=block_tokens, target_tile=target_tile,
+                                                     kv_splits=kv_splits), gpu)
+        except SGraphError as exc:
+            error = exc
+    raise error
 
 
 def _axis_sizes(g: SGraph, k: BlockKernel):
