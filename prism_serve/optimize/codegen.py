@@ -384,10 +384,7 @@ def _outputs_tuple(outputs) -> str:
 def _shape_code(inst: Instance, name: str) -> str:
     dims = []
     for d in inst.sgraph.tensors[name].shape:
-        if d == TOKENS:
-            dims.append("n_tokens")
-        else:
-            dims.append(str(inst.concrete(d)))
+        dims.append("n_tokens" if d == TOKENS else str(inst.concrete(d)))
     return "(" + ", ".join(dims) + ",)"
 
 

@@ -23,10 +23,13 @@ and the last block is masked. Every other division must be exact.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import sympy
 
@@ -342,6 +345,23 @@ def _check_maps(at: str, k: BlockKernel, decl: TensorDecl, imap: tuple, fmap: in
 
 # --- instantiation ---------------------------------------------------------
 
+@functools.lru_cache(maxsize=4096)
+def _dim_function(expr: Expr) -> tuple[tuple[str, ...], Callable]:
+    names = tuple(sorted(str(s) for s in expr.free_symbols))
+    return names, sympy.lambdify([sym(n) for n in names], expr, modules=[{"floor": math.floor}, "math"])
+
+
+def evaluate_dim(expr: Expr, values: Mapping[str, int]) -> Fraction:
+    """Exact value of a dim expression under `values` (fast: compiled once per expression)."""
+    if isinstance(expr, int) or expr.is_Number:
+        return Fraction(int(expr)) if isinstance(expr, int) or expr.is_Integer else Fraction(str(expr))
+    names, fn = _dim_function(expr)
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise SGraphError(f"dim {expr} depends on unassigned {missing}")
+    return Fraction(fn(*(Fraction(values[n]) for n in names)))
+
+
 @dataclass(frozen=True)
 class Instance:
     """An sGraph with every symbol assigned, checked against a GPU spec."""
@@ -354,20 +374,16 @@ class Instance:
     def values(self) -> dict[str, int]:
         return dict(self.assignment)
 
-    def subs(self) -> dict[sympy.Symbol, int]:
-        return {sym(k): v for k, v in self.assignment}
-
-    def concrete(self, expr: Expr) -> int:
-        """A tile or tensor dim as an int (num_tokens left as the symbol is an error)."""
-        value = sympy.sympify(expr).subs(self.subs())
-        return int(value)
+    def concrete(self, expr: Expr, num_tokens: int | None = None) -> int:
+        """A tile or tensor dim as an int; a dim of num_tokens needs `num_tokens`."""
+        values = self.values | ({NUM_TOKENS: num_tokens} if num_tokens is not None else {})
+        return int(evaluate_dim(expr, values))
 
     def tile(self, kernel: BlockKernel, name: str) -> tuple[int, ...]:
         return tuple(self.concrete(d) for d in self.sgraph.block_types(kernel)[name].shape)
 
     def tensor_shape(self, name: str, num_tokens: int) -> tuple[int, ...]:
-        subs = self.subs() | {TOKENS: num_tokens}
-        return tuple(int(sympy.sympify(d).subs(subs)) for d in self.sgraph.tensors[name].shape)
+        return tuple(self.concrete(d, num_tokens) for d in self.sgraph.tensors[name].shape)
 
 
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -384,34 +400,36 @@ def instantiate(g: SGraph, assignment: Mapping[str, int], gpu: GpuSpec) -> Insta
     bad = {s: v for s, v in assignment.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
     if bad:
         raise SGraphError(f"sGraph '{g.name}': symbol values must be positive ints, got {bad}")
-    subs = {sym(k): v for k, v in assignment.items()}
+    values = dict(assignment)
     for t in g.intermediates:
         for d in t.shape:
-            _exact(g.name, f"intermediate '{t.name}'", d, subs)
+            _exact(g.name, f"intermediate '{t.name}'", d, values)
     for k in g.kernels:
         if not isinstance(k, BlockKernel):
             continue
-        _check_block_limits(g, k, subs, gpu)
+        _check_block_limits(g, k, values, gpu)
         for i, axis in enumerate(k.grid):
             if not axis.over_tokens and assignment[axis.symbol] > gpu.max_grid[i]:
                 raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': grid dim {i} = "
                                   f"{assignment[axis.symbol]} exceeds {gpu.name}'s limit {gpu.max_grid[i]}")
-    return Instance(g, tuple(sorted(assignment.items())), gpu.name)
+    return Instance(g, tuple(sorted(values.items())), gpu.name)
 
 
-def _check_block_limits(g: SGraph, k: BlockKernel, subs: dict, gpu: GpuSpec) -> None:
+def _check_block_limits(g: SGraph, k: BlockKernel, values: dict, gpu: GpuSpec) -> None:
     """The resource model: matmul operands are staged through shared memory (twice, for the
-    pipelined loop); every other tile lives in registers, one fp32 register per element."""
+    pipelined loop); every other tile lives in registers, one fp32 register per element.
+    Block matmuls must be 2-D (batch dims of the tile all 1), as the Triton backend emits them."""
     smem = regs = 0
     types = g.block_types(k)
     dot_operands = {s for n in k.nodes if n.op == "matmul" for s in n.inputs}
     where = f"sGraph '{g.name}' kernel '{k.name}'"
+    dims_of = {}
     for n in k.nodes:
         if n.op in ("store", "const"):
             continue
-        padded = 1
-        for d in types[n.name].shape:
-            padded *= 1 << (_exact(g.name, f"kernel '{k.name}' node '{n.name}'", d, subs) - 1).bit_length()
+        dims = [_exact(g.name, f"kernel '{k.name}' node '{n.name}'", d, values) for d in types[n.name].shape]
+        dims_of[n.name] = dims
+        padded = math.prod(1 << (d - 1).bit_length() for d in dims)
         if padded > gpu.max_block_elements:
             raise SGraphError(f"{where}: tile of '{n.name}' has {padded} elements, over the "
                               f"{gpu.max_block_elements} one block may hold")
@@ -420,6 +438,8 @@ def _check_block_limits(g: SGraph, k: BlockKernel, subs: dict, gpu: GpuSpec) -> 
             smem += padded * BYTES.get(types[n.name].dtype, 4) * stages
         if n.op in ("load", "accum", "matmul"):
             regs += padded
+        if n.op == "matmul" and any(d != 1 for s in n.inputs for d in dims_of[s][:-2]):
+            raise SGraphError(f"{where}: matmul '{n.name}' has a batched tile; map its batch dims to the grid")
     if smem > gpu.smem_per_block:
         raise SGraphError(f"{where}: tiles need {smem} bytes of shared memory, {gpu.name} allows "
                           f"{gpu.smem_per_block} per block")
@@ -427,12 +447,13 @@ def _check_block_limits(g: SGraph, k: BlockKernel, subs: dict, gpu: GpuSpec) -> 
         raise SGraphError(f"{where}: tiles need {regs} registers, {gpu.name} has {gpu.regs_per_sm} per SM")
 
 
-def _exact(gname: str, where: str, dim: Expr, subs: dict) -> int:
+def _exact(gname: str, where: str, dim: Expr, values: dict) -> int:
     """Evaluate a tile dim; it must be a positive integer (token dims are their block size)."""
-    value = sympy.sympify(dim).subs(subs)
-    if value.free_symbols:
-        raise SGraphError(f"sGraph '{gname}' {where}: dim {dim} still depends on {value.free_symbols}")
-    if not value.is_integer or value < 1:
+    try:
+        value = evaluate_dim(dim, values)
+    except SGraphError as exc:
+        raise SGraphError(f"sGraph '{gname}' {where}: {exc}") from None
+    if value.denominator != 1 or value < 1:
         raise SGraphError(f"sGraph '{gname}' {where}: dim {dim} = {value} under the assignment; "
                           f"the sizes do not divide exactly")
     return int(value)

@@ -1,0 +1,72 @@
+"""Instantiation by tuning: enumeration, cost-model ranking and the measured-winner selection."""
+
+import pytest
+
+from prism_serve.errors import SGraphError
+from prism_serve.optimize.cost import instance_cost, modeled_us, unfused_us
+from prism_serve.optimize.gpus import GPUS, get_gpu
+from prism_serve.optimize.tune import enumerate_instances, measure, rank
+from prism_serve.optimize.workloads.oracles import ORACLES, oracle
+from prism_serve.optimize.workloads.programs import WORKLOADS
+
+from .kernel_check import check_instance
+
+H100 = get_gpu("h100")
+
+
+def test_enumeration_yields_only_valid_power_of_two_instances():
+    g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=96, out=48, dtype="float32"))
+    instances = enumerate_instances(g, H100)
+    assert instances
+    for inst in instances:
+        values = inst.values
+        assert all(v & (v - 1) == 0 for v in values.values())
+        assert 96 % (values["F"]) == 0 and 48 % values["G"] == 0
+
+
+@pytest.mark.parametrize("name,dims", [("rms_norm", {"hidden": 100}), ("rmsnorm_linear", {"hidden": 96, "out": 48}),
+                                       ("swiglu", {"hidden": 64, "intermediate": 48})])
+def test_modeled_winner_is_correct_through_the_interpreter(name, dims):
+    g = oracle(WORKLOADS[name].program(**dims, dtype="float32"))
+    best = rank(g, H100, 7)[0]
+    check_instance(best.instance, 7, "float32")
+    check_instance(best.instance, 1, "float32")
+
+
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+@pytest.mark.parametrize("name", sorted(ORACLES))
+def test_fused_oracles_beat_the_unfused_program_in_the_model(name, gpu):
+    spec = get_gpu(gpu)
+    prog = WORKLOADS[name].program()
+    num_tokens = 16
+    best = rank(oracle(prog), spec, num_tokens)[0]
+    assert best.modeled_us < unfused_us(prog, num_tokens, spec)
+
+
+def test_cost_grows_with_tokens_and_counts_launches():
+    prog = WORKLOADS["rms_norm"].program()
+    inst = rank(oracle(prog), H100, 16)[0].instance
+    assert modeled_us(inst, 4096, H100) > modeled_us(inst, 16, H100)
+    attn = oracle(WORKLOADS["attention"].program())
+    costs = instance_cost(rank(attn, H100, 0)[0].instance, 0, H100)
+    assert [c.name for c in costs] == ["split_kv", "combine"]
+
+
+def test_no_fitting_assignment_is_a_clear_error():
+    g = oracle(WORKLOADS["rms_norm"].program(hidden=2**20))
+    with pytest.raises(SGraphError, match="no power-of-two assignment"):
+        rank(g, H100, 1)
+
+
+def test_measure_keeps_the_measured_winner_and_drops_failures():
+    g = oracle(WORKLOADS["silu_and_mul"].program(intermediate=256))
+    ranked = rank(g, H100, 16)
+
+    def timer(inst, n):
+        if inst.values["BT"] == ranked[0].assignment["BT"] and inst.values["G"] == ranked[0].assignment["G"]:
+            raise RuntimeError("compile failure")
+        return 1000.0 / inst.values["G"] + inst.values["BT"]
+
+    timed = measure(ranked, timer, top=4)
+    assert len(timed) == 3 and ranked[0].instance not in [c.instance for c in timed]
+    assert [c.measured_us for c in timed] == sorted(c.measured_us for c in timed)
