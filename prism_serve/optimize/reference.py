@@ -127,3 +127,26 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float().cpu() - ref.cpu()).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def as_torch_function(prog: Program):
+    """The Program as a plain torch function in its inputs' own dtype: the eager baseline
+    (and what torch.compile is given). rms_norm runs as torch's own fused op."""
+    nodes = [n for n in prog.nodes if n.op != "input"]
+    names = [n.name for n in prog.inputs]
+
+    def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        env = dict(zip(names, inputs))
+        for n in nodes:
+            args = [env[s] for s in n.inputs]
+            if n.op == "rms_norm":
+                x = args[0]
+                env[n.name] = torch.nn.functional.rms_norm(x, (x.shape[-1],), args[1] if len(args) > 1 else None,
+                                                           n.attr("eps"))
+            elif n.op == "const":
+                env[n.name] = n.attr("value")
+            else:
+                env[n.name] = _apply(n, args)
+        return tuple(env[o] for o in prog.outputs)
+
+    return run

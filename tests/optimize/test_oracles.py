@@ -55,9 +55,10 @@ def test_bf16_within_rounding(name):
 
 @pytest.mark.parametrize("case,splits", ATTENTION_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_split_kv_attention_matches_reference(case, splits, dtype):
+@pytest.mark.parametrize("name", ["attention", "qk_norm_attention"])
+def test_split_kv_attention_matches_reference(name, case, splits, dtype):
     b, h, q, kv, hd, hk = case
-    inst = _instance("attention", dict(batch=b, heads=h, q_len=q, kv_len=kv, head_dim=hd, kv_heads=hk),
+    inst = _instance(name, dict(batch=b, heads=h, q_len=q, kv_len=kv, head_dim=hd, kv_heads=hk),
                      dtype, kv_splits=splits)
     check_instance(inst, 0, dtype)
 
@@ -73,7 +74,7 @@ def test_split_kv_loop_with_several_steps():
 
 @pytest.mark.parametrize("name", sorted(ORACLES))
 def test_oracle_json_round_trip(name):
-    dims = {"attention": dict(kv_len=64, head_dim=32)}.get(name, {})
+    dims = dict(kv_len=64, head_dim=32) if "attention" in name else {}
     g = oracle(WORKLOADS[name].program(**dims))
     again = SGraph.from_json(g.to_json())
     assert again == g

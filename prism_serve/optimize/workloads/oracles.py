@@ -29,7 +29,7 @@ def accum(name: str, value: str, kind: str, rescale_by: str | None = None) -> No
     return node(name, "accum", value, *([rescale_by] if rescale_by else []), kind=kind)
 
 
-def _rms_nodes(x: str, hidden: int, eps: float, prefix: str = "") -> list[Node]:
+def _rms_nodes(x: str, eps: float, prefix: str = "") -> list[Node]:
     """r = rsqrt(mean(x^2) + eps) over the last dim of a whole-row tile."""
     return [node(prefix + "sq", "square", x), node(prefix + "ms", "mean", prefix + "sq", dim=-1, keepdim=True),
             node(prefix + "eps", "const", value=eps), node(prefix + "var", "add", prefix + "ms", prefix + "eps"),
@@ -42,17 +42,15 @@ def _eps(prog: Program) -> float:
 
 def rms_norm(prog: Program) -> SGraph:
     """One block per BT rows, each row whole in the block."""
-    hidden = prog.by_name["x"].attr("shape")[1]
-    nodes = [load("x", "x", (0,)), load("w", "w", (None,)), *_rms_nodes("x", hidden, _eps(prog)),
+    nodes = [load("x", "x", (0,)), load("w", "w", (None,)), *_rms_nodes("x", _eps(prog)),
              node("xr", "mul", "x", "r"), node("y", "mul", "xr", "w"), store("out", "y", "y", (0,))]
     k = BlockKernel("rms_norm", (GridAxis(TOKEN_BLOCK, over_tokens=True),), None, tuple(nodes))
     return SGraph("rms_norm_oracle", prog, (), (k,))
 
 
 def fused_add_rms_norm(prog: Program) -> SGraph:
-    hidden = prog.by_name["x"].attr("shape")[1]
     nodes = [load("x", "x", (0,)), load("res", "residual", (0,)), load("w", "w", (None,)),
-             node("sum_xr", "add", "x", "res"), *_rms_nodes("sum_xr", hidden, _eps(prog)),
+             node("sum_xr", "add", "x", "res"), *_rms_nodes("sum_xr", _eps(prog)),
              node("xr", "mul", "sum_xr", "r"), node("y", "mul", "xr", "w"),
              store("out_y", "y", "y", (0,)), store("out_r", "sum_xr", "r", (0,))]
     k = BlockKernel("fused_add_rms_norm", (GridAxis(TOKEN_BLOCK, over_tokens=True),), None, tuple(nodes))
@@ -114,6 +112,21 @@ def attention(prog: Program) -> SGraph:
     """Split-KV (flash-decoding): S splits of the KV sequence, each an online-softmax loop of F
     steps writing an unnormalised partial output, its row sum and row max; a combine kernel
     rescales the partials to the global max and normalises."""
+    return _split_kv(prog, "attention_split_kv_oracle", [load("q", "q", (0, 1, None))],
+                     [load("k", "k", (0, 1, 2), fmap=2)], "q", "k")
+
+
+def qk_norm_attention(prog: Program) -> SGraph:
+    """Split-KV attention with RMSNorm of each Q row before the loop and of each K row inside it."""
+    eps = _eps(prog)
+    q_side = [load("q", "q", (0, 1, None)), load("q_w", "q_w", (None, None, None)),
+              *_rms_nodes("q", eps, "q_"), node("q_xr", "mul", "q", "q_r"), node("qn", "mul", "q_xr", "q_w")]
+    k_side = [load("k", "k", (0, 1, 2), fmap=2), load("k_w", "k_w", (None, None, None)),
+              *_rms_nodes("k", eps, "k_"), node("k_xr", "mul", "k", "k_r"), node("kn", "mul", "k_xr", "k_w")]
+    return _split_kv(prog, "qk_norm_attention_split_kv_oracle", q_side, k_side, "qn", "kn")
+
+
+def _split_kv(prog: Program, name: str, q_side: list[Node], k_side: list[Node], q: str, k: str) -> SGraph:
     b, hk, gq, hd = prog.by_name["q"].attr("shape")
     scale = prog.by_name["scale"].attr("value")
     split = lambda *dims: tuple(to_expr(d) for d in dims)  # noqa: E731
@@ -121,8 +134,8 @@ def attention(prog: Program) -> SGraph:
              TensorDecl("l_part", split(b, hk, "S", gq, 1), "float32"),
              TensorDecl("m_part", split(b, hk, "S", gq, 1), "float32"))
     partial = [
-        load("q", "q", (0, 1, None)), load("k", "k", (0, 1, 2), fmap=2), load("v", "v", (0, 1, 2), fmap=2),
-        node("s", "matmul", "q", "k", transpose_b=True), node("scale", "const", value=scale),
+        *q_side, *k_side, load("v", "v", (0, 1, 2), fmap=2),
+        node("s", "matmul", q, k, transpose_b=True), node("scale", "const", value=scale),
         node("ss", "mul", "s", "scale"), node("rowmax", "max", "ss", dim=-1, keepdim=True),
         accum("m", "rowmax", "max"), node("z", "sub", "ss", "m"), node("e", "exp", "z"),
         node("rowsum", "sum", "e", dim=-1, keepdim=True), accum("l", "rowsum", "rescaled_sum", "m"),
@@ -137,12 +150,13 @@ def attention(prog: Program) -> SGraph:
         node("o", "div", "num", "den"), store("st", "o", "o", (0, 1))]
     k1 = BlockKernel("split_kv", (GridAxis("B"), GridAxis("H"), GridAxis("S")), "F", tuple(partial))
     k2 = BlockKernel("combine", (GridAxis("B"), GridAxis("H")), None, tuple(combine))
-    return SGraph("attention_split_kv_oracle", prog, inter, (k1, k2))
+    return SGraph(name, prog, inter, (k1, k2))
 
 
 ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
     "rmsnorm_linear": rmsnorm_linear, "swiglu": swiglu, "rmsnorm_mlp": rmsnorm_mlp, "attention": attention,
+    "qk_norm_attention": qk_norm_attention,
 }
 
 
