@@ -19,7 +19,7 @@ from types import ModuleType
 
 from prism_serve.errors import CodegenError
 from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel
+from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, tile_shape
 
 CODEGEN_VERSION = 1
 BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -120,7 +120,6 @@ class _KernelWriter:
         return out
 
     def _store_tile(self, n: Node) -> tuple[int, ...]:
-        from prism_serve.optimize.sgraph import tile_shape
         decl = self.g.tensors[n.attr("tensor")]
         return tuple(self.inst.concrete(d) for d in tile_shape(self.k, decl.shape, n.attr("omap"), None))
 
@@ -357,7 +356,7 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
             out.append("    " + _library_line(k.op))
             if k.op.name in prog.outputs:
                 i = prog.outputs.index(k.op.name)
-                out.append(f"    if out is not None:")
+                out.append("    if out is not None:")
                 out.append(f"        {ident(k.op.name)} = out[{i}].copy_({ident(k.op.name)})")
             continue
         w = writers[k.name]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
@@ -35,7 +36,7 @@ import sympy
 
 from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import NUM_TOKENS, REDUCTIONS, Node, Program, TensorType, infer_type, node
+from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, TensorType, infer_type, node
 
 SGRAPH_VERSION = 1
 TOKENS = sympy.Symbol(NUM_TOKENS, positive=True, integer=True)
@@ -59,7 +60,6 @@ def to_expr(dim: Any) -> Expr:
 
 
 def _names_in(text: str) -> set[str]:
-    import re
     return set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
 
 

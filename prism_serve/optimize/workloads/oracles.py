@@ -170,7 +170,6 @@ def default_assignment(g: SGraph, *, block_tokens: int = 16, target_tile: int = 
                        kv_splits: int = 4) -> dict[str, int]:
     """A valid assignment: token blocks of `block_tokens`, one batch entry / head per block,
     `kv_splits` KV splits, other dims split in powers of two while tiles stay >= `target_tile`."""
-    prog = g.program
     out: dict[str, int] = {}
     for k in g.kernels:
         if not isinstance(k, BlockKernel):

@@ -1,0 +1,202 @@
+"""GPU check: instantiate every workload's kernel through the tuner, prove it correct, time it.
+
+For each workload, shape and dtype: rank the oracle sGraph's instances with the cost model,
+time the top candidates on the device, keep the measured winner, check it against the torch
+reference on fresh NaN-poisoned outputs, and time it against torch eager and torch.compile
+of the same Program. Writes gpu_check.json and gpu_check.md under --out and prints the table.
+
+--interpret runs the same path on the CPU through Triton's interpreter at tiny shapes, so the
+script is proven before any device time is spent (its times say nothing about GPU speed).
+Needs only torch, triton, sympy and numpy: it runs from a checkout with PYTHONPATH=.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+INTERPRET = "--interpret" in sys.argv
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import torch  # noqa: E402
+
+from prism_serve.optimize.codegen import compile_instance  # noqa: E402
+from prism_serve.optimize.cost import unfused_us  # noqa: E402
+from prism_serve.optimize.gpus import get_gpu  # noqa: E402
+from prism_serve.optimize.reference import (TOLERANCE, TORCH_DTYPES, as_torch_function, evaluate,  # noqa: E402
+                                            max_rel_error, random_inputs)
+from prism_serve.optimize.timing import median_us, rotation, spearman  # noqa: E402
+from prism_serve.optimize.tune import measure, rank  # noqa: E402
+from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
+from prism_serve.optimize.workloads.programs import WORKLOADS  # noqa: E402
+
+GPU_PLAN = {  # workload -> (list of dims, num_tokens list); attention shapes carry their own sizes
+    **{w: ([{}], [1, 16, 256, 4096]) for w in ("rms_norm", "fused_add_rms_norm", "silu_and_mul")},
+    **{w: ([{}], [1, 16, 256, 4096]) for w in ("rmsnorm_linear", "swiglu", "rmsnorm_mlp")},
+    **{w: (list(WORKLOADS[w].shapes), [0]) for w in ("attention", "qk_norm_attention")},
+}
+INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden sizes
+    "rms_norm": ([{"hidden": 96}], [1, 5]), "fused_add_rms_norm": ([{"hidden": 96}], [5]),
+    "silu_and_mul": ([{"intermediate": 48}], [3]),
+    "rmsnorm_linear": ([{"hidden": 64, "out": 32}], [1]), "swiglu": ([{"hidden": 64, "intermediate": 32}], [5]),
+    "rmsnorm_mlp": ([{"hidden": 64, "intermediate": 32}], [5]),
+    "attention": ([dict(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16)], [0]),
+    "qk_norm_attention": ([dict(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16)], [0]),
+}
+
+
+def device_spec():
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100", "a100", "l40s"):
+            if key in name:
+                return get_gpu(key), torch.cuda.get_device_name()
+        return get_gpu("h100"), torch.cuda.get_device_name() + " (modeled as h100)"
+    return get_gpu("h100"), "CPU (Triton interpreter; modeled as h100)"
+
+
+def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline):
+    prog = WORKLOADS[name].program(**dims, dtype=dtype)
+    g = oracle(prog)
+    ranked = rank(g, spec, num_tokens)
+    nbytes = sum(t.numel() * t.element_size() for t in random_inputs(prog, num_tokens, seed=0))
+    sets = rotation(lambda s: random_inputs(prog, num_tokens, seed=s, device=device), nbytes,
+                    int(spec.l2_mb * 2**20), max_sets=args.max_sets)
+    reps = args.reps
+
+    def timer(inst, n):
+        run = compile_instance(inst)
+        return median_us(run, sets, warmup=args.warmup, reps=reps)
+
+    timed = measure(ranked, timer, top=args.top)
+    row = {"workload": name, "dims": dims, "num_tokens": num_tokens, "dtype": dtype,
+           "candidates": [{"assignment": c.assignment, "modeled_us": c.modeled_us, "measured_us": c.measured_us}
+                          for c in timed],
+           "unfused_modeled_us": unfused_us(prog, num_tokens, spec)}
+    if not timed:
+        row["error"] = "every candidate failed to compile or run"
+        return row
+    best = timed[0]
+    row |= {"assignment": best.assignment, "modeled_us": best.modeled_us, "measured_us": best.measured_us,
+            "rank_correlation": spearman([c.modeled_us for c in timed], [c.measured_us for c in timed])}
+    # correctness on fresh inputs, outputs poisoned so unwritten elements show as NaN
+    run = compile_instance(best.instance)
+    inputs = random_inputs(prog, num_tokens, device=device)
+    ref = evaluate(prog, [t.cpu() for t in inputs])
+    outs = [torch.full(r.shape, float("nan"), dtype=TORCH_DTYPES[dtype], device=device) for r in ref]
+    run(*inputs, out=outs)
+    errors = [max_rel_error(o, r) for o, r in zip(outs, ref)]
+    row["max_rel_error"] = max(errors)
+    row["correct"] = all(e < TOLERANCE[dtype] for e in errors) and not any(torch.isnan(o).any() for o in outs)
+    eager = as_torch_function(prog)
+    row["eager_us"] = median_us(eager, sets, warmup=args.warmup, reps=reps)
+    if args.compile and time.monotonic() < deadline:
+        try:
+            compiled = torch.compile(eager, dynamic=False)
+            row["compile_us"] = median_us(compiled, sets, warmup=args.warmup, reps=reps)
+        except Exception as exc:  # an inductor failure is a finding to record, not a crash
+            row["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    else:
+        row["compile_skipped"] = "time budget" if args.compile else "disabled"
+    return row
+
+
+def markdown(rows, device_name):
+    lines = [f"GPU check on {device_name}", "",
+             "| workload | shape | tokens | dtype | kernel | modeled us | measured us | eager us | compile us |"
+             " vs eager | vs compile | rel err | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "measured_us" not in r:
+            lines.append(f"| {r['workload']} | {r['dims']} | {r['num_tokens']} | {r['dtype']} | "
+                         f"{r.get('error', '?')} | | | | | | | | no |")
+            continue
+        comp, measured = r.get("compile_us"), r["measured_us"]
+        shape = ",".join(f"{k}={v}" for k, v in r["dims"].items()) or "default"
+        kernel = ",".join(f"{k}={v}" for k, v in r["assignment"].items())
+        comp_us = f"{comp:.1f}" if comp else "-"
+        vs_comp = f"{comp / measured:.2f}x" if comp else "-"
+        lines.append(
+            f"| {r['workload']} | {shape} | {r['num_tokens'] or '-'} | {r['dtype']} | {kernel} | "
+            f"{r['modeled_us']:.1f} | {measured:.1f} | {r['eager_us']:.1f} | {comp_us} | "
+            f"{r['eager_us'] / measured:.2f}x | {vs_comp} | {r['max_rel_error']:.1e} | "
+            f"{'yes' if r['correct'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--interpret", action="store_true", help="CPU through Triton's interpreter, tiny shapes")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for gpu_check.json / .md")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this long")
+    ap.add_argument("--top", type=int, default=None, help="candidates timed per case")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--max-sets", type=int, default=None, help="input sets rotated while timing")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
+    ap.add_argument("--workloads", nargs="*", default=None)
+    ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
+    args = ap.parse_args(argv)
+    tiny = args.interpret
+    # The interpreter runs each block in Python: one timed run of the top candidate proves the path.
+    defaults = {"top": (1, 4), "reps": (1, 100), "warmup": (0, 10), "max_sets": (2, 16)}
+    for key, (interpreted, gpu) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, interpreted if tiny else gpu)
+    plan = INTERPRET_PLAN if tiny else GPU_PLAN
+    if tiny and args.compile:
+        args.compile_only = {"rms_norm"}  # inductor on the CPU takes ~10 s a graph: prove the path once
+    device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
+    spec, device_name = device_spec()
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    rows, skipped = [], []
+    for name in args.workloads or plan:
+        dims_list, tokens = plan[name]
+        for dims in dims_list:
+            for n in tokens:
+                for dtype in args.dtypes:
+                    if time.monotonic() > deadline:
+                        skipped.append({"workload": name, "dims": dims, "num_tokens": n, "dtype": dtype})
+                        continue
+                    use_compile = args.compile and (not tiny or name in args.compile_only)
+                    case_args = argparse.Namespace(**(vars(args) | {"compile": use_compile}))
+                    t0 = time.monotonic()
+                    try:
+                        row = check_case(name, dims, n, dtype, spec, device, case_args, deadline)
+                    except Exception as exc:  # record and go on: one broken case must not lose the run
+                        row = {"workload": name, "dims": dims, "num_tokens": n, "dtype": dtype,
+                               "error": f"{type(exc).__name__}: {exc}"[:300]}
+                    row["case_s"] = round(time.monotonic() - t0, 2)
+                    rows.append(row)
+                    print(f"[{time.monotonic() - start:6.1f}s] {name} {dims} n={n} {dtype}: "
+                          f"{row.get('measured_us', row.get('error'))}", flush=True)
+    winners = [r for r in rows if "measured_us" in r]
+    result = {
+        "device": device_name, "modeled_as": spec.name, "interpret": tiny,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "wall_s": round(time.monotonic() - start, 1), "cases": rows, "skipped": skipped,
+        "all_correct": bool(winners) and all(r["correct"] for r in winners) and len(winners) == len(rows),
+        "rank_correlation_winners": spearman([r["modeled_us"] for r in winners], [r["measured_us"] for r in winners]),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+    table = markdown(rows, device_name)
+    table += (f"\nmodeled-vs-measured rank correlation over winners: {result['rank_correlation_winners']}; "
+              f"all correct: {result['all_correct']}; {len(skipped)} cases skipped for time; "
+              f"wall {result['wall_s']} s\n")
+    (out / "gpu_check.md").write_text(table)
+    print(table)
+    return 0 if result["all_correct"] and not skipped else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The GPU check script, run whole in its --interpret mode: the same path the GPU run takes."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PRISM_WORKLOADS = {"rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention"}
+VLLM_OPS = {"rms_norm", "fused_add_rms_norm", "silu_and_mul"}
+
+
+def test_interpret_mode_checks_every_workload(tmp_path):
+    env = os.environ | {"OUT": str(tmp_path), "PRISM_SERVE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--interpret"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["interpret"] and result["all_correct"] and not result["skipped"]
+    cases = result["cases"]
+    assert {c["workload"] for c in cases} == PRISM_WORKLOADS | VLLM_OPS
+    assert {c["dtype"] for c in cases} == {"bfloat16", "float16"}
+    assert any(c["num_tokens"] == 1 for c in cases)
+    for c in cases:
+        assert c["correct"] and c["max_rel_error"] < 2e-2
+        assert c["measured_us"] > 0 and c["eager_us"] > 0 and c["modeled_us"] > 0
+        assert c["candidates"][0]["assignment"] == c["assignment"]
+    assert any("compile_us" in c for c in cases), "the torch.compile baseline path was never exercised"
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert proc.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
+    assert table.count("| yes |") == len(cases)
