@@ -10,6 +10,17 @@ STAMP=$VENV/.prism-setup-stamp
 # The stamp records what the venv was built from; any change re-runs the install.
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 
+# PostgreSQL server for the registry tests (they start their own on loopback): Debian's package,
+# installed once when running as root; a no-op when its binaries are already there.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing postgresql"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  else
+    echo "setup: warning: PostgreSQL server not installed (need root and apt-get); registry PostgreSQL tests will fail"
+  fi
+fi
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && "$VENV/bin/python" -c "import prism_serve" 2>/dev/null; then
   echo "setup: .venv is ready"
   exit 0

