@@ -1,0 +1,144 @@
+"""The capture child process: `python -m prism_serve.capture.child MODEL_DIR OUT_DIR`.
+
+Starts vLLM on the model with the capture backend, records one prefill forward
+(the region inputs/outputs for fidelity checks), then times a short batched
+generation with mixed prompt lengths under torch.profiler. Writes
+``OUT_DIR/result.json`` (always; ``{"ok": false, "error": ...}`` on failure) and,
+on success, ``OUT_DIR/record.pt`` with recorded tensors and the regions' weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89]  # 7 tokens: one prefill forward is recorded
+HOT_PROMPT_LENS = (3, 9, 17, 33, 60)  # mixed lengths, batched
+HOT_MAX_TOKENS = 6
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+       "VLLM_USE_AOT_COMPILE": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}".strip()
+
+
+def _fail(out: Path, msg: str, code: int = 2) -> int:
+    (out / "result.json").write_text(json.dumps({"ok": False, "error": msg}))
+    return code
+
+
+def _check_architecture(config: dict) -> str | None:
+    from vllm.model_executor.models import ModelRegistry
+
+    archs = config.get("architectures") or []
+    if not archs:
+        return "config.json names no architectures"
+    known = set(ModelRegistry.get_supported_archs())
+    unknown = [a for a in archs if a not in known]
+    return f"architecture {unknown[0]!r} is not one vLLM knows" if unknown else None
+
+
+def _weights(llm, regions: list[dict]) -> dict[str, "torch.Tensor"]:
+    """Each projection's weight (out, in), read back through the layer itself.
+
+    vLLM's CPU linear packs weights for oneDNN and leaves `weight` empty, so the
+    weight is recovered as the transpose of the layer applied to the identity
+    (exact in fp32, and bias-free layers only: a bias would show up as an offset).
+    """
+    paths = sorted({ref["param"] for r in regions for ref in r["inputs"] if "param" in ref})
+
+    def grab(model):
+        import torch
+
+        mods = dict(model.named_modules())
+        found = {}
+        for path in paths:
+            name = next((k for k in mods if k == path or k.endswith(f".{path}")), None)
+            if name is None:
+                continue
+            mod = mods[name]
+            w = getattr(mod, "weight", None)
+            if w is not None and w.dim() == 2 and w.numel() > 0:
+                found[path] = w.detach().clone().cpu()
+                continue
+            with torch.no_grad():
+                y = mod(torch.eye(int(mod.input_size_per_partition), dtype=torch.float32))
+            found[path] = (y[0] if isinstance(y, tuple) else y).t().contiguous().cpu()
+        return found
+
+    res = llm.apply_model(grab)
+    return res[0] if isinstance(res, list) else res
+
+
+def _group_times(prof) -> tuple[dict[str, float], float]:
+    from prism_serve.capture.backend import FORWARD_RANGE, RANGE_PREFIX
+
+    times: dict[str, float] = {}
+    total = 0.0
+    for ev in prof.key_averages():
+        if ev.key == FORWARD_RANGE:
+            total = ev.cpu_time_total
+        elif ev.key.startswith(RANGE_PREFIX):
+            times[ev.key[len(RANGE_PREFIX):]] = ev.cpu_time_total
+    return times, total
+
+
+def main(argv: list[str]) -> int:
+    model_dir, out = Path(argv[0]), Path(argv[1])
+    os.environ.update(ENV)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return _fail(out, f"cannot read {model_dir / 'config.json'}: {_one_line(exc)}")
+    has_weights = any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))
+    try:
+        import torch
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from prism_serve.capture import backend
+
+        bad = _check_architecture(config)
+        if bad:
+            return _fail(out, bad)
+        t0 = time.time()
+        llm = LLM(model=str(model_dir), load_format="auto" if has_weights else "dummy", skip_tokenizer_init=True,
+                  max_model_len=256, dtype="float32", enforce_eager=False, seed=0,
+                  compilation_config={"mode": 2, "backend": "prism_serve.capture.backend.capture_backend",
+                                      "ir_enable_torch_wrap": True})
+    except Exception as exc:  # vLLM rejected the model or config
+        return _fail(out, f"vLLM rejected the model: {_one_line(exc)}")
+    try:
+        greedy = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        backend.STATE.record_pending = True
+        llm.generate([TokensPrompt(prompt_token_ids=RECORD_PROMPT)], greedy, use_tqdm=False)
+        backend.STATE.num_tokens.clear()
+        vocab = int(config.get("vocab_size", 256))
+        prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % vocab for j in range(n)])
+                   for i, n in enumerate(HOT_PROMPT_LENS)]
+        params = SamplingParams(max_tokens=HOT_MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+        times, total = _group_times(prof)
+        st = backend.STATE
+        regions = st.regions
+        weights = _weights(llm, regions)
+        torch.save({"recorded": st.recorded or {}, "weights": weights}, out / "record.pt")
+        result = {"ok": True, "model": str(model_dir), "architecture": (config.get("architectures") or [""])[0],
+                  "load_format": "auto" if has_weights else "dummy", "graph_nodes": st.graph_nodes,
+                  "regions": regions, "module_time_us": times, "forward_time_us": total,
+                  "num_tokens": {str(k): v for k, v in sorted(st.num_tokens.items())},
+                  "recorded_num_tokens": st.recorded_num_tokens, "seconds": round(time.time() - t0, 2)}
+        (out / "result.json").write_text(json.dumps(result))
+        return 0
+    except Exception as exc:
+        return _fail(out, f"capture run failed: {_one_line(exc)}", 3)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,234 @@
+"""Find the fusable regions of a vLLM FX graph, by module (nn_module_stack) and data flow.
+
+Runs in the capture child process on the graph vLLM's Dynamo trace hands to the
+capture backend. Each leaf module instance (``layers.0.input_layernorm``) becomes a
+group of nodes; a group's external inputs and outputs give the data flow between
+modules, from which regions are chained: RMSNorm -> Linear is ``rmsnorm_linear``,
+Linear -> SiluAndMul is ``swiglu``, and so on. Every region instance carries its
+dims, read from the traced fake tensors (so they are the sharded, per-rank dims),
+and *refs*: where to read its inputs and outputs at run time, in the argument
+order of the optimizer's Program builder.
+
+A ref is a dict: ``{"node", "at", "when"}`` reads the value of FX node ``node``
+just before or after node ``at`` runs (several ops mutate in place, so the moment
+matters), optionally sliced along the last dim (``"slice": [lo, hi]``) and
+flattened to 2-D (``"rows": true``); ``{"param": path, "slice": [lo, hi]}`` reads a
+module's weight, sliced along dim 0.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class Group:
+    path: str
+    cls: str
+    nodes: list[fx.Node] = field(default_factory=list)
+    ext_inputs: list[fx.Node] = field(default_factory=list)
+    ext_outputs: list[fx.Node] = field(default_factory=list)
+
+
+def _clean_path(raw: str) -> str:
+    return re.sub(r"^L\['self'\]\.?", "", raw)
+
+
+def _module_of(n: fx.Node) -> tuple[str, str] | None:
+    stack = n.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1]
+    name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+    return _clean_path(path), name
+
+
+def module_groups(graph: fx.Graph) -> dict[str, Group]:
+    groups: dict[str, Group] = {}
+    owner: dict[fx.Node, str] = {}
+    for n in graph.nodes:
+        if n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        mod = _module_of(n)
+        if mod is None:
+            continue
+        g = groups.setdefault(mod[0], Group(*mod))
+        g.nodes.append(n)
+        owner[n] = mod[0]
+    for g in groups.values():
+        for n in g.nodes:
+            for a in n.all_input_nodes:
+                if a.op != "placeholder" and owner.get(a) != g.path and a not in g.ext_inputs:
+                    g.ext_inputs.append(a)
+            if any(owner.get(u) != g.path for u in n.users) and n not in g.ext_outputs:
+                g.ext_outputs.append(n)
+    return groups
+
+
+def _val(n: fx.Node) -> Any:
+    val = n.meta.get("val")
+    return n.meta.get("example_value") if val is None else val
+
+
+def _shape(n: fx.Node) -> tuple:
+    val = _val(n)
+    return tuple(val.shape) if val is not None and hasattr(val, "shape") else ()
+
+
+def _dtype(n: fx.Node) -> str:
+    val = _val(n)
+    return str(val.dtype).removeprefix("torch.") if val is not None and hasattr(val, "dtype") else "float32"
+
+
+def _last(n: fx.Node) -> int:
+    return int(_shape(n)[-1])
+
+
+def _before(value: fx.Node, at: fx.Node, **extra: Any) -> dict:
+    return {"node": value.name, "at": at.name, "when": "before", **extra}
+
+
+def _after(value: fx.Node, at: fx.Node | None = None, **extra: Any) -> dict:
+    return {"node": value.name, "at": (at or value).name, "when": "after", **extra}
+
+
+def _layer(path: str) -> int | None:
+    m = _LAYER.search("." + path)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class Norm:
+    """An RMSNorm instance: its op node, inputs, output (and residual sum when fused)."""
+
+    group: Group
+    op: fx.Node
+    fused: bool
+    x: fx.Node
+    residual: fx.Node | None
+    weight: fx.Node
+    eps: float
+    out: fx.Node
+    sum: fx.Node | None
+
+
+def _norm(g: Group) -> Norm | None:
+    for n in g.nodes:
+        target = str(n.target)
+        if "fused_add_rms_norm" in target:
+            getitems = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+            if 0 not in getitems:
+                return None
+            return Norm(g, n, True, n.args[0], n.args[1], n.args[2], float(n.args[3]), getitems[0], getitems.get(1))
+        if "rms_norm" in target:
+            return Norm(g, n, False, n.args[0], None, n.args[1], float(n.args[2]), n, None)
+    return None
+
+
+def _region(kind: str, g: list[Group], dims: dict, dtype: str, inputs: list, outputs: list,
+            eps: float | None = None, supported: bool = True, reason: str | None = None) -> dict:
+    return {"kind": kind, "layer": _layer(g[0].path), "modules": [x.path for x in g], "dims": dims,
+            "eps": eps, "dtype": dtype, "supported": supported, "reason": reason,
+            "inputs": inputs if supported else [], "outputs": outputs if supported else []}
+
+
+def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
+    """All region instances of the graph, in graph order."""
+    groups = module_groups(graph)
+    by_input: dict[fx.Node, Group] = {}
+    for g in groups.values():
+        for a in g.ext_inputs:
+            by_input.setdefault(a, g)
+    regions: list[dict] = []
+    for g in groups.values():
+        if g.cls == "RMSNorm":
+            regions += _norm_regions(g, by_input)
+        elif g.cls == "SiluAndMul" and g.ext_inputs and g.ext_outputs:
+            x, y = g.ext_inputs[0], g.ext_outputs[0]
+            inter = _last(y)
+            regions.append(_region("silu_and_mul", [g], {"intermediate": inter}, _dtype(y),
+                                   [_before(x, g.nodes[0], slice=[0, inter]),
+                                    _before(x, g.nodes[0], slice=[inter, 2 * inter])],
+                                   [_after(y, g.nodes[-1])]))
+        elif "RotaryEmbedding" in g.cls:
+            regions.append(_region("rotary_embedding", [g], {}, "float32", [], [], supported=False,
+                                   reason="no IR builder for rotary embedding yet"))
+        elif g.cls == "Attention":
+            regions.append(_attention_region(g, groups))
+    return regions + swiglu_regions(groups), groups
+
+
+def _norm_regions(g: Group, by_input: dict[fx.Node, Group]) -> list[dict]:
+    nm = _norm(g)
+    if nm is None:
+        return [_region("rms_norm", [g], {}, "float32", [], [], supported=False,
+                        reason="RMSNorm not traced as a vllm_ir rms_norm op")]
+    hidden, dtype = _last(nm.x), _dtype(nm.out)
+    rows = len(_shape(nm.x)) > 2  # q/k norm: one row per (token, head)
+    extra = {"rows": True} if rows else {}
+    dims = {"hidden": hidden} | ({"rows_per_token": int(_shape(nm.x)[-2])} if rows else {})
+    w = _before(nm.weight, nm.op)
+    if nm.fused:
+        out = [_after(nm.out)] + ([_after(nm.sum)] if nm.sum is not None else [])
+        regions = [_region("fused_add_rms_norm", [g], dims, dtype,
+                           [_before(nm.x, nm.op, **extra), _before(nm.residual, nm.op, **extra), w], out, nm.eps)]
+        x_ref = _after(nm.sum) if nm.sum is not None else None
+    else:
+        regions = [_region("rms_norm", [g], dims, dtype, [_before(nm.x, nm.op, **extra), w],
+                           [_after(nm.out, **extra)], nm.eps)]
+        x_ref = _before(nm.x, nm.op)
+    lin = by_input.get(nm.out)
+    if lin is None or not lin.cls.endswith("Linear") or not lin.ext_outputs or rows or x_ref is None:
+        return regions
+    y = lin.ext_outputs[0]
+    out = _last(y)
+    regions.append(_region("rmsnorm_linear", [g, lin], {"hidden": hidden, "out": out}, dtype,
+                           [x_ref, w, {"param": lin.path}], [_after(y, lin.nodes[-1])], nm.eps))
+    act = by_input.get(y)
+    if act is not None and act.cls == "SiluAndMul" and act.ext_outputs:
+        regions.append(_region("rmsnorm_swiglu", [g, lin, act], {"hidden": hidden, "intermediate": out // 2},
+                               dtype, [], [], nm.eps, supported=False,
+                               reason="the rmsnorm_mlp builder computes (xn@W_up)*(xn@W_gate) without SiLU; "
+                                      "no builder for rms_norm -> silu(xn@W_gate)*(xn@W_up) yet"))
+    return regions
+
+
+def swiglu_regions(groups: dict[str, Group]) -> list[dict]:
+    """gate_up_proj (merged Linear) feeding SiluAndMul: swiglu(hidden, intermediate)."""
+    out = []
+    by_input = {a: g for g in groups.values() for a in g.ext_inputs}
+    for lin in groups.values():
+        if not lin.cls.endswith("Linear") or not lin.ext_outputs or not lin.ext_inputs:
+            continue
+        y = lin.ext_outputs[0]
+        act = by_input.get(y)
+        if act is None or act.cls != "SiluAndMul" or not act.ext_outputs:
+            continue
+        x, inter = lin.ext_inputs[0], _last(y) // 2
+        out.append(_region("swiglu", [lin, act], {"hidden": _last(x), "intermediate": inter}, _dtype(y),
+                           [_before(x, lin.nodes[0]), {"param": lin.path, "slice": [0, inter]},
+                            {"param": lin.path, "slice": [inter, 2 * inter]}],
+                           [_after(act.ext_outputs[0], act.nodes[-1])]))
+    return out
+
+
+def _attention_region(g: Group, groups: dict[str, Group]) -> dict:
+    attn = next((n for n in g.nodes if "unified_attention" in str(n.target)), None)
+    dims: dict[str, int] = {}
+    if attn is not None and len(attn.args) >= 2:
+        q, k = _shape(attn.args[0]), _shape(attn.args[1])
+        if len(q) == 3 and len(k) == 3:
+            dims = {"heads": int(q[1]), "kv_heads": int(k[1]), "head_dim": int(q[2])}
+    parent = g.path.rsplit(".", 1)[0]
+    qk_norm = f"{parent}.q_norm" in groups
+    kind = "qk_norm_attention" if qk_norm else "attention"
+    return _region(kind, [g], dims, _dtype(attn) if attn is not None else "float32", [], [], supported=False,
+                   reason="paged-KV attention (variable kv_len, rotary between q/k norm and attention) "
+                          "has no Program builder with num_tokens yet")

@@ -1,0 +1,203 @@
+"""Capture a model: run the child process, turn its region instances into Programs, merge, rank.
+
+`capture(model)` is the library entry point. It validates the model directory,
+runs `prism_serve.capture.child` in a fresh interpreter (vLLM rebinds torch
+threads and cores for its whole process), builds each supported region's
+Program with the optimizer's own builders (so canonical hashes match), merges
+identical regions across layers and attaches time shares and num_tokens buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from prism_serve.capture.embedded import resolve_model
+from prism_serve.errors import PrismError
+from prism_serve.optimize.ir import Program
+from prism_serve.optimize.workloads import programs as builders
+
+log = logging.getLogger(__name__)
+CHILD_TIMEOUT_S = 300
+
+BUILDERS = {
+    "rms_norm": lambda d, dt, eps: builders.rms_norm(d["hidden"], dt, eps),
+    "fused_add_rms_norm": lambda d, dt, eps: builders.fused_add_rms_norm(d["hidden"], dt, eps),
+    "silu_and_mul": lambda d, dt, eps: builders.silu_and_mul(d["intermediate"], dt),
+    "rmsnorm_linear": lambda d, dt, eps: builders.rmsnorm_linear(d["hidden"], d["out"], dt, eps),
+    "swiglu": lambda d, dt, eps: builders.swiglu(d["hidden"], d["intermediate"], dt),
+}
+
+
+class CaptureError(PrismError):
+    """The model could not be captured: bad path, bad config, or vLLM refused it."""
+
+
+@dataclass
+class Instance:
+    """One region at one site (a layer's modules), with its recorded tensors when supported."""
+
+    kind: str
+    layer: int | None
+    modules: list[str]
+    dims: dict
+    eps: float | None
+    dtype: str
+    supported: bool
+    reason: str | None
+    program: Program | None = None
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    time_us: float = 0.0
+
+
+@dataclass
+class Region:
+    """Identical instances merged across layers."""
+
+    kind: str
+    program: Program | None
+    dims: dict
+    eps: float | None
+    dtype: str
+    supported: bool
+    reason: str | None
+    layers: list[int]
+    modules: list[str]
+    time_share: float
+    buckets: list[int]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "program_hash": self.program.canonical_hash if self.program else None,
+                "program": self.program.to_json() if self.program else None, "dims": self.dims, "eps": self.eps,
+                "dtype": self.dtype, "supported": self.supported, "reason": self.reason, "layers": self.layers,
+                "modules": self.modules, "time_share": self.time_share, "buckets": self.buckets}
+
+
+@dataclass
+class CaptureResult:
+    model: str
+    architecture: str
+    load_format: str
+    regions: list[Region]
+    instances: list[Instance]
+    num_tokens: dict[int, int]
+    buckets: list[int]
+    recorded_num_tokens: int | None
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "architecture": self.architecture, "load_format": self.load_format,
+                "num_tokens_histogram": {str(k): v for k, v in self.num_tokens.items()}, "buckets": self.buckets,
+                "regions": [r.to_json() for r in self.regions]}
+
+
+def buckets_from_histogram(hist: dict[int, int]) -> list[int]:
+    """Power-of-two shape buckets covering every num_tokens seen (each n goes to the next 2^k >= n)."""
+    return sorted({1 << max(0, (n - 1).bit_length()) for n in hist if n > 0})
+
+
+def _validate(model_dir: Path) -> None:
+    if not model_dir.exists():
+        raise CaptureError(f"model path {model_dir} does not exist")
+    if not model_dir.is_dir():
+        raise CaptureError(f"model path {model_dir} is not a directory")
+    cfg = model_dir / "config.json"
+    if not cfg.is_file():
+        raise CaptureError(f"{model_dir} has no config.json")
+    try:
+        data = json.loads(cfg.read_text())
+    except ValueError as exc:
+        raise CaptureError(f"{cfg} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CaptureError(f"{cfg} must hold a JSON object")
+
+
+def _run_child(model_dir: Path, out: Path) -> dict:
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "prism_serve.capture.child", str(model_dir), str(out)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise CaptureError(f"capture of {model_dir} did not finish within {CHILD_TIMEOUT_S} s") from None
+    result_file = out / "result.json"
+    if not result_file.is_file():
+        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or ["no output"]
+        raise CaptureError(f"capture process exited with {proc.returncode}: {tail[0]}")
+    result = json.loads(result_file.read_text())
+    if not result.get("ok"):
+        raise CaptureError(result.get("error", "capture failed"))
+    log.debug("capture child took %.1f s", result.get("seconds", 0.0))
+    return result
+
+
+def _program(kind: str, dims: dict, dtype: str, eps: float | None) -> Program | None:
+    build = BUILDERS.get(kind)
+    return build(dims, dtype, eps) if build else None
+
+
+def _instances(result: dict, record: dict) -> list[Instance]:
+    times = result["module_time_us"]
+    recorded, weights = record["recorded"], record["weights"]
+    out = []
+    for i, r in enumerate(result["regions"]):
+        inst = Instance(r["kind"], r["layer"], r["modules"], r["dims"], r["eps"], r["dtype"], r["supported"],
+                        r["reason"], time_us=sum(times.get(m, 0.0) for m in r["modules"]))
+        if inst.supported:
+            inst.program = _program(inst.kind, inst.dims, inst.dtype, inst.eps)
+            if inst.program is None:
+                inst.supported, inst.reason = False, f"no Program builder for region kind {inst.kind!r}"
+        if inst.supported and i in recorded:
+            rec = recorded[i]
+            for ref, value in zip(r["inputs"], rec["inputs"]):
+                if "param" in ref:
+                    w = weights.get(ref["param"])
+                    if w is not None and "slice" in ref:
+                        w = w[ref["slice"][0]:ref["slice"][1]].contiguous()
+                    value = w
+                inst.inputs.append(value)
+            inst.outputs = list(rec["outputs"])
+        out.append(inst)
+    return out
+
+
+def _merge(instances: list[Instance], total_us: float, buckets: list[int]) -> list[Region]:
+    merged: dict[tuple, Region] = {}
+    for inst in instances:
+        key = (inst.kind, inst.program.canonical_hash if inst.program else json.dumps(inst.dims, sort_keys=True))
+        share = inst.time_us / total_us if total_us > 0 else 0.0
+        if key not in merged:
+            merged[key] = Region(inst.kind, inst.program, inst.dims, inst.eps, inst.dtype, inst.supported,
+                                 inst.reason, [], [], 0.0, buckets if inst.supported else [])
+        reg = merged[key]
+        if inst.layer is not None and inst.layer not in reg.layers:
+            reg.layers.append(inst.layer)
+        reg.modules += inst.modules if inst.kind not in ("rmsnorm_linear", "swiglu", "rmsnorm_swiglu") \
+            else ["+".join(inst.modules)]
+        reg.time_share += share
+    return sorted(merged.values(), key=lambda r: (not r.supported, -r.time_share))
+
+
+def capture(model: str | Path | None = None) -> CaptureResult:
+    """Capture `model` (a directory, an embedded model name, or None for the default embedded one)."""
+    model_dir = resolve_model(model)
+    _validate(model_dir)
+    with tempfile.TemporaryDirectory(prefix="prism-capture-") as tmp:
+        out = Path(tmp)
+        result = _run_child(model_dir, out)
+        record = torch.load(out / "record.pt", weights_only=True)
+    hist = {int(k): v for k, v in result["num_tokens"].items()}
+    buckets = buckets_from_histogram(hist)
+    instances = _instances(result, record)
+    regions = _merge(instances, result["forward_time_us"], buckets)
+    return CaptureResult(str(model) if model is not None else str(model_dir), result["architecture"],
+                         result["load_format"], regions, instances, hist, buckets,
+                         result["recorded_num_tokens"], result["seconds"])

@@ -1,0 +1,64 @@
+"""`prism-serve capture`: the table and JSON report, and one clear line for each bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from prism_serve.capture import runner as capture_runner
+from prism_serve.capture.cli import capture_command
+from prism_serve.capture.embedded import embedded_path
+
+app = typer.Typer()
+app.command("capture")(capture_command)
+
+
+@app.callback()
+def _root() -> None:
+    """Stand-in for the root app, which wires capture in the same way."""
+
+
+def _invoke(*args):
+    return CliRunner().invoke(app, ["capture", *map(str, args)])
+
+
+def test_report_table_and_json(llama_capture, monkeypatch, tmp_path):
+    monkeypatch.setattr(capture_runner, "capture", lambda model: llama_capture)
+    out = tmp_path / "report.json"
+    res = _invoke("tiny-llama", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert "rmsnorm_linear" in res.output and "unsupported" in res.output
+    doc = json.loads(out.read_text())
+    assert doc["model"] == llama_capture.model
+    kinds = {r["kind"] for r in doc["regions"]}
+    assert {"rmsnorm_linear", "swiglu", "fused_add_rms_norm"} <= kinds
+    r = next(r for r in doc["regions"] if r["kind"] == "swiglu")
+    assert set(r) >= {"program_hash", "program", "dims", "layers", "time_share", "buckets"}
+    from prism_serve.optimize.ir import Program
+
+    assert Program.from_json(r["program"]).canonical_hash == r["program_hash"]
+
+
+def _bad_configs(tmp_path):
+    cfg = json.loads((embedded_path("tiny-llama") / "config.json").read_text())
+    unknown, rejected, empty = tmp_path / "unknown", tmp_path / "rejected", tmp_path / "empty"
+    for d in (unknown, rejected, empty):
+        d.mkdir()
+    (unknown / "config.json").write_text(json.dumps(cfg | {"architectures": ["NoSuchModelForCausalLM"]}))
+    (rejected / "config.json").write_text(json.dumps(cfg | {"num_key_value_heads": 3}))
+    return {"missing": (tmp_path / "nope", "does not exist"), "no_config": (empty, "no config.json"),
+            "unknown_arch": (unknown, "NoSuchModelForCausalLM"), "rejected": (rejected, "vLLM rejected")}
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "unknown_arch", "rejected"])
+def test_bad_input_one_line_nonzero_nothing_written(case, tmp_path):
+    model, needle = _bad_configs(tmp_path)[case]
+    out = tmp_path / "report.json"
+    res = _invoke(model, "--json", out)
+    assert res.exit_code == 1
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.output
+    assert not out.exists()

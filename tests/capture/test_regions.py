@@ -1,0 +1,71 @@
+"""The captured set of Programs is exactly the expected one for both embedded configs."""
+
+from __future__ import annotations
+
+import json
+
+from prism_serve.capture.embedded import embedded_path
+from prism_serve.optimize.workloads import programs as P
+
+
+def _config(name):
+    return json.loads((embedded_path(name) / "config.json").read_text())
+
+
+def _expected(cfg, qk_norm: bool) -> dict[str, tuple[str, list[int]]]:
+    """canonical hash -> (kind, layers) of every supported region, built with the optimizer's builders."""
+    h, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], cfg["rms_norm_eps"]
+    hd, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    layers = list(range(cfg["num_hidden_layers"]))
+    want = {
+        P.rms_norm(h, "float32", eps): [0],  # layer 0's input norm has no residual yet
+        P.fused_add_rms_norm(h, "float32", eps): layers,
+        P.rmsnorm_linear(h, (heads + 2 * kv) * hd, "float32", eps): layers,  # input_layernorm -> qkv_proj
+        P.rmsnorm_linear(h, 2 * inter, "float32", eps): layers,  # post_attention_layernorm -> gate_up_proj
+        P.swiglu(h, inter, "float32"): layers,
+        P.silu_and_mul(inter, "float32"): layers,
+    }
+    if qk_norm:
+        want[P.rms_norm(hd, "float32", eps)] = layers  # q_norm and k_norm, one row per (token, head)
+    return {p.canonical_hash: (p.name, ls) for p, ls in want.items()}
+
+
+def _got(result):
+    return {r.program.canonical_hash: (r.kind, sorted(r.layers)) for r in result.regions if r.supported}
+
+
+def test_llama_regions_are_exactly_the_expected_programs(llama_capture):
+    assert _got(llama_capture) == _expected(_config("tiny-llama"), qk_norm=False)
+    unsupported = {r.kind for r in llama_capture.regions if not r.supported}
+    assert unsupported == {"rmsnorm_swiglu", "attention", "rotary_embedding"}
+
+
+def test_qwen3_regions_include_qk_norm(qwen3_capture):
+    assert _got(qwen3_capture) == _expected(_config("tiny-qwen3"), qk_norm=True)
+    unsupported = {r.kind for r in qwen3_capture.regions if not r.supported}
+    assert unsupported == {"rmsnorm_swiglu", "qk_norm_attention", "rotary_embedding"}
+    qk = next(r for r in qwen3_capture.regions if r.kind == "rms_norm" and r.dims["hidden"] == 32)
+    assert sorted(m.rsplit(".", 1)[-1] for m in qk.modules) == ["k_norm"] * 2 + ["q_norm"] * 2
+
+
+def test_dims_and_epsilon_are_the_models(qwen3_capture):
+    cfg = _config("tiny-qwen3")
+    by_kind = {}
+    for r in qwen3_capture.regions:
+        by_kind.setdefault(r.kind, []).append(r)
+    for r in qwen3_capture.regions:
+        if r.supported and r.eps is not None:
+            assert r.eps == cfg["rms_norm_eps"]
+        assert r.dtype == "float32"
+    attn = by_kind["qk_norm_attention"][0]
+    assert attn.dims == {"heads": 4, "kv_heads": 2, "head_dim": 32}
+    assert attn.reason and attn.program is None and attn.buckets == []
+    swiglu = by_kind["swiglu"][0]
+    assert swiglu.dims == {"hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"]}
+
+
+def test_unsupported_regions_are_reported_with_a_reason_and_skipped(llama_capture):
+    doc = llama_capture.to_json()
+    skipped = [r for r in doc["regions"] if not r["supported"]]
+    assert skipped and all(r["reason"] and r["program"] is None and r["program_hash"] is None for r in skipped)
+    json.dumps(doc)  # the report is plain JSON
