@@ -1,0 +1,103 @@
+"""Export files: validated record by record, refused with a clear reason, imported atomically."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from prism_serve.registry import RegistryError
+from prism_serve.registry import exchange
+from prism_serve.registry.exchange import export_document, import_results, parse_export, read_export
+from prism_serve.registry.store import add_kernel, counts
+from tests.registry.factory import DEVICES, result
+
+
+@pytest.fixture
+def doc(registry):
+    with registry.write() as s:
+        add_kernel(s, result())
+        add_kernel(s, result(workload="swiglu", hidden=256, device=DEVICES[0]))
+        add_kernel(s, result(workload="rmsnorm_linear", hidden=256, bucket=(17, 64)))
+    with registry.read() as s:
+        return export_document(s)
+
+
+def _bad(doc, edit):
+    bad = copy.deepcopy(doc)
+    edit(bad)
+    return bad
+
+
+CASES = {
+    "wrong export version": (lambda d: d.update(export_version=99), "export_version 99"),
+    "not an export": (lambda d: d.pop("format"), "not a prism-serve registry export"),
+    "records not a list": (lambda d: d.update(records={}), "'records' must be a list"),
+    "missing field": (lambda d: d["records"][1].pop("dtype"), r"record #1: missing field 'dtype'"),
+    "missing nested field": (lambda d: d["records"][0]["versions"].pop("codegen"), "missing field 'codegen'"),
+    "wrong type": (lambda d: d["records"][2].update(bucket="1-16"), r"record #2: field 'bucket' must be list"),
+    "wrong nested type": (lambda d: d["records"][0]["device"].update(sm_count="132"), "'sm_count' must be int"),
+    "bool for a number": (lambda d: d["records"][0].update(measured_us=True), "'measured_us' must be"),
+    "unknown field": (lambda d: d["records"][0].update(source_code="x"), "unknown fields"),
+    "bad status": (lambda d: d["records"][0].update(status="yolo"), "status 'yolo'"),
+    "bad params": (lambda d: d["records"][0].update(params={"BT": -1}), "positive ints"),
+    "hash mismatch": (lambda d: d["records"][0]["program"].update(hash="f" * 32), "is not the hash of its IR"),
+    "malformed IR": (lambda d: d["records"][0]["program"]["ir"]["nodes"][0].update(op="conv"), "unsupported op"),
+    # sympy would evaluate this dim string and codegen would render these names: both must be refused
+    "python in a dim": (lambda d: d["records"][0]["sgraph"]["json"]["program"]["nodes"][0]["attrs"].update(
+        shape=["__import__('os').system('touch /tmp/pwned')", 1024]), "never code"),
+    "python in an intermediate": (lambda d: d["records"][0]["sgraph"]["json"].update(intermediates=[
+        {"name": "t", "shape": ["exec(open('/etc/passwd').read())"], "dtype": "float32"}]), "never code"),
+    "python in a name": (lambda d: d["records"][0]["sgraph"]["json"].update(
+        name='x"""\nimport os; os.system("id")\n"""'), "never code"),
+    "python in the reason": (lambda d: d["records"][0].update(reason="__import__('os')"), "never code"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_export_is_refused_and_nothing_written(registry, doc, tmp_path, case):
+    edit, message = CASES[case]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_bad(doc, edit)))
+    with registry.read() as s:
+        before = counts(s)
+    with pytest.raises(RegistryError, match=message):
+        results = read_export(path)
+        with registry.write() as s:
+            import_results(s, results)
+    with registry.read() as s:
+        assert counts(s) == before
+
+
+def test_not_json(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"format": "prism-serve-registry", ')
+    with pytest.raises(RegistryError, match="not JSON"):
+        read_export(path)
+
+
+def test_import_failing_halfway_leaves_registry_unchanged(registry, doc, tmp_path, monkeypatch):
+    from prism_serve.registry.db import open_registry
+    target = open_registry(tmp_path / "target.db")
+    with target.write() as s:
+        add_kernel(s, result(hidden=512))
+    with target.read() as s:
+        before = counts(s)
+    calls = []
+    real = exchange.add_kernel
+
+    def flaky(session, r):
+        calls.append(r)
+        if len(calls) == 3:
+            raise RegistryError("disk full (simulated)")
+        return real(session, r)
+
+    monkeypatch.setattr(exchange, "add_kernel", flaky)
+    with pytest.raises(RegistryError, match="simulated"):
+        with target.write() as s:
+            import_results(s, parse_export(doc))
+    assert len(calls) == 3
+    with target.read() as s:
+        assert counts(s) == before
+    target.close()
