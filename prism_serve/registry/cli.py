@@ -1,0 +1,159 @@
+"""`prism-serve registry ...`: thin commands over the store; errors become one line and exit 1."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from prism_serve.errors import PrismError
+from prism_serve.registry import exchange, store
+from prism_serve.registry.db import Registry, current_revision, describe, head_revision, open_registry, resolve_url
+
+registry_app = typer.Typer(help="Inspect and manage the kernel registry.", no_args_is_help=True)
+RegistryOpt = Annotated[Optional[str], typer.Option(
+    "--registry", help="Path or SQLAlchemy URL (default: $PRISM_SERVE_REGISTRY or the cache file).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _console() -> Console:
+    return Console()
+
+
+@contextlib.contextmanager
+def _opened(location: str | None) -> Iterator[Registry]:
+    try:
+        reg = open_registry(location)
+    except PrismError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    try:
+        yield reg
+    except PrismError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        reg.close()
+
+
+def _row(k) -> dict:
+    return {"id": k.id, "program": k.program.name, "program_hash": k.program.hash, "sgraph": k.sgraph.name,
+            "device": k.device.fingerprint, "dtype": k.dtype, "bucket": [k.bucket_lo, k.bucket_hi],
+            "params": store.decode_params(k), "measured_us": k.measured_us, "modeled_us": k.modeled_us,
+            "baseline": k.baseline, "baseline_us": k.baseline_us, "speedup": k.speedup, "status": k.status,
+            "reason": k.reason, "codegen_version": k.codegen_version}
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+@registry_app.command("list")
+def list_cmd(registry: RegistryOpt = None, device: Annotated[Optional[str], typer.Option()] = None,
+             program: Annotated[Optional[str], typer.Option(help="Program name or hash prefix.")] = None,
+             status: Annotated[Optional[str], typer.Option()] = None,
+             dtype: Annotated[Optional[str], typer.Option()] = None, as_json: JsonOpt = False) -> None:
+    """List kernels, optionally filtered."""
+    with _opened(registry) as reg, reg.read() as s:
+        rows = [_row(k) for k in store.list_kernels(s, device=device, program=program, status=status, dtype=dtype)]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    table = Table(title=f"{len(rows)} kernels in {describe(reg.url)}")
+    for col in ("id", "program", "hash", "device", "dtype", "tokens", "us", "speedup", "status", "reason"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["id"]), r["program"], r["program_hash"][:10], r["device"], r["dtype"],
+                      f"{r['bucket'][0]}-{r['bucket'][1]}", _fmt(r["measured_us"] or r["modeled_us"]),
+                      _fmt(r["speedup"]) + ("x" if r["speedup"] else ""), r["status"], r["reason"])
+    _console().print(table)
+
+
+@registry_app.command()
+def show(kernel_id: int, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
+    """Show one kernel with its sGraph, proof and test metadata."""
+    with _opened(registry) as reg, reg.read() as s:
+        k = store.get_kernel(s, kernel_id)
+        row = _row(k) | {"versions": {"torch": k.torch_version, "triton": k.triton_version,
+                                      "vllm": k.vllm_version, "prism": k.prism_version},
+                         "proof": k.sgraph.proof, "tests": k.sgraph.tests,
+                         "sources": [[x.model, x.layer_path] for x in k.program.sources],
+                         "incompatible": store.incompatibility(k, store.current_versions())}
+    if as_json:
+        typer.echo(json.dumps(row, indent=1))
+        return
+    table = Table(title=f"kernel {kernel_id}", show_header=False)
+    for key, value in row.items():
+        table.add_row(key, value if isinstance(value, str) else json.dumps(value))
+    _console().print(table)
+
+
+@registry_app.command("export")
+def export_cmd(path: Path, registry: RegistryOpt = None, device: Annotated[Optional[str], typer.Option()] = None,
+               program: Annotated[Optional[str], typer.Option()] = None, as_json: JsonOpt = False) -> None:
+    """Write kernels to a portable JSON file (data only)."""
+    with _opened(registry) as reg, reg.read() as s:
+        n = exchange.export_file(s, path, device=device, program=program)
+    typer.echo(json.dumps({"exported": n, "path": str(path)}) if as_json else f"exported {n} kernels to {path}")
+
+
+@registry_app.command("import")
+def import_cmd(path: Path, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
+    """Validate every record of an export, then import them all in one transaction (or none)."""
+    with _opened(registry) as reg:
+        results = exchange.read_export(path)
+        with reg.write() as s:
+            n = exchange.import_results(s, results)
+    typer.echo(json.dumps({"imported": n}) if as_json else f"imported {n} kernels from {path}")
+
+
+@registry_app.command()
+def rm(kernel_ids: Annotated[list[int], typer.Argument(help="Kernel ids to remove.")], registry: RegistryOpt = None,
+       as_json: JsonOpt = False) -> None:
+    """Remove kernels by id."""
+    with _opened(registry) as reg, reg.write() as s:
+        n = store.remove_kernels(s, kernel_ids)
+    typer.echo(json.dumps({"removed": n}) if as_json else f"removed {n} kernels")
+
+
+@registry_app.command()
+def gc(registry: RegistryOpt = None, incompatible: Annotated[bool, typer.Option(
+        help="Also drop kernels of another codegen version.")] = False, as_json: JsonOpt = False) -> None:
+    """Drop sGraphs, programs and devices no kernel uses."""
+    with _opened(registry) as reg, reg.write() as s:
+        removed = store.gc(s, incompatible=incompatible)
+    typer.echo(json.dumps(removed) if as_json else ", ".join(f"removed {v} {k}" for k, v in removed.items()))
+
+
+@registry_app.command()
+def doctor(registry: RegistryOpt = None, device: Annotated[Optional[str], typer.Option(
+        help="Device fingerprint to explain loading for, e.g. gpu:h200:sm9.0:132sms.")] = None,
+           as_json: JsonOpt = False) -> None:
+    """Where the registry is, its schema, what it holds, and what this device would load and why not."""
+    try:
+        url = resolve_url(registry)
+    except PrismError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    with _opened(registry) as reg:
+        report: dict = {"registry": describe(url), "schema_revision": current_revision(reg.engine),
+                        "schema_head": head_revision(), "versions": vars(store.current_versions())}
+        with reg.read() as s:
+            report["counts"] = store.counts(s)
+            if device:
+                report["device"] = device
+                report["kernels"] = store.explain(s, device)
+            if reg.is_sqlite:
+                report["integrity"] = s.connection().exec_driver_sql("PRAGMA quick_check").scalar()
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+        return
+    table = Table(title="prism-serve registry doctor", show_header=False)
+    for key, value in report.items():
+        table.add_row(key, value if isinstance(value, str) else json.dumps(value))
+    _console().print(table)
