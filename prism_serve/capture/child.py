@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,13 +19,20 @@ from pathlib import Path
 RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89]  # 7 tokens: one prefill forward is recorded
 HOT_PROMPT_LENS = (3, 9, 17, 33, 60)  # mixed lengths, batched
 HOT_MAX_TOKENS = 6
+MAX_MODEL_LEN = 256  # capture needs only short prompts
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
        "VLLM_USE_AOT_COMPILE": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}".strip()
+    """The informative line of an exception: pydantic's 'Value error, ...' line, else the last line."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith("For further information")] or [""]
+    line = next((ln for ln in lines if ln.startswith("Value error,")), lines[-1])
+    line = re.sub(r"\s*\[type=.*$", "", line.removeprefix("Value error,").strip())
+    if len(line) > 300:
+        line = line[:297] + "..."
+    return f"{type(exc).__name__}: {line}".strip()
 
 
 def _fail(out: Path, msg: str, code: int = 2) -> int:
@@ -107,8 +115,9 @@ def main(argv: list[str]) -> int:
         if bad:
             return _fail(out, bad)
         t0 = time.time()
+        max_len = min(MAX_MODEL_LEN, int(config.get("max_position_embeddings") or MAX_MODEL_LEN))
         llm = LLM(model=str(model_dir), load_format="auto" if has_weights else "dummy", skip_tokenizer_init=True,
-                  max_model_len=256, dtype="float32", enforce_eager=False, seed=0,
+                  max_model_len=max_len, dtype="float32", enforce_eager=False, seed=0,
                   compilation_config={"mode": 2, "backend": "prism_serve.capture.backend.capture_backend",
                                       "ir_enable_torch_wrap": True})
     except Exception as exc:  # vLLM rejected the model or config
@@ -116,10 +125,11 @@ def main(argv: list[str]) -> int:
     try:
         greedy = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         backend.STATE.record_pending = True
-        llm.generate([TokensPrompt(prompt_token_ids=RECORD_PROMPT)], greedy, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=RECORD_PROMPT[:max(1, max_len - 2)])], greedy, use_tqdm=False)
         backend.STATE.num_tokens.clear()
         vocab = int(config.get("vocab_size", 256))
-        prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % vocab for j in range(n)])
+        longest = max(1, max_len - HOT_MAX_TOKENS - 1)
+        prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % vocab for j in range(min(n, longest))])
                    for i, n in enumerate(HOT_PROMPT_LENS)]
         params = SamplingParams(max_tokens=HOT_MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -44,16 +44,18 @@ def test_report_table_and_json(llama_capture, monkeypatch, tmp_path):
 
 def _bad_configs(tmp_path):
     cfg = json.loads((embedded_path("tiny-llama") / "config.json").read_text())
-    unknown, rejected, empty = tmp_path / "unknown", tmp_path / "rejected", tmp_path / "empty"
-    for d in (unknown, rejected, empty):
+    unknown, rejected, empty, garbled = (tmp_path / n for n in ("unknown", "rejected", "empty", "garbled"))
+    for d in (unknown, rejected, empty, garbled):
         d.mkdir()
+    (garbled / "config.json").write_text("{not json")
     (unknown / "config.json").write_text(json.dumps(cfg | {"architectures": ["NoSuchModelForCausalLM"]}))
     (rejected / "config.json").write_text(json.dumps(cfg | {"num_key_value_heads": 3}))
     return {"missing": (tmp_path / "nope", "does not exist"), "no_config": (empty, "no config.json"),
+            "bad_json": (garbled, "not valid JSON"),
             "unknown_arch": (unknown, "NoSuchModelForCausalLM"), "rejected": (rejected, "vLLM rejected")}
 
 
-@pytest.mark.parametrize("case", ["missing", "no_config", "unknown_arch", "rejected"])
+@pytest.mark.parametrize("case", ["missing", "no_config", "bad_json", "unknown_arch", "rejected"])
 def test_bad_input_one_line_nonzero_nothing_written(case, tmp_path):
     model, needle = _bad_configs(tmp_path)[case]
     out = tmp_path / "report.json"
