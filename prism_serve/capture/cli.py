@@ -13,14 +13,14 @@ from prism_serve.errors import PrismError
 
 
 def _table(result) -> str:
-    head = f"{'region':<20} {'program':<12} {'dims':<34} {'layers':<10} {'time':>6}  buckets"
+    head = f"{'region':<20} {'program':<12} {'dims':<40} {'layers':<10} {'time':>6}  buckets"
     lines = [f"model {result.model} ({result.architecture}, {result.load_format} weights); "
              f"num_tokens seen {result.num_tokens}", head, "-" * len(head)]
     for r in result.regions:
         dims = ",".join(f"{k}={v}" for k, v in r.dims.items()) + (f",eps={r.eps:g}" if r.eps is not None else "")
         prog = r.program.canonical_hash[:10] if r.program else "unsupported"
         layers = ",".join(map(str, r.layers)) or "-"
-        lines.append(f"{r.kind:<20} {prog:<12} {dims:<34} {layers:<10} {100 * r.time_share:5.1f}%  "
+        lines.append(f"{r.kind:<20} {prog:<12} {dims:<40} {layers:<10} {100 * r.time_share:5.1f}%  "
                      f"{r.buckets if r.supported else r.reason}")
     return "\n".join(lines)
 

@@ -1,0 +1,108 @@
+"""Region finding on hand-built FX graphs, without vLLM: chaining, dims, and the never-crash paths."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from prism_serve.capture import backend
+from prism_serve.capture.regions import find_regions, module_groups
+
+
+def rms_norm(x, w, eps, _):  # stands in for vllm_ir.rms_norm; matched by name
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def linear(x, w):
+    return x @ w.t()
+
+
+class RMSNorm:  # classes named like vLLM's, for nn_module_stack
+    pass
+
+
+class QKVParallelLinear:
+    pass
+
+
+def _graph(norm_target=rms_norm, n=5, hidden=16, out=48):
+    g = fx.Graph()
+    x, w, wl = g.placeholder("x"), g.placeholder("w"), g.placeholder("wl")
+    x.meta["example_value"] = torch.randn(n, hidden)
+
+    def call(fn, args, path, cls, val):
+        node = g.call_function(fn, args)
+        node.meta["nn_module_stack"] = {path: (f"L['self'].{path}", cls)}
+        node.meta["example_value"] = val
+        return node
+
+    h = call(norm_target, (x, w, 1e-5, None) if norm_target is rms_norm else (x, w),
+             "layers.3.input_layernorm", RMSNorm, torch.randn(n, hidden))
+    y = call(linear, (h, wl), "layers.3.self_attn.qkv_proj", QKVParallelLinear, torch.randn(n, out))
+    g.output(y)
+    return g
+
+
+def test_norm_feeding_a_projection_is_rmsnorm_linear():
+    regions, groups = find_regions(_graph())
+    assert set(groups) == {"layers.3.input_layernorm", "layers.3.self_attn.qkv_proj"}
+    kinds = {r["kind"]: r for r in regions}
+    assert set(kinds) == {"rms_norm", "rmsnorm_linear"}
+    rl = kinds["rmsnorm_linear"]
+    assert rl["layer"] == 3 and rl["dims"] == {"hidden": 16, "out": 48} and rl["eps"] == 1e-5
+    assert rl["inputs"][2] == {"param": "layers.3.self_attn.qkv_proj"}
+
+
+def test_a_norm_that_is_not_a_vllm_ir_op_is_reported_unsupported():
+    regions, _ = find_regions(_graph(norm_target=torch.mul))
+    assert [(r["kind"], r["supported"]) for r in regions] == [("rms_norm", False)]
+    assert "not traced" in regions[0]["reason"]
+
+
+def test_group_data_flow():
+    groups = module_groups(_graph())
+    norm, lin = groups["layers.3.input_layernorm"], groups["layers.3.self_attn.qkv_proj"]
+    assert lin.ext_inputs == norm.ext_outputs
+
+
+def test_backend_never_raises_on_a_graph_it_cannot_analyse(monkeypatch):
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+
+    def broken(graph):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(backend, "find_regions", broken)
+    gm = fx.GraphModule(torch.nn.Module(), _graph())
+    run = backend.capture_backend(gm, [])
+    x, w, wl = torch.randn(5, 16), torch.ones(16), torch.randn(48, 16)
+    torch.testing.assert_close(run(x, w, wl), linear(rms_norm(x, w, 1e-5, None), wl))
+    assert backend.STATE.regions[0]["kind"] == "analysis_error" and "boom" in backend.STATE.regions[0]["reason"]
+
+
+def test_instrumented_graph_computes_the_same(monkeypatch):
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    gm = fx.GraphModule(torch.nn.Module(), _graph())
+    run = backend.capture_backend(gm, [])
+    x, w, wl = torch.randn(5, 16), torch.ones(16), torch.randn(48, 16)
+    with torch.profiler.profile() as prof:
+        got = run(x, w, wl)
+    torch.testing.assert_close(got, gm(x, w, wl))
+    keys = {e.key for e in prof.key_averages()}
+    assert {backend.FORWARD_RANGE, backend.RANGE_PREFIX + "layers.3.input_layernorm"} <= keys
+
+
+def test_recorder_takes_region_inputs_and_outputs_in_builder_order(monkeypatch):
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    gm = fx.GraphModule(torch.nn.Module(), _graph())
+    run = backend.capture_backend(gm, [])
+    x, w, wl = torch.randn(5, 16), torch.rand(16), torch.randn(48, 16)
+    backend.STATE.record_pending = True
+    run(x, w, wl)
+    assert not backend.STATE.record_pending
+    kinds = [r["kind"] for r in backend.STATE.regions]
+    norm = backend.STATE.recorded[kinds.index("rms_norm")]
+    torch.testing.assert_close(norm["inputs"], [x, w])
+    torch.testing.assert_close(norm["outputs"], [rms_norm(x, w, 1e-5, None)])
+    rl = backend.STATE.recorded[kinds.index("rmsnorm_linear")]
+    torch.testing.assert_close(rl["inputs"][:2], [x, w])  # the weight comes from the module, not the graph
+    torch.testing.assert_close(rl["outputs"], [linear(rms_norm(x, w, 1e-5, None), wl)])
