@@ -183,8 +183,9 @@ def export_file(session: Session, path: str | Path, **filters) -> int:
 
 def import_results(session: Session, results: list[KernelResult]) -> int:
     """Write validated results within the caller's transaction."""
+    ids: dict = {}
     for r in results:
-        add_kernel(session, r)
+        add_kernel(session, r, ids)
     return len(results)
 
 

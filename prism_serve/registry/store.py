@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Iterable, Sequence
 
-from sqlalchemy import Select, and_, delete, func, or_, select
+from sqlalchemy import Select, bindparam, delete, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
@@ -177,18 +177,34 @@ def upsert_sgraph(session: Session, sgraph: SGraph, program_id: int, proof: dict
 KERNEL_KEY = ("program_id", "device_id", "dtype", "bucket_lo", "bucket_hi", "sgraph_id", "params_json")
 
 
-def add_kernel(session: Session, r: KernelResult) -> int:
+def add_kernel(session: Session, r: KernelResult, _ids: dict | None = None) -> int:
     """Add or update one result; the same key twice leaves one row holding the latest values."""
     check_result(r)
-    pid = upsert_program(session, r.program, r.sources)
+    ids = {} if _ids is None else _ids  # parent ids already upserted in this transaction (add_kernels)
+    pkey = ("program", r.program.canonical_hash, r.sources)
+    if pkey not in ids:
+        ids[pkey] = upsert_program(session, r.program, r.sources)
+    pid = ids[pkey]
+    skey = ("sgraph", id(r.sgraph), pid, canonical_json(r.proof), canonical_json(r.tests))
+    if skey not in ids:
+        ids[skey] = (upsert_sgraph(session, r.sgraph, pid, r.proof, r.tests), r.sgraph)  # keeps id(sgraph) valid
+    dkey = ("device", r.device)
+    if dkey not in ids:
+        ids[dkey] = upsert_device(session, r.device)
     values = dict(
-        program_id=pid, sgraph_id=upsert_sgraph(session, r.sgraph, pid, r.proof, r.tests),
-        device_id=upsert_device(session, r.device), dtype=r.dtype, bucket_lo=r.bucket[0], bucket_hi=r.bucket[1],
+        program_id=pid, sgraph_id=ids[skey][0],
+        device_id=ids[dkey], dtype=r.dtype, bucket_lo=r.bucket[0], bucket_hi=r.bucket[1],
         params_json=canonical_json(r.params), codegen_version=r.versions.codegen, torch_version=r.versions.torch,
         triton_version=r.versions.triton, vllm_version=r.versions.vllm, prism_version=r.versions.prism,
         modeled_us=r.modeled_us, measured_us=r.measured_us, baseline=r.baseline, baseline_us=r.baseline_us,
         speedup=_speedup(r), status=r.status, reason=r.reason, warmup_run_id=r.warmup_run_id, updated_at=utcnow())
     return _upsert_id(session, Kernel, values, KERNEL_KEY, [c for c in values if c not in KERNEL_KEY])
+
+
+def add_kernels(session: Session, results: Iterable[KernelResult]) -> list[int]:
+    """Add many results in the caller's transaction, upserting each program, sGraph and device once."""
+    ids: dict = {}
+    return [add_kernel(session, r, ids) for r in results]
 
 
 def _speedup(r: KernelResult) -> float | None:
@@ -214,17 +230,21 @@ def _with_parents(stmt: Select) -> Select:
             .options(contains_eager(Kernel.program), contains_eager(Kernel.sgraph), contains_eager(Kernel.device)))
 
 
+_TIME = func.coalesce(Kernel.measured_us, Kernel.modeled_us)
+# Built once with bind parameters: constructing the statement per call costs more than running it.
+_BEST = (select(Kernel).join(ProgramRecord, Kernel.program_id == ProgramRecord.id)
+         .join(Device, Kernel.device_id == Device.id)
+         .where(ProgramRecord.hash == bindparam("hash"), Device.fingerprint == bindparam("fp"),
+                Kernel.dtype == bindparam("dtype"), Kernel.status == "enabled",
+                Kernel.bucket_lo <= bindparam("n"), Kernel.bucket_hi >= bindparam("n"))
+         .order_by(_TIME.asc().nulls_last(), Kernel.id).limit(1))
+
+
 def best_kernel(session: Session, program_hash: str, dtype: str, device: DeviceInfo | str,
                 num_tokens: int) -> Kernel | None:
     """The fastest enabled kernel whose bucket holds `num_tokens` (one indexed query)."""
     fp = device if isinstance(device, str) else device.fingerprint
-    time = func.coalesce(Kernel.measured_us, Kernel.modeled_us)
-    stmt = (select(Kernel).join(ProgramRecord, Kernel.program_id == ProgramRecord.id)
-            .join(Device, Kernel.device_id == Device.id)
-            .where(ProgramRecord.hash == program_hash, Device.fingerprint == fp, Kernel.dtype == dtype,
-                   Kernel.status == "enabled", Kernel.bucket_lo <= num_tokens, Kernel.bucket_hi >= num_tokens)
-            .order_by(time.asc().nulls_last(), Kernel.id).limit(1))
-    return session.scalars(stmt).first()
+    return session.scalars(_BEST, {"hash": program_hash, "fp": fp, "dtype": dtype, "n": num_tokens}).first()
 
 
 def list_kernels(session: Session, *, device: str | None = None, program: str | None = None,

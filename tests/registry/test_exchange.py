@@ -87,11 +87,11 @@ def test_import_failing_halfway_leaves_registry_unchanged(registry, doc, tmp_pat
     calls = []
     real = exchange.add_kernel
 
-    def flaky(session, r):
+    def flaky(session, r, ids=None):
         calls.append(r)
         if len(calls) == 3:
             raise RegistryError("disk full (simulated)")
-        return real(session, r)
+        return real(session, r, ids)
 
     monkeypatch.setattr(exchange, "add_kernel", flaky)
     with pytest.raises(RegistryError, match="simulated"):
