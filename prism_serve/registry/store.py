@@ -390,3 +390,17 @@ def decode_sgraph(k: Kernel) -> SGraph:
         return SGraph.from_json(data)
     except (PrismError, ValueError) as exc:
         raise RegistryError(f"kernel {k.id}: stored sGraph is invalid: {exc}") from None
+
+
+def kernel_instance(k: Kernel, spec: GpuSpec | None = None):
+    """The stored kernel as an `Instance`, ready for codegen to regenerate its Triton source.
+
+    The GPU spec is the kernel's own device unless given (CPU kernels need one: the spec only
+    bounds the tile sizes checked here)."""
+    from prism_serve.optimize.gpus import get_gpu
+    from prism_serve.optimize.sgraph import instantiate
+    try:
+        spec = spec or get_gpu(k.device.name)
+        return instantiate(decode_sgraph(k), decode_params(k), spec)
+    except PrismError as exc:
+        raise RegistryError(f"kernel {k.id}: cannot instantiate the stored sGraph: {exc}") from None
