@@ -18,6 +18,8 @@ def _table(result) -> str:
              f"num_tokens seen {result.num_tokens}", head, "-" * len(head)]
     for r in result.regions:
         dims = ",".join(f"{k}={v}" for k, v in r.dims.items()) + (f",eps={r.eps:g}" if r.eps is not None else "")
+        if r.rows_per_token not in ([], [1]):
+            dims += ",rows/token=" + "|".join(map(str, r.rows_per_token))
         prog = r.program.canonical_hash[:10] if r.program else "unsupported"
         layers = ",".join(map(str, r.layers)) or "-"
         lines.append(f"{r.kind:<20} {prog:<12} {dims:<40} {layers:<10} {100 * r.time_share:5.1f}%  "

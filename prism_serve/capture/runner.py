@@ -57,6 +57,7 @@ class Instance:
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     time_us: float = 0.0
+    rows_per_token: int = 1  # q/k norm run once per (token, head): the Program's num_tokens is tokens * heads
 
 
 @dataclass
@@ -74,12 +75,14 @@ class Region:
     modules: list[str]
     time_share: float
     buckets: list[int]
+    rows_per_token: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "program_hash": self.program.canonical_hash if self.program else None,
                 "program": self.program.to_json() if self.program else None, "dims": self.dims, "eps": self.eps,
                 "dtype": self.dtype, "supported": self.supported, "reason": self.reason, "layers": self.layers,
-                "modules": self.modules, "time_share": self.time_share, "buckets": self.buckets}
+                "modules": self.modules, "time_share": self.time_share, "buckets": self.buckets,
+                "rows_per_token": self.rows_per_token}
 
 
 @dataclass
@@ -149,8 +152,10 @@ def _instances(result: dict, record: dict) -> list[Instance]:
     recorded, weights = record["recorded"], record["weights"]
     out = []
     for i, r in enumerate(result["regions"]):
-        inst = Instance(r["kind"], r["layer"], r["modules"], r["dims"], r["eps"], r["dtype"], r["supported"],
-                        r["reason"], time_us=sum(times.get(m, 0.0) for m in r["modules"]))
+        dims = dict(r["dims"])
+        rows = int(dims.pop("rows_per_token", 1))
+        inst = Instance(r["kind"], r["layer"], r["modules"], dims, r["eps"], r["dtype"], r["supported"],
+                        r["reason"], time_us=sum(times.get(m, 0.0) for m in r["modules"]), rows_per_token=rows)
         if inst.supported:
             inst.program = _program(inst.kind, inst.dims, inst.dtype, inst.eps)
             if inst.program is None:
@@ -169,20 +174,25 @@ def _instances(result: dict, record: dict) -> list[Instance]:
     return out
 
 
-def _merge(instances: list[Instance], total_us: float, buckets: list[int]) -> list[Region]:
+def _merge(instances: list[Instance], total_us: float, hist: dict[int, int]) -> list[Region]:
     merged: dict[tuple, Region] = {}
     for inst in instances:
         key = (inst.kind, inst.program.canonical_hash if inst.program else json.dumps(inst.dims, sort_keys=True))
         share = inst.time_us / total_us if total_us > 0 else 0.0
         if key not in merged:
             merged[key] = Region(inst.kind, inst.program, inst.dims, inst.eps, inst.dtype, inst.supported,
-                                 inst.reason, [], [], 0.0, buckets if inst.supported else [])
+                                 inst.reason, [], [], 0.0, [])
         reg = merged[key]
         if inst.layer is not None and inst.layer not in reg.layers:
             reg.layers.append(inst.layer)
-        reg.modules += inst.modules if inst.kind not in ("rmsnorm_linear", "swiglu", "rmsnorm_swiglu") \
-            else ["+".join(inst.modules)]
+        reg.modules.append("+".join(inst.modules))
         reg.time_share += share
+        if inst.rows_per_token not in reg.rows_per_token:
+            reg.rows_per_token.append(inst.rows_per_token)
+    for reg in merged.values():
+        reg.rows_per_token.sort()
+        if reg.supported:  # the Program's num_tokens is rows: tokens * rows_per_token
+            reg.buckets = buckets_from_histogram({n * r: c for n, c in hist.items() for r in reg.rows_per_token})
     return sorted(merged.values(), key=lambda r: (not r.supported, -r.time_share))
 
 
@@ -197,7 +207,7 @@ def capture(model: str | Path | None = None) -> CaptureResult:
     hist = {int(k): v for k, v in result["num_tokens"].items()}
     buckets = buckets_from_histogram(hist)
     instances = _instances(result, record)
-    regions = _merge(instances, result["forward_time_us"], buckets)
+    regions = _merge(instances, result["forward_time_us"], hist)
     return CaptureResult(str(model) if model is not None else str(model_dir), result["architecture"],
                          result["load_format"], regions, instances, hist, buckets,
                          result["recorded_num_tokens"], result["seconds"])

@@ -18,7 +18,7 @@ def test_time_shares_and_buckets(llama_capture):
     for r in res.regions:
         assert 0.0 < r.time_share <= 1.0, r.kind
         if r.supported:
-            assert r.buckets == res.buckets
+            assert r.buckets == res.buckets and r.rows_per_token == [1]
     # disjoint regions cannot take more than the whole forward
     disjoint = [r for r in res.regions if r.kind in ("rms_norm", "fused_add_rms_norm", "swiglu", "attention")]
     assert sum(r.time_share for r in disjoint) <= 1.0

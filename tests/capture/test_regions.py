@@ -46,6 +46,10 @@ def test_qwen3_regions_include_qk_norm(qwen3_capture):
     assert unsupported == {"rmsnorm_swiglu", "qk_norm_attention", "rotary_embedding"}
     qk = next(r for r in qwen3_capture.regions if r.kind == "rms_norm" and r.dims["hidden"] == 32)
     assert sorted(m.rsplit(".", 1)[-1] for m in qk.modules) == ["k_norm"] * 2 + ["q_norm"] * 2
+    assert qk.dims == {"hidden": 32} and qk.rows_per_token == [2, 4]  # k heads, q heads
+    # its Program's num_tokens counts rows (tokens * heads), so its buckets are its own
+    seen = {n * r for n in qwen3_capture.num_tokens for r in (2, 4)}
+    assert qk.buckets == sorted({1 << (n - 1).bit_length() for n in seen})
 
 
 def test_dims_and_epsilon_are_the_models(qwen3_capture):
