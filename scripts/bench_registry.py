@@ -20,14 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from prism_serve.optimize.gpus import GPUS  # noqa: E402
-from prism_serve.optimize.workloads.oracles import default_assignment, oracle  # noqa: E402
-from prism_serve.optimize.workloads.programs import WORKLOADS  # noqa: E402
-from prism_serve.registry import DeviceInfo, KernelResult, Versions, open_registry  # noqa: E402
-from prism_serve.registry.store import add_kernels, best_kernel, counts, load_device  # noqa: E402
+from prism_serve.optimize.gpus import GPUS
+from prism_serve.optimize.workloads.oracles import default_assignment, oracle
+from prism_serve.optimize.workloads.programs import WORKLOADS
+from prism_serve.registry import DeviceInfo, KernelResult, Versions, open_registry
+from prism_serve.registry.store import add_kernels, best_kernel, counts, load_device
 
 WORKLOAD_NAMES = ("rms_norm", "fused_add_rms_norm", "rmsnorm_linear", "swiglu", "rmsnorm_mlp")
 HIDDEN = (256, 512, 1024, 2048, 4096)

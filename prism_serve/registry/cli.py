@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -16,7 +17,7 @@ from prism_serve.registry import exchange, store
 from prism_serve.registry.db import Registry, current_revision, describe, head_revision, open_registry, resolve_url
 
 registry_app = typer.Typer(help="Inspect and manage the kernel registry.", no_args_is_help=True)
-RegistryOpt = Annotated[Optional[str], typer.Option(
+RegistryOpt = Annotated[str | None, typer.Option(
     "--registry", help="Path or SQLAlchemy URL (default: $PRISM_SERVE_REGISTRY or the cache file).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
@@ -54,10 +55,10 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 @registry_app.command("list")
-def list_cmd(registry: RegistryOpt = None, device: Annotated[Optional[str], typer.Option()] = None,
-             program: Annotated[Optional[str], typer.Option(help="Program name or hash prefix.")] = None,
-             status: Annotated[Optional[str], typer.Option()] = None,
-             dtype: Annotated[Optional[str], typer.Option()] = None, as_json: JsonOpt = False) -> None:
+def list_cmd(registry: RegistryOpt = None, device: Annotated[str | None, typer.Option()] = None,
+             program: Annotated[str | None, typer.Option(help="Program name or hash prefix.")] = None,
+             status: Annotated[str | None, typer.Option()] = None,
+             dtype: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt = False) -> None:
     """List kernels, optionally filtered."""
     with _opened(registry) as reg, reg.read() as s:
         rows = [_row(k) for k in store.list_kernels(s, device=device, program=program, status=status, dtype=dtype)]
@@ -94,8 +95,8 @@ def show(kernel_id: int, registry: RegistryOpt = None, as_json: JsonOpt = False)
 
 
 @registry_app.command("export")
-def export_cmd(path: Path, registry: RegistryOpt = None, device: Annotated[Optional[str], typer.Option()] = None,
-               program: Annotated[Optional[str], typer.Option()] = None, as_json: JsonOpt = False) -> None:
+def export_cmd(path: Path, registry: RegistryOpt = None, device: Annotated[str | None, typer.Option()] = None,
+               program: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt = False) -> None:
     """Write kernels to a portable JSON file (data only)."""
     with _opened(registry) as reg, reg.read() as s:
         n = exchange.export_file(s, path, device=device, program=program)
@@ -131,7 +132,7 @@ def gc(registry: RegistryOpt = None, incompatible: Annotated[bool, typer.Option(
 
 
 @registry_app.command()
-def doctor(registry: RegistryOpt = None, device: Annotated[Optional[str], typer.Option(
+def doctor(registry: RegistryOpt = None, device: Annotated[str | None, typer.Option(
         help="Device fingerprint to explain loading for, e.g. gpu:h200:sm9.0:132sms.")] = None,
            as_json: JsonOpt = False) -> None:
     """Where the registry is, its schema, what it holds, and what this device would load and why not."""

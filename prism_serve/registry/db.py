@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from alembic import command
 from alembic.config import Config

@@ -20,8 +20,7 @@ from prism_serve.errors import PrismError
 from prism_serve.optimize.ir import Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.registry.errors import RegistryError
-from prism_serve.registry.store import (DeviceInfo, KernelResult, Versions, add_kernel, canonical_json,
-                                        list_kernels)
+from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, add_kernel, canonical_json, list_kernels
 
 FORMAT = "prism-serve-registry"
 EXPORT_VERSION = 1
@@ -197,5 +196,14 @@ def read_export(path: str | Path) -> list[KernelResult]:
     return parse_export(text)
 
 
-__all__ = ["FORMAT", "EXPORT_VERSION", "parse_export", "read_export", "export_document", "export_file",
-           "import_results", "kernel_record", "canonical_json"]
+__all__ = [
+    "EXPORT_VERSION",
+    "FORMAT",
+    "canonical_json",
+    "export_document",
+    "export_file",
+    "import_results",
+    "kernel_record",
+    "parse_export",
+    "read_export",
+]

@@ -7,7 +7,7 @@ at load time; no column holds code to execute.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
@@ -18,7 +18,7 @@ DEVICE_KINDS = ("gpu", "cpu")
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Base(DeclarativeBase):
@@ -47,7 +47,7 @@ class ProgramRecord(Base):
     name: Mapped[str] = mapped_column(String(200))
     ir_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    sources: Mapped[list["ProgramSource"]] = relationship(back_populates="program", cascade="all, delete-orphan")
+    sources: Mapped[list[ProgramSource]] = relationship(back_populates="program", cascade="all, delete-orphan")
 
 
 class ProgramSource(Base):

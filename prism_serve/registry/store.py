@@ -9,9 +9,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import Select, bindparam, delete, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -23,8 +24,16 @@ from prism_serve.optimize.gpus import GpuSpec
 from prism_serve.optimize.ir import DTYPES, Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.registry.errors import RegistryError
-from prism_serve.registry.models import (STATUSES, Device, Kernel, ProgramRecord, ProgramSource, SGraphRecord,
-                                         WarmupRun, utcnow)
+from prism_serve.registry.models import (
+    STATUSES,
+    Device,
+    Kernel,
+    ProgramRecord,
+    ProgramSource,
+    SGraphRecord,
+    WarmupRun,
+    utcnow,
+)
 
 
 @dataclass(frozen=True)
@@ -44,12 +53,12 @@ class DeviceInfo:
         return f"gpu:{self.name}:sm{self.compute_capability}:{self.sm_count}sms"
 
     @staticmethod
-    def from_spec(spec: GpuSpec, memory_bytes: int | None = None) -> "DeviceInfo":
+    def from_spec(spec: GpuSpec, memory_bytes: int | None = None) -> DeviceInfo:
         cc = f"{spec.compute_capability[0]}.{spec.compute_capability[1]}"
         return DeviceInfo("gpu", spec.name, cc, spec.sms, memory_bytes)
 
     @staticmethod
-    def cpu(name: str = "x86_64") -> "DeviceInfo":
+    def cpu(name: str = "x86_64") -> DeviceInfo:
         return DeviceInfo("cpu", name)
 
 

@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from pathlib import Path
 

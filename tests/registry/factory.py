@@ -14,7 +14,7 @@ DEVICES = tuple(DeviceInfo.from_spec(g) for g in GPUS.values()) + (DeviceInfo.cp
 SIZED = ("rms_norm", "fused_add_rms_norm", "rmsnorm_linear", "swiglu", "rmsnorm_mlp")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program_and_sgraph(workload: str = "rms_norm", hidden: int = 1024, dtype: str = "float16"):
     prog = WORKLOADS[workload].program(hidden=hidden, dtype=dtype)
     g = oracle(prog)

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from prism_serve.registry import RegistryError
-from prism_serve.registry import exchange
+from prism_serve.registry import RegistryError, exchange
 from prism_serve.registry.exchange import export_document, import_results, parse_export, read_export
 from prism_serve.registry.store import add_kernel, counts
 from tests.registry.factory import DEVICES, result
@@ -94,9 +93,8 @@ def test_import_failing_halfway_leaves_registry_unchanged(registry, doc, tmp_pat
         return real(session, r, ids)
 
     monkeypatch.setattr(exchange, "add_kernel", flaky)
-    with pytest.raises(RegistryError, match="simulated"):
-        with target.write() as s:
-            import_results(s, parse_export(doc))
+    with pytest.raises(RegistryError, match="simulated"), target.write() as s:
+        import_results(s, parse_export(doc))
     assert len(calls) == 3
     with target.read() as s:
         assert counts(s) == before

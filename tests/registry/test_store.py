@@ -8,8 +8,20 @@ import pytest
 
 from prism_serve.registry import RegistryError, best_kernel, load_device
 from prism_serve.registry.exchange import export_document, import_results, parse_export
-from prism_serve.registry.store import (add_kernel, counts, decode_params, decode_sgraph, explain, finish_warmup, gc,
-                                        get_kernel, list_kernels, remove_kernels, set_status, start_warmup)
+from prism_serve.registry.store import (
+    add_kernel,
+    counts,
+    decode_params,
+    decode_sgraph,
+    explain,
+    finish_warmup,
+    gc,
+    get_kernel,
+    list_kernels,
+    remove_kernels,
+    set_status,
+    start_warmup,
+)
 from tests.registry.factory import DEVICES, VERSIONS, result
 
 H200 = DEVICES[1]
@@ -87,9 +99,8 @@ def test_list_filter_status_remove_gc(registry):
     assert removed == {"sgraphs": 1, "programs": 1, "devices": 0}
     with registry.read() as s:
         assert counts(s)["programs"] == 1
-    with pytest.raises(RegistryError, match="no kernel with id"):
-        with registry.write() as s:
-            set_status(s, 999, "enabled", "")
+    with pytest.raises(RegistryError, match="no kernel with id"), registry.write() as s:
+        set_status(s, 999, "enabled", "")
 
 
 def test_warmup_run_record(registry):
@@ -122,11 +133,9 @@ def test_export_import_round_trip(registry, tmp_path):
 
 
 def test_invalid_result_rejected(registry):
-    with pytest.raises(RegistryError, match="params"):
-        with registry.write() as s:
-            add_kernel(s, result(params={"BT": 0}))
-    with pytest.raises(RegistryError, match="bucket"):
-        with registry.write() as s:
-            add_kernel(s, result(bucket=(16, 1)))
+    with pytest.raises(RegistryError, match="params"), registry.write() as s:
+        add_kernel(s, result(params={"BT": 0}))
+    with pytest.raises(RegistryError, match="bucket"), registry.write() as s:
+        add_kernel(s, result(bucket=(16, 1)))
     with registry.read() as s:
         assert counts(s)["kernels"] == 0
