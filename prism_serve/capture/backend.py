@@ -31,9 +31,9 @@ class CaptureState:
     groups: dict[str, Group] = field(default_factory=dict)
     graph_nodes: int = 0
     num_tokens: Counter = field(default_factory=Counter)
-    record_pending: bool = False
-    recorded: dict[int, dict[str, list[torch.Tensor]]] | None = None
-    recorded_num_tokens: int | None = None
+    record_pending: int = 0  # how many of the next forwards to record
+    # per recorded forward: (num_tokens, {region index: {"inputs": [...], "outputs": [...]}})
+    recorded: list[tuple[int | None, dict[int, dict[str, list[torch.Tensor]]]]] = field(default_factory=list)
 
 
 STATE = CaptureState()
@@ -132,10 +132,10 @@ def capture_backend(gm: fx.GraphModule, example_inputs, *args, **kwargs):
         if n is not None:
             STATE.num_tokens[n] += 1
         if STATE.record_pending and gm.graph is not None and STATE.regions is regions:
-            STATE.record_pending = False
+            STATE.record_pending -= 1
             rec = _Recorder(gm, regions)
             result = rec.run(*call_args)
-            STATE.recorded, STATE.recorded_num_tokens = rec.out, n
+            STATE.recorded.append((n, rec.out))
             return result
         return timed(*call_args)
 

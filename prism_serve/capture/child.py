@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89]  # 7 tokens: one prefill forward is recorded
+RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89]  # 7 tokens: its prefill and one decode forward are recorded
 HOT_PROMPT_LENS = (3, 9, 17, 33, 60)  # mixed lengths, batched
 HOT_MAX_TOKENS = 6
 MAX_MODEL_LEN = 256  # capture needs only short prompts
@@ -123,8 +123,8 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # vLLM rejected the model or config
         return _fail(out, f"vLLM rejected the model: {_one_line(exc)}")
     try:
-        greedy = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        backend.STATE.record_pending = True
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
+        backend.STATE.record_pending = 2
         llm.generate([TokensPrompt(prompt_token_ids=RECORD_PROMPT[:max(1, max_len - 2)])], greedy, use_tqdm=False)
         backend.STATE.num_tokens.clear()
         vocab = int(config.get("vocab_size", 256))
@@ -138,12 +138,12 @@ def main(argv: list[str]) -> int:
         st = backend.STATE
         regions = st.regions
         weights = _weights(llm, regions)
-        torch.save({"recorded": st.recorded or {}, "weights": weights}, out / "record.pt")
+        torch.save({"recorded": st.recorded, "weights": weights}, out / "record.pt")
         result = {"ok": True, "model": str(model_dir), "architecture": (config.get("architectures") or [""])[0],
                   "load_format": "auto" if has_weights else "dummy", "graph_nodes": st.graph_nodes,
                   "regions": regions, "module_time_us": times, "forward_time_us": total,
                   "num_tokens": {str(k): v for k, v in sorted(st.num_tokens.items())},
-                  "recorded_num_tokens": st.recorded_num_tokens, "seconds": round(time.time() - t0, 2)}
+                  "recorded_num_tokens": [n for n, _ in st.recorded], "seconds": round(time.time() - t0, 2)}
         (out / "result.json").write_text(json.dumps(result))
         return 0
     except Exception as exc:

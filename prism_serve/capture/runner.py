@@ -54,10 +54,19 @@ class Instance:
     supported: bool
     reason: str | None
     program: Program | None = None
-    inputs: list[torch.Tensor] = field(default_factory=list)
-    outputs: list[torch.Tensor] = field(default_factory=list)
+    # one (num_tokens, inputs in Program signature order, outputs) per recorded forward
+    recordings: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
     time_us: float = 0.0
     rows_per_token: int = 1  # q/k norm run once per (token, head): the Program's num_tokens is tokens * heads
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """The first recorded forward's inputs (the prefill)."""
+        return self.recordings[0][1] if self.recordings else []
+
+    @property
+    def outputs(self) -> list[torch.Tensor]:
+        return self.recordings[0][2] if self.recordings else []
 
 
 @dataclass
@@ -94,7 +103,7 @@ class CaptureResult:
     instances: list[Instance]
     num_tokens: dict[int, int]
     buckets: list[int]
-    recorded_num_tokens: int | None
+    recorded_num_tokens: list[int]
     seconds: float
 
     def to_json(self) -> dict:
@@ -160,16 +169,17 @@ def _instances(result: dict, record: dict) -> list[Instance]:
             inst.program = _program(inst.kind, inst.dims, inst.dtype, inst.eps)
             if inst.program is None:
                 inst.supported, inst.reason = False, f"no Program builder for region kind {inst.kind!r}"
-        if inst.supported and i in recorded:
-            rec = recorded[i]
-            for ref, value in zip(r["inputs"], rec["inputs"]):
+        for n, forward in recorded if inst.supported else ():
+            if i not in forward:
+                continue
+            inputs = []
+            for ref, value in zip(r["inputs"], forward[i]["inputs"]):
                 if "param" in ref:
-                    w = weights.get(ref["param"])
-                    if w is not None and "slice" in ref:
-                        w = w[ref["slice"][0]:ref["slice"][1]].contiguous()
-                    value = w
-                inst.inputs.append(value)
-            inst.outputs = list(rec["outputs"])
+                    value = weights.get(ref["param"])
+                    if value is not None and "slice" in ref:
+                        value = value[ref["slice"][0]:ref["slice"][1]].contiguous()
+                inputs.append(value)
+            inst.recordings.append((n, inputs, list(forward[i]["outputs"])))
         out.append(inst)
     return out
 

@@ -18,19 +18,21 @@ def _check_all(result):
     for inst in result.instances:
         if not inst.supported:
             continue
-        assert inst.inputs and inst.outputs, f"{inst.kind} at {inst.modules}: nothing recorded"
-        got = evaluate(inst.program, inst.inputs)
-        assert len(inst.outputs) <= len(got)
-        for g, want in zip(got, inst.outputs):
-            assert want.abs().max() > 0, f"{inst.kind} at {inst.modules}: recorded output is all zeros"
-            err = max_rel_error(g, want.float())
-            assert err < TOL, f"{inst.kind} at {inst.modules}: rel err {err:.2e}"
+        assert [n for n, _, _ in inst.recordings] == result.recorded_num_tokens
+        for n, inputs, outputs in inst.recordings:
+            assert inputs and outputs, f"{inst.kind} at {inst.modules}: nothing recorded"
+            got = evaluate(inst.program, inputs)
+            assert len(outputs) <= len(got)
+            for g, want in zip(got, outputs):
+                assert want.abs().max() > 0, f"{inst.kind} at {inst.modules}: recorded output is all zeros"
+                err = max_rel_error(g, want.float())
+                assert err < TOL, f"{inst.kind} at {inst.modules}, num_tokens {n}: rel err {err:.2e}"
         checked += 1
     return checked
 
 
 def test_llama_fidelity(llama_capture):
-    assert llama_capture.recorded_num_tokens == 7
+    assert llama_capture.recorded_num_tokens == [7, 1]  # the prefill and one decode step
     assert _check_all(llama_capture) == 13  # 6 per layer + the final norm
 
 
