@@ -1,0 +1,165 @@
+"""Abstract expressions and the rewrite rules of the parallel algebra, as typed egglog terms.
+
+A `T` is a whole tensor, or the tile one block sees of it. Sizes stay symbolic:
+a `Sym` names a grid axis or a for-loop, never a number.
+
+- ``part(x, d, s)``: the slice of ``x`` along dim ``d`` (counted from the right, so
+  broadcasting keeps it stable) that the index of ``s`` selects.
+- ``red_sum(x, s)`` / ``red_max(x, s)``: the sum / max of ``x`` over every index of ``s``
+  (a for-loop accumulator, or a combine over a grid axis).
+- ``assemble(x, d, s)``: the tiles ``x`` of every index of ``s`` concatenated along ``d`` (a store).
+- ``run_max(x, s)``: the running max inside a loop (only the rescale identity removes it).
+
+Facts asserted by the translation and propagated here: ``indep(x, s)`` (x does not depend
+on the index of s) and ``bcast(x, d)`` (x has size 1 at dim d, or lacks it).
+"""
+
+from __future__ import annotations
+
+from egglog import Expr, StringLike, eq, i64, i64Like, ne, relation, rewrite, rule, ruleset, seq
+
+
+class Sym(Expr):
+    """A symbolic size: a grid axis or a for-loop range."""
+
+    def __init__(self, name: StringLike) -> None: ...
+
+
+class T(Expr):
+    @classmethod
+    def var(cls, name: StringLike) -> T: ...
+
+    @classmethod
+    def const(cls, value: StringLike) -> T: ...
+
+    @classmethod
+    def inv_size(cls, s: Sym) -> T: ...
+
+    def __add__(self, other: T) -> T: ...
+
+    def __sub__(self, other: T) -> T: ...
+
+    def __mul__(self, other: T) -> T: ...
+
+    def __truediv__(self, other: T) -> T: ...
+
+    def exp(self) -> T: ...
+
+    def silu(self) -> T: ...
+
+    def sqrt(self) -> T: ...
+
+    def rsqrt(self) -> T: ...
+
+    def tr(self) -> T: ...
+
+    def mm(self, other: T) -> T: ...
+
+    def sum(self, d: i64Like) -> T: ...
+
+    def max(self, d: i64Like) -> T: ...
+
+    def squeeze(self, d: i64Like) -> T: ...
+
+    def part(self, d: i64Like, s: Sym) -> T: ...
+
+    def assemble(self, d: i64Like, s: Sym) -> T: ...
+
+    def replicate(self, s: Sym) -> T: ...
+
+    def red_sum(self, s: Sym) -> T: ...
+
+    def red_max(self, s: Sym) -> T: ...
+
+    def run_max(self, s: Sym) -> T: ...
+
+
+indep = relation("indep", T, Sym)
+bcast = relation("bcast", T, i64)
+
+BINARY = ("__add__", "__sub__", "__mul__", "__truediv__")
+UNARY = ("exp", "silu", "sqrt", "rsqrt")
+
+
+def _bin(op: str, a: T, b: T) -> T:
+    return getattr(a, op)(b)
+
+
+@ruleset
+def facts(x: T, y: T, e: T, s: Sym, t: Sym, d: i64, d2: i64):
+    """Analysis: independence of a loop / grid index, and broadcasting, through the constructors."""
+    for op in BINARY:
+        yield rule(eq(e).to(_bin(op, x, y)), indep(x, s), indep(y, s)).then(indep(e, s))
+        yield rule(eq(e).to(_bin(op, x, y)), bcast(x, d), bcast(y, d)).then(bcast(e, d))
+    for op in UNARY:
+        yield rule(eq(e).to(getattr(x, op)()), indep(x, s)).then(indep(e, s))
+        yield rule(eq(e).to(getattr(x, op)()), bcast(x, d)).then(bcast(e, d))
+    yield rule(eq(e).to(x.mm(y)), indep(x, s), indep(y, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.tr()), indep(x, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.sum(d)), indep(x, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.max(d)), indep(x, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.sum(d))).then(bcast(e, d))
+    yield rule(eq(e).to(x.max(d))).then(bcast(e, d))
+    yield rule(eq(e).to(x.part(d, t)), indep(x, s), ne(s).to(t)).then(indep(e, s))
+    yield rule(eq(e).to(x.red_sum(t))).then(indep(e, t))
+    yield rule(eq(e).to(x.red_sum(t)), indep(x, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.red_max(t))).then(indep(e, t))
+    yield rule(eq(e).to(x.red_max(t)), indep(x, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.assemble(d, t))).then(indep(e, t))
+    yield rule(eq(e).to(x.assemble(d, t)), indep(x, s)).then(indep(e, s))
+
+
+@ruleset
+def parallel(x: T, y: T, s: Sym, t: Sym, d: i64, d2: i64):
+    """Partition / replicate / combine / reduce: pull slices out, then fold the reductions."""
+    for op in BINARY:
+        yield rewrite(_bin(op, x.part(d, s), y.part(d, s))).to(_bin(op, x, y).part(d, s))
+        yield rewrite(_bin(op, x.part(d, s), y)).to(_bin(op, x, y).part(d, s), indep(y, s), bcast(y, d))
+        yield rewrite(_bin(op, y, x.part(d, s))).to(_bin(op, y, x).part(d, s), indep(y, s), bcast(y, d))
+    for op in UNARY:
+        yield rewrite(getattr(x.part(d, s), op)()).to(getattr(x, op)().part(d, s))
+    # slices along different dims commute
+    yield rewrite(x.part(d, s).part(d2, t)).to(x.part(d2, t).part(d, s), ne(d).to(d2))
+    # transpose swaps the two last dims
+    yield rewrite(x.part(-1, s).tr()).to(x.tr().part(-2, s))
+    yield rewrite(x.part(-2, s).tr()).to(x.tr().part(-1, s))
+    # a row / column slice of a matmul operand is a slice of the product
+    yield rewrite(x.part(-2, s).mm(y)).to(x.mm(y).part(-2, s), indep(y, s))
+    yield rewrite(x.mm(y.part(-1, s))).to(x.mm(y).part(-1, s), indep(x, s))
+    # reductions along another dim than the slice's (keepdim: dims stay put)
+    yield rewrite(x.part(d, s).sum(d2)).to(x.sum(d2).part(d, s), ne(d).to(d2))
+    yield rewrite(x.part(d, s).max(d2)).to(x.max(d2).part(d, s), ne(d).to(d2))
+    yield rewrite(x.part(d, s).red_sum(t)).to(x.red_sum(t).part(d, s), ne(s).to(t))
+    yield rewrite(x.part(d, s).red_max(t)).to(x.red_max(t).part(d, s), ne(s).to(t))
+    # sum splitting: the parts of a dim reduce to the whole dim
+    yield rewrite(x.part(d, s).sum(d).red_sum(s)).to(x.sum(d), indep(x, s))
+    yield rewrite(x.part(d, s).max(d).red_max(s)).to(x.max(d), indep(x, s))
+    yield rewrite(x.part(-1, s).mm(y.part(-2, s)).red_sum(s)).to(x.mm(y), indep(x, s), indep(y, s))
+    # combine: concatenating every slice gives the tensor back; replicas of an invariant agree
+    yield rewrite(x.part(d, s).assemble(d, s)).to(x)
+    yield rewrite(x.replicate(s)).to(x, indep(x, s))
+    # loop-invariant factors leave a sum
+    yield rewrite((x * y).red_sum(s)).to(x.red_sum(s) * y, indep(y, s))
+
+
+@ruleset
+def arith(x: T, y: T, z: T, d: i64):
+    """Field identities used by the fused designs (commutativity, associativity, distributivity,
+    division, matmul linearity in a per-row scalar, exp / max identities of online softmax)."""
+    yield rewrite(x + y).to(y + x)
+    yield rewrite(x * y).to(y * x)
+    yield rewrite((x * y) * z).to(x * (y * z))
+    yield rewrite(x * (y * z)).to((x * y) * z)
+    yield rewrite((x + y) + z).to(x + (y + z))
+    yield rewrite((x + y) * z).to(x * z + y * z)
+    yield rewrite((x / y) * z).to((x * z) / y)
+    yield rewrite(x.mm(y) * z).to((x * z).mm(y), bcast(z, -1))
+    yield rewrite(x.mm(y) / z).to((x / z).mm(y), bcast(z, -1))
+    yield rewrite(x * y.rsqrt()).to(x / y.sqrt())
+    yield rewrite(x.exp() * y.exp()).to((x + y).exp())
+    yield rewrite((x - y) + (y - z)).to(x - z)
+
+
+def schedule(iterations: int = 12):
+    """Bounded: analysis to a fixpoint between each round of rewriting."""
+    return seq(facts.saturate(), parallel + arith) * iterations

@@ -1,0 +1,212 @@
+"""Stage 2 verification: an egglog proof that an sGraph computes its Program, for every
+instantiation of its symbols at once.
+
+Both sides become abstract expressions of `prism_serve.optimize.algebra`: the Program (after
+expanding composites) over whole tensors; the sGraph in the parallel algebra, where a load is
+a `part` of a tensor per mapped grid axis / for-loop, an accumulator a reduction over the
+loop's parts, a store an `assemble` (or a `replicate` where the map is None). Symbols stay
+`Sym` terms; no size is ever substituted. The proof is `check(eq(sgraph_out).to(program_out))`
+after a bounded schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import sympy
+from egglog import EGraph, eq
+
+from prism_serve.optimize import algebra as A
+from prism_serve.optimize.algebra import Sym, T
+from prism_serve.optimize.ir import Node
+from prism_serve.optimize.reference import expand_composites
+from prism_serve.optimize.sgraph import BlockKernel, SGraph
+
+log = logging.getLogger(__name__)
+MAX_RANK = 6
+ITERATIONS = 10
+
+
+@dataclass(frozen=True)
+class ProofResult:
+    ok: bool
+    reason: str
+    seconds: float
+    iterations: int = 0
+    eclasses: int = 0
+    outputs: tuple[str, ...] = ()
+
+
+class Unsupported(Exception):
+    """The translation has no rule for a construct: the candidate is not proven."""
+
+
+class _Ctx:
+    """Terms built so far and the facts (independence, broadcasting) the translation knows."""
+
+    def __init__(self, symbols: tuple[str, ...]):
+        self.symbols = symbols
+        self.facts: list = []
+
+    def note(self, term: T, shape: tuple, deps: frozenset[str]) -> T:
+        for i in range(1, MAX_RANK + 1):
+            if i > len(shape) or shape[-i] == 1:
+                self.facts.append(A.bcast(term, -i))
+        for s in self.symbols:
+            if s not in deps:
+                self.facts.append(A.indep(term, Sym(s)))
+        return term
+
+
+def _const(value: float) -> T:
+    return T.const(repr(float(value)))
+
+
+def _neg(dim: int, rank: int) -> int:
+    return dim % rank - rank
+
+
+def _op(n: Node, args: list[T], shapes: list[tuple], ctx: _Ctx) -> T:
+    """One IR op on abstract tensors; `shapes` are the inputs' (tile) shapes."""
+    op = n.op
+    if op == "const":
+        return _const(n.attr("value"))
+    if op in ("add", "sub", "mul", "div"):
+        return {"add": args[0] + args[1], "sub": args[0] - args[1], "mul": args[0] * args[1],
+                "div": args[0] / args[1]}[op]
+    if op == "square":
+        return args[0] * args[0]
+    if op in ("exp", "silu", "sqrt", "rsqrt"):
+        return getattr(args[0], op)()
+    if op == "matmul":
+        return args[0].mm(args[1].tr() if n.attr("transpose_b") else args[1])
+    if op in ("sum", "mean", "max"):
+        d = _neg(n.attr("dim"), len(shapes[0]))
+        out = args[0].max(d) if op == "max" else args[0].sum(d)
+        if op == "mean":
+            size = sympy.sympify(shapes[0][d])
+            # a symbolic extent stays an opaque constant, equal only to itself
+            inv = _const(1.0 / int(size)) if size.is_Integer else T.const(f"1/({sympy.srepr(size)})")
+            out = out * ctx.note(inv, (), frozenset())
+        return out if n.attr("keepdim") else out.squeeze(d)
+    raise Unsupported(f"node '{n.name}': op {op!r} has no abstract form")
+
+
+def program_terms(g: SGraph, ctx: _Ctx) -> dict[str, T]:
+    prog = expand_composites(g.program)
+    env: dict[str, T] = {}
+    shapes: dict[str, tuple] = {}
+    for n in prog.nodes:
+        shapes[n.name] = tuple(prog.types[n.name].shape) if n.op != "const" else ()
+        if n.op == "input":
+            term = T.var(n.name)
+        else:
+            term = _op(n, [env[s] for s in n.inputs], [shapes[s] for s in n.inputs], ctx)
+        env[n.name] = ctx.note(term, shapes[n.name], frozenset())
+    return {o: env[o] for o in prog.outputs}
+
+
+def sgraph_terms(g: SGraph, ctx: _Ctx) -> dict[str, T]:
+    env: dict[str, T] = {n.name: T.var(n.name) for n in g.program.inputs}  # noted by program_terms
+    for k in g.kernels:
+        if isinstance(k, BlockKernel):
+            _block(g, k, env, ctx)
+        else:
+            n = k.op
+            shapes = [tuple(g.tensors[s].shape) for s in n.inputs]
+            env[n.name] = ctx.note(_op(n, [env[s] for s in n.inputs], shapes, ctx), tuple(g.tensors[n.name].shape),
+                                   frozenset())
+    return {o: env[o] for o in g.program.outputs}
+
+
+def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
+    types = g.block_types(k)
+    loop = Sym(k.forloop) if k.forloop else None
+    local: dict[str, T] = {}
+    deps: dict[str, frozenset[str]] = {}
+    bodies: dict[str, T] = {}  # a max accumulator's loop-body value, for its running form
+    for n in k.nodes:
+        shape = tuple(types[n.name].shape)
+        if n.op == "load":
+            decl = g.tensors[n.attr("tensor")]
+            rank, term, dep = len(decl.shape), env[n.attr("tensor")], set()
+            for axis, d in zip(k.grid, n.attr("imap")):
+                if d is not None:
+                    term, dep = term.part(d - rank, Sym(axis.symbol)), dep | {axis.symbol}
+            if n.attr("fmap") is not None:
+                term, dep = term.part(n.attr("fmap") - rank, loop), dep | {k.forloop}
+            local[n.name], deps[n.name] = term, frozenset(dep)
+        elif n.op == "accum":
+            body, kind = local[n.inputs[0]], n.attr("kind")
+            if kind == "sum":
+                term = body.red_sum(loop)
+            elif kind == "mean":
+                term = body.red_sum(loop) * ctx.note(T.inv_size(loop), (), frozenset())
+            elif kind == "max":
+                term, bodies[n.name] = body.red_max(loop), body
+            else:  # rescaled_sum: sum_i x_i * exp(m_i - m_final), m_i the running max
+                m = n.inputs[1]
+                scale = (bodies[m].run_max(loop) - local[m]).exp()
+                term = (body * scale).red_sum(loop)
+            local[n.name], deps[n.name] = term, deps[n.inputs[0]] - {k.forloop}
+        elif n.op == "store":
+            decl = g.tensors[n.attr("tensor")]
+            value, rank = local[n.inputs[0]], len(decl.shape)
+            if len(types[n.inputs[0]].shape) != rank:
+                raise Unsupported(f"kernel '{k.name}' store '{n.name}': value rank differs from the tensor's")
+            for axis, d in zip(k.grid, n.attr("omap")):
+                s = Sym(axis.symbol)
+                value = value.replicate(s) if d is None else value.assemble(d - rank, s)
+            env[n.attr("tensor")] = ctx.note(value, tuple(decl.shape), frozenset())
+            continue
+        else:
+            args = []
+            for s in n.inputs:
+                src = k.by_name[s]
+                running = (k.stages[n.name] == "loop" and src.op == "accum" and src.attr("kind") == "max")
+                args.append(bodies[s].run_max(loop) if running else local[s])
+            local[n.name] = _op(n, args, [tuple(types[s].shape) for s in n.inputs], ctx)
+            deps[n.name] = frozenset().union(*(deps[s] | ({k.forloop} if k.stages[n.name] == "loop" else set())
+                                              for s in n.inputs)) if n.inputs else frozenset()
+        ctx.note(local[n.name], shape, deps[n.name])
+
+
+_CACHE: dict[str, ProofResult] = {}
+
+
+def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
+    """Prove every output of `g` equal to its Program's, over symbolic sizes (cached)."""
+    key = json.dumps(g.to_json(), sort_keys=True, default=str) + f"#{iterations}"
+    if key in _CACHE:
+        return _CACHE[key]
+    start = time.perf_counter()
+    ctx = _Ctx(tuple(g.symbols))
+    try:
+        want = program_terms(g, ctx)
+        got = sgraph_terms(g, ctx)
+    except Unsupported as exc:
+        return ProofResult(False, f"unsupported: {exc}", time.perf_counter() - start)
+    egraph = EGraph()
+    pairs = []
+    for o in g.program.outputs:
+        a, b = egraph.let(f"want_{o}", want[o]), egraph.let(f"got_{o}", got[o])
+        pairs.append((o, a, b))
+    egraph.register(*ctx.facts)
+    report = egraph.run(A.schedule(iterations))
+    failed = []
+    for o, a, b in pairs:
+        try:
+            egraph.check(eq(a).to(b))
+        except Exception:  # egglog raises a plain error when the check fails
+            failed.append(o)
+    size = sum(egraph.all_function_sizes()[i][1] for i in range(len(egraph.all_function_sizes()))) \
+        if hasattr(egraph, "all_function_sizes") else 0
+    seconds = time.perf_counter() - start
+    reason = "proven" if not failed else f"outputs {failed} not proven equal within {iterations} iterations"
+    result = ProofResult(not failed, reason, seconds, iterations, size, tuple(g.program.outputs))
+    log.debug("proof of %s: %s in %.2fs", g.name, reason, seconds)
+    _CACHE[key] = result
+    return result
