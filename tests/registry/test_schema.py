@@ -6,6 +6,7 @@ import sqlite3
 
 import pytest
 from alembic import command
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, text
 
 from prism_serve.registry import RegistryError, open_registry
@@ -123,3 +124,13 @@ def test_corrupt_pages_give_clear_error(tmp_path):
         reg = open_registry(path)
         with reg.read() as s:
             list_kernels(s)
+
+
+def test_migrations_match_the_model(registry):
+    """The head schema built by the migrations is the one the ORM model declares."""
+    from alembic.autogenerate import compare_metadata
+
+    from prism_serve.registry.models import Base
+    with registry.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
