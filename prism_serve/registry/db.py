@@ -16,11 +16,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
@@ -33,6 +28,9 @@ ENV_VAR = "PRISM_SERVE_REGISTRY"
 MIGRATIONS = Path(__file__).parent / "migrations"
 BUSY_TIMEOUT_MS = 30_000  # writers queue this long for the lock before giving up
 REGISTRY_TABLES = {"devices", "programs", "program_sources", "sgraphs", "kernels"}
+# The newest migration's revision. A registry already there opens without loading Alembic
+# (half a second at every vLLM start); a test keeps this equal to the migrations' head.
+SCHEMA_HEAD = "0002"
 
 
 def resolve_url(location: str | os.PathLike | None = None) -> str:
@@ -54,13 +52,15 @@ def describe(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def _alembic_config() -> Config:
+def _alembic_config():
+    from alembic.config import Config
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     return cfg
 
 
 def head_revision() -> str:
+    from alembic.script import ScriptDirectory
     return ScriptDirectory.from_config(_alembic_config()).get_current_head()
 
 
@@ -146,39 +146,21 @@ def open_registry(location: str | os.PathLike | None = None, *, upgrade: bool = 
     return Registry(url, engine)
 
 
+def _stored_revision(conn) -> str | None:
+    if "alembic_version" not in inspect(conn).get_table_names():
+        return None
+    return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
 def ensure_schema(engine: Engine, url: str, *, upgrade: bool = True) -> str:
     """Check the schema revision; create or upgrade it; refuse foreign and newer databases."""
     where = describe(url)
-    cfg = _alembic_config()
-    script = ScriptDirectory.from_config(cfg)
-    head = script.get_current_head()
     writer = engine.execution_options(sqlite_begin="IMMEDIATE") if engine.dialect.name == "sqlite" else engine
     try:
-        with writer.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                conn.execute(text("SELECT pg_advisory_xact_lock(7242001)"))  # one migrator at a time
-            tables = set(inspect(conn).get_table_names())
-            current = MigrationContext.configure(conn).get_current_revision()
-            if current is None and tables - {"alembic_version"}:
-                raise RegistryError(
-                    f"{where} is not a prism-serve registry: it has tables {sorted(tables)} but no schema "
-                    f"revision; point --registry or ${ENV_VAR} elsewhere")
-            if current is not None:
-                try:
-                    script.get_revision(current)
-                except CommandError:
-                    raise RegistryError(
-                        f"{where} was written by a newer prism-serve (schema revision {current!r}; this "
-                        f"version knows up to {head!r}); upgrade prism-serve to use it") from None
-            if current == head:
-                return head
-            if not upgrade:
-                raise RegistryError(f"{where} has schema revision {current!r}, needs {head!r}; open it "
-                                    f"with upgrade=True to migrate")
-            if current is not None:
-                log.info("upgrading registry %s from schema %s to %s", where, current, head)
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
+        with engine.connect() as conn:  # fast path: already current, no lock and no Alembic
+            current = _stored_revision(conn)
+        if current != SCHEMA_HEAD:
+            _migrate(writer, where, upgrade)
     except RegistryError:
         raise
     except DBAPIError as exc:
@@ -189,9 +171,43 @@ def ensure_schema(engine: Engine, url: str, *, upgrade: bool = True) -> str:
             raw.driver_connection.execute("PRAGMA journal_mode = WAL")
         finally:
             raw.close()
-    return head
+    return SCHEMA_HEAD
+
+
+def _migrate(writer: Engine, where: str, upgrade: bool) -> None:
+    from alembic import command
+    from alembic.script import ScriptDirectory
+    from alembic.util.exc import CommandError
+    cfg = _alembic_config()
+    script = ScriptDirectory.from_config(cfg)
+    head = script.get_current_head()
+    with writer.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(7242001)"))  # one migrator at a time
+        tables = set(inspect(conn).get_table_names())
+        current = _stored_revision(conn)  # again, under the lock: another process may have migrated
+        if current is None and tables - {"alembic_version"}:
+            raise RegistryError(
+                f"{where} is not a prism-serve registry: it has tables {sorted(tables)} but no schema "
+                f"revision; point --registry or ${ENV_VAR} elsewhere")
+        if current is not None:
+            try:
+                script.get_revision(current)
+            except CommandError:
+                raise RegistryError(
+                    f"{where} was written by a newer prism-serve (schema revision {current!r}; this "
+                    f"version knows up to {head!r}); upgrade prism-serve to use it") from None
+        if current == head:
+            return
+        if not upgrade:
+            raise RegistryError(f"{where} has schema revision {current!r}, needs {head!r}; open it "
+                                f"with upgrade=True to migrate")
+        if current is not None:
+            log.info("upgrading registry %s from schema %s to %s", where, current, head)
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
 
 
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        return _stored_revision(conn)

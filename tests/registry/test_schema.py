@@ -134,3 +134,8 @@ def test_migrations_match_the_model(registry):
     with registry.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []
+
+
+def test_schema_head_constant_is_the_migrations_head():
+    from prism_serve.registry.db import SCHEMA_HEAD
+    assert SCHEMA_HEAD == head_revision()
