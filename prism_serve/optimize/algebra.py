@@ -61,6 +61,8 @@ class T(Expr):
 
     def squeeze(self, d: i64Like) -> T: ...
 
+    def unsq(self, d: i64Like) -> T: ...
+
     def part(self, d: i64Like, s: Sym) -> T: ...
 
     def assemble(self, d: i64Like, s: Sym) -> T: ...
@@ -77,6 +79,9 @@ class T(Expr):
 indep = relation("indep", T, Sym)
 bcast = relation("bcast", T, i64)
 
+MAXD = 6
+DIMS = tuple(range(-1, -MAXD - 1, -1))
+BATCH = DIMS[2:]
 BINARY = ("__add__", "__sub__", "__mul__", "__truediv__")
 UNARY = ("exp", "silu", "sqrt", "rsqrt")
 
@@ -98,6 +103,10 @@ def facts(x: T, y: T, e: T, s: Sym, t: Sym, d: i64, d2: i64):
     yield rule(eq(e).to(x.tr()), indep(x, s)).then(indep(e, s))
     yield rule(eq(e).to(x.sum(d)), indep(x, s)).then(indep(e, s))
     yield rule(eq(e).to(x.max(d)), indep(x, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.squeeze(d)), indep(x, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.unsq(d)), indep(x, s)).then(indep(e, s))
+    yield rule(eq(e).to(x.unsq(d))).then(bcast(e, d))
+    yield rule(eq(e).to(x.run_max(t)), indep(x, s), ne(s).to(t)).then(indep(e, s))
     yield rule(eq(e).to(x.sum(d))).then(bcast(e, d))
     yield rule(eq(e).to(x.max(d))).then(bcast(e, d))
     yield rule(eq(e).to(x.part(d, t)), indep(x, s), ne(s).to(t)).then(indep(e, s))
@@ -135,6 +144,36 @@ def parallel(x: T, y: T, s: Sym, t: Sym, d: i64, d2: i64):
     yield rewrite(x.part(d, s).sum(d).red_sum(s)).to(x.sum(d), indep(x, s))
     yield rewrite(x.part(d, s).max(d).red_max(s)).to(x.max(d), indep(x, s))
     yield rewrite(x.part(-1, s).mm(y.part(-2, s)).red_sum(s)).to(x.mm(y), indep(x, s), indep(y, s))
+    # batch dims of a matmul, and the dims a transpose leaves alone
+    for b in BATCH:
+        yield rewrite(x.part(b, s).mm(y.part(b, s))).to(x.mm(y).part(b, s))
+        yield rewrite(x.part(b, s).mm(y)).to(x.mm(y).part(b, s), indep(y, s), bcast(y, b))
+        yield rewrite(x.part(b, s).tr()).to(x.tr().part(b, s))
+    # inserting / removing a unit dim moves the slices left of it
+    for e_ in DIMS:
+        for d_ in DIMS:
+            if d_ == e_:
+                continue
+            yield rewrite(x.part(d_, s).unsq(e_)).to(x.unsq(e_).part(d_ if d_ > e_ else d_ - 1, s))
+            yield rewrite(x.part(d_, s).squeeze(e_)).to(x.squeeze(e_).part(d_ if d_ > e_ else d_ + 1, s))
+    yield rewrite(x.unsq(d).squeeze(d)).to(x)
+    for op in BINARY:
+        yield rewrite(_bin(op, x.unsq(d), y.unsq(d))).to(_bin(op, x, y).unsq(d))
+        yield rewrite(_bin(op, x.assemble(d, s), y.assemble(d, s))).to(_bin(op, x, y).assemble(d, s))
+        yield rewrite(_bin(op, x.assemble(d, s), y)).to(_bin(op, x, y).assemble(d, s), indep(y, s), bcast(y, d))
+        yield rewrite(_bin(op, y, x.assemble(d, s))).to(_bin(op, y, x).assemble(d, s), indep(y, s), bcast(y, d))
+    for op in UNARY:
+        yield rewrite(getattr(x.unsq(d), op)()).to(getattr(x, op)().unsq(d))
+        yield rewrite(getattr(x.assemble(d, s), op)()).to(getattr(x, op)().assemble(d, s))
+    yield rewrite(x.unsq(d).red_sum(s)).to(x.red_sum(s).unsq(d))
+    yield rewrite(x.unsq(d).red_max(s)).to(x.red_max(s).unsq(d))
+    # reducing a stacked dim is reducing over the stacking index (each tile is a unit slice)
+    yield rewrite(x.assemble(d, s).sum(d)).to(x.red_sum(s), bcast(x, d))
+    yield rewrite(x.assemble(d, s).max(d)).to(x.red_max(s), bcast(x, d))
+    yield rewrite(x.assemble(d, s).sum(d2)).to(x.sum(d2).assemble(d, s), ne(d).to(d2))
+    yield rewrite(x.assemble(d, s).max(d2)).to(x.max(d2).assemble(d, s), ne(d).to(d2))
+    yield rewrite(x.assemble(d, s).part(d, s)).to(x)
+    yield rewrite(x.assemble(d, s).part(d2, t)).to(x.part(d2, t).assemble(d, s), ne(d).to(d2), ne(s).to(t))
     # combine: concatenating every slice gives the tensor back; replicas of an invariant agree
     yield rewrite(x.part(d, s).assemble(d, s)).to(x)
     yield rewrite(x.replicate(s)).to(x, indep(x, s))
@@ -157,6 +196,7 @@ def arith(x: T, y: T, z: T, d: i64):
     yield rewrite(x.mm(y) / z).to((x / z).mm(y), bcast(z, -1))
     yield rewrite(x * y.rsqrt()).to(x / y.sqrt())
     yield rewrite(x.exp() * y.exp()).to((x + y).exp())
+    yield rewrite(x.sum(d) * y).to((x * y).sum(d), bcast(y, d))
     yield rewrite((x - y) + (y - z)).to(x - z)
 
 

@@ -23,11 +23,11 @@ from prism_serve.optimize import algebra as A
 from prism_serve.optimize.algebra import Sym, T
 from prism_serve.optimize.ir import Node
 from prism_serve.optimize.reference import expand_composites
-from prism_serve.optimize.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.sgraph import BlockKernel, SGraph, tile_shape
 
 log = logging.getLogger(__name__)
 MAX_RANK = 6
-ITERATIONS = 10
+ITERATIONS = 24
 
 
 @dataclass(frozen=True)
@@ -149,13 +149,21 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
                 term, bodies[n.name] = body.red_max(loop), body
             else:  # rescaled_sum: sum_i x_i * exp(m_i - m_final), m_i the running max
                 m = n.inputs[1]
-                scale = (bodies[m].run_max(loop) - local[m]).exp()
+                run = ctx.note(bodies[m].run_max(loop), tuple(types[m].shape), deps[k.by_name[m].inputs[0]])
+                scale = (run - local[m]).exp()
                 term = (body * scale).red_sum(loop)
             local[n.name], deps[n.name] = term, deps[n.inputs[0]] - {k.forloop}
         elif n.op == "store":
             decl = g.tensors[n.attr("tensor")]
             value, rank = local[n.inputs[0]], len(decl.shape)
-            if len(types[n.inputs[0]].shape) != rank:
+            vshape = tuple(types[n.inputs[0]].shape)
+            if len(vshape) == rank - 1:  # the tile gains a unit dim (a stacked split)
+                tile = tile_shape(k, decl.shape, n.attr("omap"), None)
+                at = [i for i in range(rank) if tile[i] == 1 and tile[:i] + tile[i + 1:] == vshape]
+                if not at:
+                    raise Unsupported(f"kernel '{k.name}' store '{n.name}': value does not fit the tile")
+                value = value.unsq(at[0] - rank)
+            elif len(vshape) != rank:
                 raise Unsupported(f"kernel '{k.name}' store '{n.name}': value rank differs from the tensor's")
             for axis, d in zip(k.grid, n.attr("omap")):
                 s = Sym(axis.symbol)
@@ -167,7 +175,8 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
             for s in n.inputs:
                 src = k.by_name[s]
                 running = (k.stages[n.name] == "loop" and src.op == "accum" and src.attr("kind") == "max")
-                args.append(bodies[s].run_max(loop) if running else local[s])
+                args.append(ctx.note(bodies[s].run_max(loop), tuple(types[s].shape), deps[src.inputs[0]])
+                            if running else local[s])
             local[n.name] = _op(n, args, [tuple(types[s].shape) for s in n.inputs], ctx)
             deps[n.name] = frozenset().union(*(deps[s] | ({k.forloop} if k.stages[n.name] == "loop" else set())
                                               for s in n.inputs)) if n.inputs else frozenset()
