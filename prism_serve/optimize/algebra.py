@@ -16,7 +16,19 @@ on the index of s) and ``bcast(x, d)`` (x has size 1 at dim d, or lacks it).
 
 from __future__ import annotations
 
-from egglog import Expr, StringLike, eq, i64, i64Like, ne, relation, rewrite, rule, ruleset, seq
+from egglog import (
+    Expr,
+    StringLike,
+    eq,
+    i64,
+    i64Like,
+    ne,
+    relation,
+    rewrite,
+    rule,
+    ruleset,
+    seq,
+)
 
 
 class Sym(Expr):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import sympy
 from egglog import EGraph, eq
+from egglog.bindings import EggSmolError
 
 from prism_serve.optimize import algebra as A
 from prism_serve.optimize.algebra import Sym, T
@@ -35,8 +36,9 @@ class ProofResult:
     ok: bool
     reason: str
     seconds: float
-    iterations: int = 0
-    eclasses: int = 0
+    iterations: int = 0  # the bound the schedule ran under
+    enodes: int = 0  # function entries in the e-graph when the check ran
+    facts: int = 0  # independence / broadcasting facts the translation asserted
     outputs: tuple[str, ...] = ()
 
 
@@ -204,18 +206,17 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
         a, b = egraph.let(f"want_{o}", want[o]), egraph.let(f"got_{o}", got[o])
         pairs.append((o, a, b))
     egraph.register(*ctx.facts)
-    report = egraph.run(A.schedule(iterations))
+    egraph.run(A.schedule(iterations))
     failed = []
     for o, a, b in pairs:
         try:
             egraph.check(eq(a).to(b))
-        except Exception:  # egglog raises a plain error when the check fails
+        except EggSmolError:  # the check does not hold in the e-graph
             failed.append(o)
-    size = sum(egraph.all_function_sizes()[i][1] for i in range(len(egraph.all_function_sizes()))) \
-        if hasattr(egraph, "all_function_sizes") else 0
+    size = sum(n for _, n in egraph.all_function_sizes())
     seconds = time.perf_counter() - start
     reason = "proven" if not failed else f"outputs {failed} not proven equal within {iterations} iterations"
-    result = ProofResult(not failed, reason, seconds, iterations, size, tuple(g.program.outputs))
+    result = ProofResult(not failed, reason, seconds, iterations, size, len(ctx.facts), tuple(g.program.outputs))
     log.debug("proof of %s: %s in %.2fs", g.name, reason, seconds)
     _CACHE[key] = result
     return result
