@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from prism_serve.optimize.codegen import compile_instance
+from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import node
-from prism_serve.optimize.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.reference import (
+    TOLERANCE,
+    evaluate,
+    max_rel_error,
+    random_inputs,
+)
+from prism_serve.optimize.sgraph import BlockKernel, SGraph, instantiate
 from prism_serve.optimize.verify import (
     ProofResult,
     _Ctx,
@@ -13,7 +21,12 @@ from prism_serve.optimize.verify import (
     prove_equivalent,
     sgraph_terms,
 )
-from prism_serve.optimize.workloads.oracles import ORACLES, load, oracle
+from prism_serve.optimize.workloads.oracles import (
+    ORACLES,
+    default_assignment,
+    load,
+    oracle,
+)
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
 DIMS = {"rms_norm": {"hidden": 64}, "fused_add_rms_norm": {"hidden": 64}, "silu_and_mul": {"intermediate": 64},
@@ -114,3 +127,21 @@ def test_mutant_is_rejected(mutant):
     result = prove_equivalent(g)
     assert not result.ok
     assert "not proven" in result.reason
+
+
+# The numeric second line, on the same mutants: each is really wrong (so rejecting it is right).
+# A changed or missing epsilon (1e-6 against a mean square near 0.1) moves fp32 results by ~5e-6,
+# under the tolerance: only the proof sees it.
+BELOW_TOLERANCE = {"epsilon_changed", "epsilon_removed", "qk_norm_eps_changed"}
+LOOPED = {"B": 1, "H": 1, "S": 2, "F": 4}  # the rescale only matters when the loop runs more than once
+
+
+@pytest.mark.parametrize("mutant", sorted(set(MUTANTS) - BELOW_TOLERANCE))
+def test_mutant_is_numerically_wrong(mutant):
+    g = MUTANTS[mutant]()
+    values = LOOPED if "S" in g.symbols else default_assignment(g, target_tile=16)
+    inst = instantiate(g, values, get_gpu("h100"))
+    inputs = random_inputs(g.program, 5, seed=0)
+    got = compile_instance(inst)(*inputs)
+    errors = [max_rel_error(a, b) for a, b in zip(got, evaluate(g.program, inputs))]
+    assert max(errors) > TOLERANCE["float32"], errors
