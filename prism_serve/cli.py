@@ -14,6 +14,7 @@ from rich.table import Table
 from prism_serve import __version__
 from prism_serve.capture.cli import capture_command
 from prism_serve.errors import PrismError
+from prism_serve.registry.cli import registry_app
 
 app = typer.Typer(help="Superoptimized, verified Triton kernels for vLLM endpoints.", no_args_is_help=True,
                   add_completion=False)
@@ -21,7 +22,7 @@ console = Console()
 
 
 def _fail(exc: Exception) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {exc}", highlight=False)
     return typer.Exit(1)
 
 
@@ -102,3 +103,4 @@ def workloads() -> None:
 
 
 app.command("capture")(capture_command)
+app.add_typer(registry_app, name="registry")

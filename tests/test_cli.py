@@ -40,4 +40,18 @@ def test_demo_runs_the_generated_kernel_and_checks_it(tmp_path, monkeypatch):
 def test_unknown_workload_is_one_clear_line():
     result = runner.invoke(app, ["demo", "nope"])
     assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [result.output.strip()]  # one line, no traceback
     assert "unknown workload 'nope'" in result.output
+
+
+def test_registry_sub_app_is_wired_in(tmp_path):
+    db = tmp_path / "r.db"
+    result = runner.invoke(app, ["registry", "list", "--registry", str(db), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == []
+
+
+def test_sub_apps_are_wired():
+    for command, expected in (["registry", "--help"], "export"), (["capture", "--help"], "config.json"):
+        result = runner.invoke(app, command, env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and expected in result.output

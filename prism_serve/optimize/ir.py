@@ -84,11 +84,6 @@ def _broadcast(a: Shape, b: Shape, where: str) -> Shape:
     return tuple(reversed(out))
 
 
-def _promote(a: str, b: str) -> str:
-    """Mixed precisions promote to float32; `const` nodes take their partner's dtype."""
-    return a if a == b else "float32"
-
-
 def infer_type(n: Node, srcs: list[TensorType]) -> TensorType:
     if n.op == "input":
         shape, dtype = n.attr("shape"), n.attr("dtype")
@@ -100,6 +95,7 @@ def infer_type(n: Node, srcs: list[TensorType]) -> TensorType:
         return TensorType(shape, dtype)
     if n.op == "const":
         return TensorType((), "const")
+    # mixed precisions promote to float32; `const` nodes take their partner's dtype
     dtypes = [s.dtype for s in srcs if s.dtype != "const"] or ["float32"]
     dtype = dtypes[0] if all(d == dtypes[0] for d in dtypes) else "float32"
     if n.op in ELEMENTWISE_BINARY:

@@ -41,6 +41,12 @@ def test_hash_ignores_names_and_independent_order_but_not_semantics():
     assert rms.program(dtype="bfloat16").canonical_hash != rms.program(dtype="float16").canonical_hash
 
 
+def test_hash_is_pinned():
+    """Registry keys are canonical hashes: a change here orphans every stored kernel (bump IR_VERSION)."""
+    assert WORKLOADS["rms_norm"].program().canonical_hash == "3c6c13a8003e04ab5311215af77c9501"
+    assert WORKLOADS["swiglu"].program().canonical_hash == "a253257720b7211f12e41386c2f3de12"
+
+
 def _bad(nodes, outputs=("y",)):
     return Program("bad", tuple(nodes), tuple(outputs))
 
@@ -78,3 +84,11 @@ def test_bad_json_is_a_clear_error():
         Program.from_json(good | {"nodes": [3]})
     with pytest.raises(ProgramError, match="output 'nope' is not a node"):
         Program.from_json(good | {"outputs": ["nope"]})
+    bad_dtype = json.loads(json.dumps(good))
+    bad_dtype["nodes"][0]["attrs"]["dtype"] = "float64"
+    with pytest.raises(ProgramError, match="node 'x': dtype 'float64'"):
+        Program.from_json(bad_dtype)
+    bad_eps = json.loads(json.dumps(good))
+    bad_eps["nodes"][2]["attrs"]["eps"] = "1e-6"
+    with pytest.raises(ProgramError, match="node 'y': attribute 'eps' must be float"):
+        Program.from_json(bad_eps)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.reference import as_torch_function, evaluate, random_inputs
+from prism_serve.optimize.reference import as_torch_function, evaluate, expand_composites, random_inputs
 from prism_serve.optimize.workloads.programs import WORKLOADS, EPS
 
 TOKENS = (1, 5, 7)
@@ -57,6 +57,34 @@ def test_reference_matches_torch(name):
             assert close(e, w)
 
 
+def test_gqa_packing_matches_torch_gqa():
+    """Q packed as (batch, kv_heads, group * q_len, d) is torch's GQA with query head h on KV head h // group."""
+    batch, heads, kv_heads, q_len, kv_len, d = 2, 6, 2, 3, 11, 8
+    prog = WORKLOADS["attention"].program(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=d,
+                                          kv_heads=kv_heads, dtype="float32")
+    q = torch.randn(batch, heads, q_len, d)
+    k, v = torch.randn(batch, kv_heads, kv_len, d), torch.randn(batch, kv_heads, kv_len, d)
+    (out,) = evaluate(prog, [q.reshape(batch, kv_heads, -1, d), k, v])
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert close(out.reshape(batch, heads, q_len, d), want)
+
+
+def test_expand_composites_leaves_only_primitives_and_the_same_function():
+    prog = WORKLOADS["rmsnorm_mlp"].program(hidden=32, intermediate=16, dtype="float32")
+    flat = expand_composites(prog)
+    assert "rms_norm" not in {n.op for n in flat.nodes} and flat.outputs == prog.outputs
+    inputs = random_inputs(prog, 5, seed=0)
+    assert close(evaluate(flat, inputs)[0], evaluate(prog, inputs)[0], tol=1e-6)
+
+
+def test_half_inputs_by_name_give_float32_results():
+    prog = WORKLOADS["rms_norm"].program(hidden=64, dtype="float16")
+    x, w = random_inputs(prog, 7, seed=1)
+    assert x.dtype == torch.float16
+    (y,) = evaluate(prog, {"w": w, "x": x})
+    assert y.dtype == torch.float32 and close(y, rms(x.float(), w.float()))
+
+
 def test_attention_subtracts_the_max():
     """Scores of ~1e4 overflow exp() unless the row max is subtracted first."""
     prog = WORKLOADS["attention"].program(batch=1, heads=1, q_len=1, kv_len=8, head_dim=4, dtype="float32")
@@ -78,5 +106,7 @@ def test_bad_inputs_are_clear_errors():
         evaluate(prog, [x, r, torch.ones(9)])
     with pytest.raises(ProgramError, match="num_tokens is 4 here but 3"):
         evaluate(prog, [x, torch.ones(4, 8), w])
+    with pytest.raises(ProgramError, match="input 'x': expected rank 2"):
+        evaluate(prog, [x.flatten(), r, w])
     with pytest.raises(ProgramError, match="inputs missing"):
         evaluate(prog, {"x": x})
