@@ -3,9 +3,7 @@ reproduces that layer's output in vLLM (fp32, relative error < 1e-5)."""
 
 from __future__ import annotations
 
-import dataclasses
 
-import pytest
 import torch
 
 from prism_serve.optimize.reference import evaluate, max_rel_error
