@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from prism_serve.errors import ProgramError
 
@@ -262,7 +262,3 @@ class Program:
 
 def bind_shape(shape: Shape, num_tokens: int) -> tuple[int, ...]:
     return tuple(num_tokens if d == NUM_TOKENS else d for d in shape)
-
-
-def program(name: str, nodes: Iterable[Node], outputs: Iterable[str]) -> Program:
-    return Program(name, tuple(nodes), tuple(outputs))

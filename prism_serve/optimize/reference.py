@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 import torch
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, node
+from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, bind_shape, node
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -112,7 +112,7 @@ def random_inputs(prog: Program, num_tokens: int, *, seed: int | None = None,
     gen.manual_seed(seed if seed is not None else torch.seed())
     out = []
     for n in prog.inputs:
-        shape = tuple(num_tokens if d == NUM_TOKENS else d for d in n.attr("shape"))
+        shape = bind_shape(n.attr("shape"), num_tokens)
         t = torch.randn(shape, generator=gen, dtype=torch.float32)
         if len(shape) >= 2:
             t = t / shape[-1] ** 0.25
