@@ -25,6 +25,8 @@ TOKEN_CASES = [
     ("swiglu", {"hidden": 48, "intermediate": 32}, (3,)),
     ("rmsnorm_mlp", {"hidden": 64, "intermediate": 32}, (1, 7, 20)),
     ("rmsnorm_mlp", {"hidden": 80, "intermediate": 48}, (2,)),
+    ("rmsnorm_swiglu", {"hidden": 64, "intermediate": 32}, (1, 7, 20)),
+    ("rmsnorm_swiglu", {"hidden": 80, "intermediate": 48}, (2,)),
 ]
 ATTENTION_CASES = [  # (batch, heads, q_len, kv_len, head_dim, kv_heads), KV splits
     ((2, 8, 1, 96, 32, 4), 4),

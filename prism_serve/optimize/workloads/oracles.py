@@ -108,6 +108,23 @@ def rmsnorm_mlp(prog: Program) -> SGraph:
     return SGraph("rmsnorm_mlp_oracle", prog, (), (k,))
 
 
+def rmsnorm_swiglu(prog: Program) -> SGraph:
+    """Both projections of x*g and sum(x^2) in one loop; silu(a*r) * (b*r) in the epilogue."""
+    hidden = prog.by_name["x"].attr("shape")[1]
+    nodes = [load("x", "x", (0, None), fmap=1), load("g", "g", (None, None), fmap=0),
+             load("wg", "w_gate", (None, 0), fmap=1), load("wu", "w_up", (None, 0), fmap=1),
+             node("xg", "mul", "x", "g"),
+             node("a", "matmul", "xg", "wg", transpose_b=True), node("b", "matmul", "xg", "wu", transpose_b=True),
+             node("sq", "square", "x"), node("ss", "sum", "sq", dim=-1, keepdim=True),
+             accum("acc_a", "a", "sum"), accum("acc_b", "b", "sum"), accum("acc_ss", "ss", "sum"),
+             node("inv_d", "const", value=1.0 / hidden), node("ms", "mul", "acc_ss", "inv_d"),
+             node("eps", "const", value=_eps(prog)), node("var", "add", "ms", "eps"), node("r", "rsqrt", "var"),
+             node("ar", "mul", "acc_a", "r"), node("br", "mul", "acc_b", "r"), node("sa", "silu", "ar"),
+             node("y", "mul", "sa", "br"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel("rmsnorm_swiglu", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
+    return SGraph("rmsnorm_swiglu_oracle", prog, (), (k,))
+
+
 def attention(prog: Program) -> SGraph:
     """Split-KV (flash-decoding): S splits of the KV sequence, each an online-softmax loop of F
     steps writing an unnormalised partial output, its row sum and row max; a combine kernel
@@ -155,7 +172,8 @@ def _split_kv(prog: Program, name: str, q_side: list[Node], k_side: list[Node], 
 
 ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
-    "rmsnorm_linear": rmsnorm_linear, "swiglu": swiglu, "rmsnorm_mlp": rmsnorm_mlp, "attention": attention,
+    "rmsnorm_linear": rmsnorm_linear, "swiglu": swiglu, "rmsnorm_mlp": rmsnorm_mlp, "rmsnorm_swiglu": rmsnorm_swiglu,
+    "attention": attention,
     "qk_norm_attention": qk_norm_attention,
 }
 

@@ -85,6 +85,23 @@ def rmsnorm_mlp(hidden: int = 4096, intermediate: int | None = None, dtype: str 
     ), ("y",))
 
 
+def rmsnorm_swiglu(hidden: int = 4096, intermediate: int | None = None, dtype: str = "float16",
+                   eps: float = EPS) -> Program:
+    """vLLM's post_attention_layernorm -> gate_up_proj -> SiluAndMul: silu(xn @ W_gate^T) * (xn @ W_up^T)."""
+    inter = intermediate or hidden
+    return Program("rmsnorm_swiglu", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("g", "input", shape=(hidden,), dtype=dtype),
+        node("w_gate", "input", shape=(inter, hidden), dtype=dtype),
+        node("w_up", "input", shape=(inter, hidden), dtype=dtype),
+        node("xn", "rms_norm", "x", "g", eps=eps),
+        node("a", "matmul", "xn", "w_gate", transpose_b=True),
+        node("b", "matmul", "xn", "w_up", transpose_b=True),
+        node("sa", "silu", "a"),
+        node("y", "mul", "sa", "b"),
+    ), ("y",))
+
+
 def _attention_nodes(q: str, k: str, v: str, head_dim: int) -> list[Node]:
     """softmax(q k^T / sqrt(head_dim)) v with the row max subtracted (numerically honest)."""
     return [
@@ -153,6 +170,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rmsnorm_linear", rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("rmsnorm_mlp", rmsnorm_mlp, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("swiglu", swiglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("rmsnorm_swiglu", rmsnorm_swiglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("attention", attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
     Workload("qk_norm_attention", qk_norm_attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
     Workload("rms_norm", rms_norm, {"hidden": 4096}, default_num_tokens=(1, 16, 256, 4096)),
