@@ -77,7 +77,7 @@ class _Recorder(fx.Interpreter):
         self.after: dict[str, list[tuple[int, str, int, dict]]] = {}
         self.out: dict[int, dict[str, list[Any]]] = {}
         for i, r in enumerate(regions):
-            if not r["supported"]:
+            if not r["inputs"] and not r["outputs"]:
                 continue
             self.out[i] = {"inputs": [None] * len(r["inputs"]), "outputs": [None] * len(r["outputs"])}
             for side in ("inputs", "outputs"):

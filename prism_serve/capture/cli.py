@@ -23,7 +23,7 @@ def _table(result) -> str:
         prog = r.program.canonical_hash[:10] if r.program else "unsupported"
         layers = ",".join(map(str, r.layers)) or "-"
         lines.append(f"{r.kind:<20} {prog:<12} {dims:<40} {layers:<10} {100 * r.time_share:5.1f}%  "
-                     f"{r.buckets if r.supported else r.reason}")
+                     f"{r.buckets}" + ("" if r.supported else f"  ({r.reason})"))
     return "\n".join(lines)
 
 

@@ -135,8 +135,7 @@ def _norm(g: Group) -> Norm | None:
 def _region(kind: str, g: list[Group], dims: dict, dtype: str, inputs: list, outputs: list,
             eps: float | None = None, supported: bool = True, reason: str | None = None) -> dict:
     return {"kind": kind, "layer": _layer(g[0].path), "modules": [x.path for x in g], "dims": dims,
-            "eps": eps, "dtype": dtype, "supported": supported, "reason": reason,
-            "inputs": inputs if supported else [], "outputs": outputs if supported else []}
+            "eps": eps, "dtype": dtype, "supported": supported, "reason": reason, "inputs": inputs, "outputs": outputs}
 
 
 def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
@@ -158,10 +157,9 @@ def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
                                     _before(x, g.nodes[0], slice=[inter, 2 * inter])],
                                    [_after(y, g.nodes[-1])]))
         elif "RotaryEmbedding" in g.cls:
-            regions.append(_region("rotary_embedding", [g], {}, "float32", [], [], supported=False,
-                                   reason="no IR builder for rotary embedding yet"))
+            regions.append(_rotary_region(g))
         elif g.cls == "Attention":
-            regions.append(_attention_region(g, groups))
+            regions.append(_attention_region(g))
     return regions + swiglu_regions(groups), groups
 
 
@@ -193,10 +191,11 @@ def _norm_regions(g: Group, by_input: dict[fx.Node, Group]) -> list[dict]:
                            [x_ref, w, {"param": lin.path}], [_after(y, lin.nodes[-1])], nm.eps))
     act = by_input.get(y)
     if act is not None and act.cls == "SiluAndMul" and act.ext_outputs:
-        regions.append(_region("rmsnorm_swiglu", [g, lin, act], {"hidden": hidden, "intermediate": out // 2},
-                               dtype, [], [], nm.eps, supported=False,
-                               reason="the rmsnorm_mlp builder computes (xn@W_up)*(xn@W_gate) without SiLU; "
-                                      "no builder for rms_norm -> silu(xn@W_gate)*(xn@W_up) yet"))
+        inter = out // 2
+        regions.append(_region("rmsnorm_swiglu", [g, lin, act], {"hidden": hidden, "intermediate": inter}, dtype,
+                               [x_ref, w, {"param": lin.path, "slice": [0, inter]},
+                                {"param": lin.path, "slice": [inter, 2 * inter]}],
+                               [_after(act.ext_outputs[0], act.nodes[-1])], nm.eps))
     return regions
 
 
@@ -219,16 +218,47 @@ def swiglu_regions(groups: dict[str, Group]) -> list[dict]:
     return out
 
 
-def _attention_region(g: Group, groups: dict[str, Group]) -> dict:
+ROTARY_REASON = ("rotary gathers cos/sin rows of cos_sin_cache by position and rotates the {style} of "
+                 "each head in place; the IR has no gather, slice or concat")
+ATTENTION_REASON = ("paged-KV attention over ragged sequences (per-sequence kv_len read through the block "
+                    "table, causal within a prefill); the IR has no gather or masking and its attention "
+                    "Program has one fixed kv_len")
+
+
+def _heads(x: fx.Node, head_dim: int) -> int:
+    shape = _shape(x)
+    return int(shape[-1]) // head_dim if len(shape) == 2 else int(shape[-2])
+
+
+def _rotary_region(g: Group) -> dict:
+    """vLLM's `_C.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)`, in place on q and k."""
+    rot = next((n for n in g.nodes if "rotary_embedding" in str(n.target) and len(n.args) >= 6), None)
+    if rot is None:
+        return _region("rotary_embedding", [g], {}, "float32", [], [], supported=False,
+                       reason=f"{g.cls} not traced as vLLM's _C.rotary_embedding op")
+    positions, q, k, head_dim, cache, neox = rot.args[:6]
+    head_dim = int(head_dim)
+    dims = {"heads": _heads(q, head_dim), "kv_heads": _heads(k, head_dim) if k is not None else 0,
+            "head_dim": head_dim, "rotary_dim": int(_shape(cache)[-1]), "max_position": int(_shape(cache)[0]),
+            "neox": int(bool(neox))}
+    sides = [q] + ([k] if k is not None else [])
+    inputs = [_before(positions, rot), *(_before(x, rot) for x in sides), _before(cache, rot)]
+    style = "halves" if neox else "interleaved pairs"
+    return _region("rotary_embedding", [g], dims, _dtype(q), inputs, [_after(x, rot) for x in sides],
+                   supported=False, reason=ROTARY_REASON.format(style=style))
+
+
+def _attention_region(g: Group) -> dict:
+    """vLLM's `unified_attention_with_output(query, key, value, output, layer)`, writing `output` in place."""
     attn = next((n for n in g.nodes if "unified_attention" in str(n.target)), None)
+    if attn is None or len(attn.args) < 3:
+        return _region("attention", [g], {}, "float32", [], [], supported=False,
+                       reason="Attention not traced as vLLM's unified_attention op")
+    q, k, v = attn.args[:3]
     dims: dict[str, int] = {}
-    if attn is not None and len(attn.args) >= 2:
-        q, k = _shape(attn.args[0]), _shape(attn.args[1])
-        if len(q) == 3 and len(k) == 3:
-            dims = {"heads": int(q[1]), "kv_heads": int(k[1]), "head_dim": int(q[2])}
-    parent = g.path.rsplit(".", 1)[0]
-    qk_norm = f"{parent}.q_norm" in groups
-    kind = "qk_norm_attention" if qk_norm else "attention"
-    return _region(kind, [g], dims, _dtype(attn) if attn is not None else "float32", [], [], supported=False,
-                   reason="paged-KV attention (variable kv_len, rotary between q/k norm and attention) "
-                          "has no Program builder with num_tokens yet")
+    if len(_shape(q)) == 3 and len(_shape(k)) == 3:
+        dims = {"heads": int(_shape(q)[1]), "kv_heads": int(_shape(k)[1]), "head_dim": int(_shape(q)[2])}
+    out = attn.args[3] if len(attn.args) >= 4 and isinstance(attn.args[3], fx.Node) else None
+    inputs = [_before(x, attn) for x in (q, k, v)] if out is not None else []
+    outputs = [_after(out, attn)] if out is not None else []
+    return _region("attention", [g], dims, _dtype(q), inputs, outputs, supported=False, reason=ATTENTION_REASON)

@@ -34,6 +34,7 @@ BUILDERS = {
     "silu_and_mul": lambda d, dt, eps: builders.silu_and_mul(d["intermediate"], dt),
     "rmsnorm_linear": lambda d, dt, eps: builders.rmsnorm_linear(d["hidden"], d["out"], dt, eps),
     "swiglu": lambda d, dt, eps: builders.swiglu(d["hidden"], d["intermediate"], dt),
+    "rmsnorm_swiglu": lambda d, dt, eps: builders.rmsnorm_swiglu(d["hidden"], d["intermediate"], dt, eps),
 }
 
 
@@ -43,7 +44,11 @@ class CaptureError(PrismError):
 
 @dataclass
 class Instance:
-    """One region at one site (a layer's modules), with its recorded tensors when supported."""
+    """One region at one site (a layer's modules), with its recorded tensors.
+
+    A supported region's inputs are in its Program's signature order; an unsupported
+    one's (rotary, attention) are the vLLM op's own tensor arguments, kept so tests can
+    check the reported dims against an independent reference."""
 
     kind: str
     layer: int | None
@@ -166,10 +171,14 @@ def _instances(result: dict, record: dict) -> list[Instance]:
         inst = Instance(r["kind"], r["layer"], r["modules"], dims, r["eps"], r["dtype"], r["supported"],
                         r["reason"], time_us=sum(times.get(m, 0.0) for m in r["modules"]), rows_per_token=rows)
         if inst.supported:
-            inst.program = _program(inst.kind, inst.dims, inst.dtype, inst.eps)
-            if inst.program is None:
-                inst.supported, inst.reason = False, f"no Program builder for region kind {inst.kind!r}"
-        for n, forward in recorded if inst.supported else ():
+            try:
+                inst.program = _program(inst.kind, inst.dims, inst.dtype, inst.eps)
+            except (PrismError, KeyError, TypeError) as exc:  # dims the builder rejects: report, never crash
+                inst.supported, inst.reason = False, f"the {inst.kind} builder rejected dims {inst.dims}: {exc}"
+            else:
+                if inst.program is None:
+                    inst.supported, inst.reason = False, f"no Program builder for region kind {inst.kind!r}"
+        for n, forward in recorded:
             if i not in forward:
                 continue
             inputs = []
@@ -201,7 +210,7 @@ def _merge(instances: list[Instance], total_us: float, hist: dict[int, int]) -> 
             reg.rows_per_token.append(inst.rows_per_token)
     for reg in merged.values():
         reg.rows_per_token.sort()
-        if reg.supported:  # the Program's num_tokens is rows: tokens * rows_per_token
+        if reg.dims:  # a Program's num_tokens is rows: tokens * rows_per_token
             reg.buckets = buckets_from_histogram({n * r: c for n, c in hist.items() for r in reg.rows_per_token})
     return sorted(merged.values(), key=lambda r: (not r.supported, -r.time_share))
 

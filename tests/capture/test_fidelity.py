@@ -3,9 +3,12 @@ reproduces that layer's output in vLLM (fp32, relative error < 1e-5)."""
 
 from __future__ import annotations
 
+import json
 
+import pytest
 import torch
 
+from prism_serve.capture.embedded import embedded_path
 from prism_serve.optimize.reference import evaluate, max_rel_error
 
 TOL = 1e-5
@@ -31,11 +34,11 @@ def _check_all(result):
 
 def test_llama_fidelity(llama_capture):
     assert llama_capture.recorded_num_tokens == [7, 1]  # the prefill and one decode step
-    assert _check_all(llama_capture) == 13  # 6 per layer + the final norm
+    assert _check_all(llama_capture) == 15  # 7 per layer + the final norm
 
 
 def test_qwen3_fidelity(qwen3_capture):
-    assert _check_all(qwen3_capture) == 17  # + q_norm, k_norm per layer
+    assert _check_all(qwen3_capture) == 19  # + q_norm, k_norm per layer
 
 
 def test_the_comparison_is_sharp(llama_capture):
@@ -48,3 +51,59 @@ def test_the_comparison_is_sharp(llama_capture):
     inputs = list(inst.inputs)
     inputs[2] = inputs[2] * (1 + 1e-3 * torch.randn_like(inputs[2]))
     assert max_rel_error(evaluate(inst.program, inputs)[0], inst.outputs[0]) > TOL
+
+
+# The attention-side regions have no Program (the IR cannot express them), but what capture
+# reports about them is checked all the same: the recorded vLLM op, re-done in plain torch from
+# the reported dims and the model's config, gives vLLM's output.
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, heads: int, head_dim: int, theta: float) -> torch.Tensor:
+    """Neox-style rotary embedding of (tokens, heads * head_dim), from rope_theta (not vLLM's cache)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang = positions.double()[:, None] * inv_freq
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x = x.double().reshape(len(x), heads, head_dim)
+    a, b = x[..., : head_dim // 2], x[..., head_dim // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], -1).reshape(len(x), -1).float()
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_rotary_regions_match_a_torch_rope(which, request):
+    res = request.getfixturevalue(f"{which}_capture")
+    cfg = json.loads((embedded_path(f"tiny-{which}") / "config.json").read_text())
+    sites = [i for i in res.instances if i.kind == "rotary_embedding"]
+    assert len(sites) == cfg["num_hidden_layers"]
+    positions_seen = []
+    for inst in sites:
+        d = inst.dims
+        assert d["neox"] == 1 and d["rotary_dim"] == d["head_dim"]
+        for _, (positions, q, k, _cache), (q_out, k_out) in inst.recordings:
+            positions_seen.append(positions.tolist())
+            for x, out, heads in ((q, q_out, d["heads"]), (k, k_out, d["kv_heads"])):
+                assert max_rel_error(_rope(x, positions, heads, d["head_dim"], cfg["rope_theta"]), out) < TOL
+            assert max_rel_error(q, q_out) > TOL or positions.max() == 0  # the op really rotated
+    assert positions_seen[:2] == [list(range(7)), [7]]  # the recorded prefill, then its decode step
+
+
+def _sdpa(q, k, v, causal: bool) -> torch.Tensor:
+    """(tokens, heads, head_dim) attention with GQA, scale 1/sqrt(head_dim)."""
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    return torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=causal,
+                                                            enable_gqa=True)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_attention_regions_match_torch_sdpa(which, request):
+    """The prefill is causal attention of the 7-token prompt; its decode step attends to the
+    prompt's cached keys and values (recorded in the prefill) plus its own."""
+    res = request.getfixturevalue(f"{which}_capture")
+    sites = [i for i in res.instances if i.kind == "attention"]
+    assert sites
+    for inst in sites:
+        (n0, (q0, k0, v0), (o0,)), (n1, (q1, k1, v1), (o1,)) = inst.recordings
+        d = inst.dims
+        assert (n0, n1) == (7, 1) and q0.shape[1:] == (d["heads"], d["head_dim"])
+        assert k0.shape[1:] == v0.shape[1:] == (d["kv_heads"], d["head_dim"])
+        assert max_rel_error(_sdpa(q0, k0, v0, causal=True), o0) < TOL
+        assert max_rel_error(_sdpa(q1, torch.cat([k0, k1]), torch.cat([v0, v1]), causal=False), o1) < TOL

@@ -21,6 +21,9 @@ def test_real_weights_are_loaded_and_programs_match(real_capture, real_checkpoin
         sw = by_site[("swiglu", f"layers.{layer}.mlp.act_fn")]
         torch.testing.assert_close(sw.inputs[1], written[p + "mlp.gate_proj.weight"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(sw.inputs[2], written[p + "mlp.up_proj.weight"], rtol=1e-6, atol=1e-6)
+        ns = by_site[("rmsnorm_swiglu", f"layers.{layer}.mlp.act_fn")]
+        torch.testing.assert_close(ns.inputs[1], written[p + "post_attention_layernorm.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(ns.inputs[2:], sw.inputs[1:], rtol=0, atol=0)
     for inst in by_site.values():
         got = evaluate(inst.program, inst.inputs)
         for g, want in zip(got, inst.outputs):

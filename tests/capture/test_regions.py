@@ -23,6 +23,7 @@ def _expected(cfg, qk_norm: bool) -> dict[str, tuple[str, list[int]]]:
         P.rmsnorm_linear(h, (heads + 2 * kv) * hd, "float32", eps): layers,  # input_layernorm -> qkv_proj
         P.rmsnorm_linear(h, 2 * inter, "float32", eps): layers,  # post_attention_layernorm -> gate_up_proj
         P.swiglu(h, inter, "float32"): layers,
+        P.rmsnorm_swiglu(h, inter, "float32", eps): layers,  # post_attention_layernorm -> gate_up -> SiluAndMul
         P.silu_and_mul(inter, "float32"): layers,
     }
     if qk_norm:
@@ -37,13 +38,13 @@ def _got(result):
 def test_llama_regions_are_exactly_the_expected_programs(llama_capture):
     assert _got(llama_capture) == _expected(_config("tiny-llama"), qk_norm=False)
     unsupported = {r.kind for r in llama_capture.regions if not r.supported}
-    assert unsupported == {"rmsnorm_swiglu", "attention", "rotary_embedding"}
+    assert unsupported == {"attention", "rotary_embedding"}
 
 
 def test_qwen3_regions_include_qk_norm(qwen3_capture):
     assert _got(qwen3_capture) == _expected(_config("tiny-qwen3"), qk_norm=True)
     unsupported = {r.kind for r in qwen3_capture.regions if not r.supported}
-    assert unsupported == {"rmsnorm_swiglu", "qk_norm_attention", "rotary_embedding"}
+    assert unsupported == {"attention", "rotary_embedding"}
     qk = next(r for r in qwen3_capture.regions if r.kind == "rms_norm" and r.dims["hidden"] == 32)
     assert sorted(m.rsplit(".", 1)[-1] for m in qk.modules) == ["k_norm"] * 2 + ["q_norm"] * 2
     assert qk.dims == {"hidden": 32} and qk.rows_per_token == [2, 4]  # k heads, q heads
@@ -61,15 +62,22 @@ def test_dims_and_epsilon_are_the_models(qwen3_capture):
         if r.supported and r.eps is not None:
             assert r.eps == cfg["rms_norm_eps"]
         assert r.dtype == "float32"
-    attn = by_kind["qk_norm_attention"][0]
-    assert attn.dims == {"heads": 4, "kv_heads": 2, "head_dim": 32}
-    assert attn.reason and attn.program is None and attn.buckets == []
-    swiglu = by_kind["swiglu"][0]
-    assert swiglu.dims == {"hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"]}
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    (attn,) = by_kind["attention"]
+    assert attn.dims == {"heads": heads, "kv_heads": kv, "head_dim": hd}
+    assert attn.reason and attn.program is None and attn.buckets == qwen3_capture.buckets
+    (rot,) = by_kind["rotary_embedding"]
+    assert rot.dims == {"heads": heads, "kv_heads": kv, "head_dim": hd, "rotary_dim": hd,
+                        "max_position": cfg["max_position_embeddings"], "neox": 1}
+    assert sorted(rot.layers) == sorted(attn.layers) == list(range(cfg["num_hidden_layers"]))
+    assert rot.reason and rot.program is None and rot.buckets == qwen3_capture.buckets
+    for kind in ("swiglu", "rmsnorm_swiglu"):
+        assert by_kind[kind][0].dims == {"hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"]}
 
 
 def test_unsupported_regions_are_reported_with_a_reason_and_skipped(llama_capture):
     doc = llama_capture.to_json()
     skipped = [r for r in doc["regions"] if not r["supported"]]
     assert skipped and all(r["reason"] and r["program"] is None and r["program_hash"] is None for r in skipped)
+    assert all("\n" not in r["reason"] for r in skipped)  # one line each
     json.dumps(doc)  # the report is plain JSON
