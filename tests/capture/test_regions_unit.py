@@ -108,3 +108,79 @@ def test_recorder_takes_region_inputs_and_outputs_in_builder_order(monkeypatch):
     rl = recorded[kinds.index("rmsnorm_linear")]
     torch.testing.assert_close(rl["inputs"][:2], [x, w])  # the weight comes from the module, not the graph
     torch.testing.assert_close(rl["outputs"], [linear(rms_norm(x, w, 1e-5, None), wl)])
+
+
+class RotaryEmbedding:
+    pass
+
+
+class Attention:
+    pass
+
+
+def rotary_embedding(positions, q, k, head_size, cache, is_neox):  # stands in for _C.rotary_embedding
+    q.mul_(2.0)
+    k.mul_(3.0)
+
+
+def unified_attention_with_output(q, k, v, out, layer):  # stands in for vllm.unified_attention_with_output
+    out.copy_(q)
+
+
+def _attention_graph(rotary_target=rotary_embedding, n=3, heads=4, kv=2, hd=8):
+    g = fx.Graph()
+    pos, q, k, v, cache = (g.placeholder(s) for s in ("positions", "q", "k", "v", "cache"))
+    for p, val in ((pos, torch.arange(n)), (q, torch.randn(n, heads * hd)), (k, torch.randn(n, kv * hd)),
+                   (v, torch.randn(n, kv * hd)), (cache, torch.randn(64, hd))):
+        p.meta["example_value"] = val
+
+    def call(fn, args, path, cls, val=None):
+        node = g.call_function(fn, args)
+        node.meta["nn_module_stack"] = {path: (f"L['self'].{path}", cls)}
+        node.meta["example_value"] = val
+        return node
+
+    rot_args = (pos, q, k, hd, cache, True) if rotary_target is rotary_embedding else (q,)
+    call(rotary_target, rot_args, "layers.1.self_attn.rotary_emb", RotaryEmbedding)
+    path = "layers.1.self_attn.attn"
+    qv = call(torch.reshape, (q, (n, heads, hd)), path, Attention, torch.randn(n, heads, hd))
+    kv_ = call(torch.reshape, (k, (n, kv, hd)), path, Attention, torch.randn(n, kv, hd))
+    vv = call(torch.reshape, (v, (n, kv, hd)), path, Attention, torch.randn(n, kv, hd))
+    out = call(torch.empty_like, (qv,), path, Attention, torch.randn(n, heads, hd))
+    call(unified_attention_with_output, (qv, kv_, vv, out, "layer"), path, Attention)
+    g.output(call(torch.clone, (out,), path, Attention, torch.randn(n, heads, hd)))
+    return g
+
+
+def test_rotary_and_attention_are_reported_with_dims_and_a_reason():
+    regions, _ = find_regions(_attention_graph())
+    by_kind = {r["kind"]: r for r in regions}
+    rot, attn = by_kind["rotary_embedding"], by_kind["attention"]
+    assert rot["dims"] == {"heads": 4, "kv_heads": 2, "head_dim": 8, "rotary_dim": 8, "max_position": 64,
+                           "neox": 1}
+    assert attn["dims"] == {"heads": 4, "kv_heads": 2, "head_dim": 8}
+    assert not rot["supported"] and not attn["supported"] and rot["layer"] == attn["layer"] == 1
+    assert "gather" in rot["reason"] and "kv_len" in attn["reason"]
+
+
+def test_a_rotary_that_is_not_the_vllm_op_is_unsupported_without_dims():
+    regions, _ = find_regions(_attention_graph(rotary_target=torch.neg))
+    rot = next(r for r in regions if r["kind"] == "rotary_embedding")
+    assert rot["dims"] == {} and not rot["supported"] and "not traced" in rot["reason"]
+
+
+def test_recorder_takes_in_place_rotary_outputs_after_the_op(monkeypatch):
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    gm = fx.GraphModule(torch.nn.Module(), _attention_graph())
+    run = backend.capture_backend(gm, [])
+    pos, q, k, v, cache = torch.arange(3), torch.randn(3, 32), torch.randn(3, 16), torch.randn(3, 16), torch.randn(64, 8)
+    q0, k0 = q.clone(), k.clone()
+    backend.STATE.record_pending = 1
+    run(pos, q, k, v, cache)
+    recorded = backend.STATE.recorded[0][1]
+    kinds = [r["kind"] for r in backend.STATE.regions]
+    rot = recorded[kinds.index("rotary_embedding")]
+    torch.testing.assert_close(rot["inputs"], [pos, q0, k0, cache])  # taken before the in-place op
+    torch.testing.assert_close(rot["outputs"], [2 * q0, 3 * k0])  # and after it
+    attn = recorded[kinds.index("attention")]
+    torch.testing.assert_close(attn["outputs"], [(2 * q0).reshape(3, 4, 8)])
