@@ -173,7 +173,8 @@ def test_recorder_takes_in_place_rotary_outputs_after_the_op(monkeypatch):
     monkeypatch.setattr(backend, "STATE", backend.CaptureState())
     gm = fx.GraphModule(torch.nn.Module(), _attention_graph())
     run = backend.capture_backend(gm, [])
-    pos, q, k, v, cache = torch.arange(3), torch.randn(3, 32), torch.randn(3, 16), torch.randn(3, 16), torch.randn(64, 8)
+    pos, cache = torch.arange(3), torch.randn(64, 8)
+    q, k, v = torch.randn(3, 32), torch.randn(3, 16), torch.randn(3, 16)
     q0, k0 = q.clone(), k.clone()
     backend.STATE.record_pending = 1
     run(pos, q, k, v, cache)
