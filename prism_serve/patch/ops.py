@@ -1,0 +1,204 @@
+"""The prism torch custom ops (`prism::rms_norm`, `prism::fused_add_rms_norm`,
+`prism::silu_and_mul`): opaque to torch.compile, with fake impls, dispatching by num_tokens.
+
+Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
+startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
+vLLM's own path (`FALLBACKS`, set by the vLLM hooks; the torch references below otherwise).
+Calls are counted per op (`COUNTS`: kernel launches, `MISSES`: fallbacks) and written as JSON
+to $PRISM_SERVE_COUNTERS when the process exits, so tests can prove the kernels ran.
+"""
+
+
+import atexit
+import json
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from prism_serve.patch.table import Table
+
+log = logging.getLogger(__name__)
+COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
+
+
+class _State:
+    table: Table | None = None
+    failed: set[int] = set()  # kernel ids that raised at run time: never launched again
+
+
+STATE = _State()
+COUNTS: dict[str, int] = dict.fromkeys(OP_NAMES, 0)
+MISSES: dict[str, int] = dict.fromkeys(OP_NAMES, 0)
+
+
+# --- vLLM's semantics in torch: the fallback when no vLLM hook supplied its own path ---------
+
+def ref_rms_norm(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
+    orig = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (xf.to(weight.dtype) * weight).to(orig)
+
+
+def ref_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    orig = x.dtype
+    s = x.to(torch.float32) + residual.to(torch.float32)
+    r = s.to(orig)
+    s = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (s.to(weight.dtype) * weight).to(orig), r
+
+
+def ref_silu_and_mul(x: Tensor) -> Tensor:
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm": ref_fused_add_rms_norm,
+                                  "silu_and_mul": ref_silu_and_mul}
+
+
+# --- dispatch --------------------------------------------------------------------------
+
+def pick(op: str, x: Tensor, dim: int, eps: float | None):
+    """The launcher for this call, or None: the whole per-call cost of prism's dispatch."""
+    table = STATE.table
+    if table is None or x.device.type != table.device:
+        return None
+    buckets = table.entry(op, x.dtype, dim, eps)
+    if buckets is None:
+        return None
+    launcher = buckets.pick(x.numel() // dim)
+    if launcher is None or launcher.kernel_id in STATE.failed:
+        return None
+    return launcher
+
+
+def _failed(op: str, launcher, exc: Exception) -> None:
+    STATE.failed.add(launcher.kernel_id)
+    log.warning("prism-serve: kernel %d for %s failed (%s: %s); vLLM's own path serves it from now on",
+                launcher.kernel_id, op, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+
+
+def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
+    dim = x.shape[-1]
+    launcher = pick("rms_norm", x, dim, epsilon)
+    if launcher is not None:
+        try:
+            (y,) = launcher.run(x.reshape(-1, dim), weight)
+            COUNTS["rms_norm"] += 1
+            return y.view(x.shape)
+        except Exception as exc:  # noqa: BLE001 - never break serving
+            _failed("rms_norm", launcher, exc)
+    MISSES["rms_norm"] += 1
+    return FALLBACKS["rms_norm"](x, weight, epsilon)
+
+
+def fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    dim = x.shape[-1]
+    launcher = pick("fused_add_rms_norm", x, dim, epsilon)
+    if launcher is not None and residual.dtype == x.dtype and residual.shape == x.shape:
+        try:
+            y, r = launcher.run(x.reshape(-1, dim), residual.reshape(-1, dim), weight)
+            COUNTS["fused_add_rms_norm"] += 1
+            return y.view(x.shape), r.view(x.shape)
+        except Exception as exc:  # noqa: BLE001
+            _failed("fused_add_rms_norm", launcher, exc)
+    MISSES["fused_add_rms_norm"] += 1
+    return FALLBACKS["fused_add_rms_norm"](x, residual, weight, epsilon)
+
+
+def silu_and_mul_impl(x: Tensor) -> Tensor:
+    d = x.shape[-1] // 2
+    launcher = pick("silu_and_mul", x, d, None)
+    if launcher is not None:
+        try:
+            x2 = x.reshape(-1, 2 * d)
+            (y,) = launcher.run(x2[:, :d], x2[:, d:])
+            COUNTS["silu_and_mul"] += 1
+            return y.view(*x.shape[:-1], d)
+        except Exception as exc:  # noqa: BLE001
+            _failed("silu_and_mul", launcher, exc)
+    MISSES["silu_and_mul"] += 1
+    return FALLBACKS["silu_and_mul"](x)
+
+
+# --- torch custom ops: opaque to Dynamo, with fake impls for torch.compile -------------------
+
+def _define() -> dict[str, object]:
+    defined = {}
+
+    @torch.library.custom_op("prism::rms_norm", mutates_args=())
+    def rms_norm(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
+        return rms_norm_impl(x, weight, epsilon)
+
+    @rms_norm.register_fake
+    def _(x, weight, epsilon):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("prism::fused_add_rms_norm", mutates_args=())
+    def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+        return fused_add_rms_norm_impl(x, residual, weight, epsilon)
+
+    @fused_add_rms_norm.register_fake
+    def _(x, residual, weight, epsilon):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.custom_op("prism::silu_and_mul", mutates_args=())
+    def silu_and_mul(x: Tensor) -> Tensor:
+        return silu_and_mul_impl(x)
+
+    @silu_and_mul.register_fake
+    def _(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    defined.update(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, silu_and_mul=silu_and_mul)
+    return defined
+
+
+_DEFINED: dict[str, object] = {}
+
+
+def define_ops() -> dict[str, object]:
+    """Register the prism ops with torch once per process (idempotent)."""
+    if not _DEFINED:
+        if hasattr(torch.ops.prism, "rms_norm"):  # defined by an earlier import of another copy
+            _DEFINED.update({n: getattr(torch.ops.prism, n) for n in OP_NAMES})
+        else:
+            _DEFINED.update(_define())
+    return _DEFINED
+
+
+# --- counters --------------------------------------------------------------------------
+
+def counters() -> dict[str, dict[str, int]]:
+    return {"kernel": dict(COUNTS), "fallback": dict(MISSES), "failed_kernels": sorted(STATE.failed)}
+
+
+def _write_counters() -> None:
+    path = os.environ.get(COUNTERS_ENV)
+    if not path or not (any(COUNTS.values()) or any(MISSES.values())):
+        return  # a process that ran no prism op (e.g. vLLM's API server) leaves the file alone
+    try:
+        with open(path, "w") as f:
+            json.dump(counters() | {"pid": os.getpid()}, f)
+    except OSError as exc:
+        log.warning("prism-serve: cannot write counters to %s: %s", path, exc)
+
+
+def log_counters() -> None:
+    ran = {op: n for op, n in COUNTS.items() if n}
+    if ran or any(MISSES.values()):
+        log.info("prism-serve: kernel launches %s, fallbacks to vLLM %s", ran, {k: v for k, v in MISSES.items() if v})
+
+
+_ATEXIT = []
+
+
+def install_counters_at_exit() -> None:
+    if not _ATEXIT:
+        atexit.register(_write_counters)
+        _ATEXIT.append(True)

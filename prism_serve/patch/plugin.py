@@ -1,0 +1,160 @@
+"""The vLLM general plugin: load this device's kernels from the registry and patch them in.
+
+vLLM calls `register()` (entry point `prism_serve` in group `vllm.general_plugins`) in every
+process it starts, possibly more than once. It never raises into vLLM, does its work once per
+process, and logs exactly one line saying what it patched or why it patched nothing.
+
+Settings (environment):
+- PRISM_SERVE_DISABLE=1   do nothing at all;
+- PRISM_SERVE_FORCE=1     also use kernels that are only 'verified' (not measured faster), for
+                          tests on the CPU through the Triton interpreter;
+- PRISM_SERVE_REGISTRY    the registry (same setting as the CLI);
+- PRISM_SERVE_COUNTERS    a file that receives per-op call counts as JSON at exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# vLLM configures the "vllm" logger tree (format, level, destination); logging under it puts
+# prism's one line among vLLM's own start-up lines, where a user reading the log looks.
+log = logging.getLogger("vllm.prism_serve")
+DISABLE_ENV, FORCE_ENV = "PRISM_SERVE_DISABLE", "PRISM_SERVE_FORCE"
+FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass
+class Status:
+    """What the plugin did in this process (for tests, the doctor and the benchmark)."""
+
+    state: str = "not run"  # "patched" | "nothing" | "disabled" | "error"
+    message: str = ""
+    device: str | None = None
+    patched: list[str] = field(default_factory=list)
+    kernels: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
+    seconds: float = 0.0
+
+
+STATUS = Status()
+_INSTALLED = []
+
+
+def flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in FALSE
+
+
+def register() -> None:
+    """vLLM's entry point. Idempotent; every failure becomes one warning and an unpatched vLLM."""
+    if STATUS.state != "not run":
+        return
+    start = time.perf_counter()
+    try:
+        state, message = _register()
+    except Exception as exc:  # noqa: BLE001 - an exception here would take vLLM down
+        state, message = "error", (f"prism-serve: nothing patched, the plugin failed: {type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''}")
+    STATUS.state, STATUS.message, STATUS.seconds = state, message, time.perf_counter() - start
+    _logging_ready()
+    (log.info if state in ("patched", "nothing", "disabled") else log.warning)("%s", message)
+
+
+def _logging_ready() -> None:
+    """vLLM loads plugins before it configures logging: apply its default configuration (from
+    the same VLLM_* settings, or none where VLLM_CONFIGURE_LOGGING=0) so the line is not lost;
+    vLLM applies its full configuration again right after."""
+    if logging.getLogger("vllm").handlers:
+        return
+    try:
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed
+        configure_logging_if_needed(LoggingConfig())
+    except Exception:  # noqa: BLE001 - then the line goes wherever Python's logging sends it
+        pass
+
+
+def _register() -> tuple[str, str]:
+    if flag(DISABLE_ENV):
+        return "disabled", f"prism-serve: disabled by {DISABLE_ENV}=1; nothing patched"
+    from prism_serve.patch.device import current_device
+    from prism_serve.registry.db import describe, open_registry, resolve_url
+    from prism_serve.registry.store import load_device
+
+    url = resolve_url()
+    where = describe(url)
+    device, device_type = current_device()
+    STATUS.device = device.fingerprint
+    missing = _missing_sqlite_file(url)
+    if missing:
+        return "nothing", f"prism-serve: nothing patched: no registry at {missing} (run `prism-serve warmup`)"
+    force = flag(FORCE_ENV)
+    statuses = ("enabled", "verified") if force else ("enabled",)
+    try:
+        reg = open_registry(url, upgrade=False)
+    except Exception as exc:  # noqa: BLE001 - RegistryError, or a driver's own error
+        return "error", f"prism-serve: nothing patched: cannot open registry {where}: {_line(exc)}"
+    try:
+        with reg.read() as session:
+            loaded = load_device(session, device, statuses=statuses)
+            table = _build(loaded.usable, device_type)
+    except Exception as exc:  # noqa: BLE001
+        return "error", f"prism-serve: nothing patched: cannot read registry {where}: {_line(exc)}"
+    finally:
+        reg.close()
+    reasons = Counter(why for _, why in loaded.skipped) + Counter(why for _, why in table.skipped)
+    STATUS.skipped = dict(reasons)
+    STATUS.kernels = table.kernels()
+    which = "enabled or verified (forced)" if force else "enabled"
+    if not table.ops:
+        if not loaded.usable and not loaded.skipped:
+            return "nothing", f"prism-serve: nothing patched: registry {where} has no {which} kernels for {device.fingerprint}"
+        return "nothing", (f"prism-serve: nothing patched: none of the {len(loaded.usable) + len(loaded.skipped)} "
+                           f"{which} kernels for {device.fingerprint} in {where} is usable: {_reasons(reasons)}")
+    from prism_serve.patch import ops
+    from prism_serve.patch.hooks import install
+    installed = install(table)
+    _INSTALLED.append(installed)
+    ops.install_counters_at_exit()
+    STATUS.patched = list(installed.names)
+    shapes = ", ".join(f"{op} x{n}" for op, n in table.summary().items())
+    text = (f"prism-serve: patched {', '.join(installed.names) or 'nothing'} with {STATUS.kernels} {which} kernels "
+            f"for {device.fingerprint} from {where} (shapes: {shapes})")
+    if reasons:
+        text += f"; skipped {sum(reasons.values())}: {_reasons(reasons)}"
+    return ("patched" if installed.names else "nothing"), text
+
+
+def _build(kernels, device_type: str):
+    from prism_serve.patch.table import build_table
+    return build_table(kernels, device_type)
+
+
+def _missing_sqlite_file(url: str) -> str | None:
+    """A SQLite registry file that does not exist (opening it would create an empty one)."""
+    from sqlalchemy.engine import make_url
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return None if Path(parsed.database).exists() else parsed.database
+
+
+def _reasons(reasons: Counter) -> str:
+    return "; ".join(f"{why} ({n})" for why, n in reasons.most_common(4)) + (
+        f"; and {len(reasons) - 4} other reasons" if len(reasons) > 4 else "")
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def unpatch() -> None:
+    """Undo what `register()` installed in this process (tests and the benchmark)."""
+    while _INSTALLED:
+        _INSTALLED.pop().revert()
+    STATUS.__init__()

@@ -1,0 +1,51 @@
+"""Registry rows for a model's vLLM ops built from the hand-built oracle sGraphs, proven and
+instantiated for this device: what the tests and the benchmark load, and what `warmup` stores
+the same way from the optimizer's results.
+"""
+
+from __future__ import annotations
+
+import json
+
+from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.optimize.workloads import programs
+from prism_serve.optimize.workloads.oracles import default_assignment, oracle
+from prism_serve.optimize.sgraph import instantiate
+from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, current_versions
+
+# (lo, hi) num_tokens buckets and the token block used in each: small blocks for decode
+BUCKETS = (((1, 8), 4), ((9, 8192), 16))
+
+
+def model_programs(config_path, dtype: str = "float32") -> list:
+    """The patchable vLLM ops of a Hugging Face Llama / Qwen3 config: norms, residual norms,
+    q/k norms (head_dim rows) and SiluAndMul."""
+    cfg = json.loads(open(config_path).read())
+    hidden, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], float(cfg.get("rms_norm_eps", 1e-6))
+    progs = [programs.rms_norm(hidden, dtype, eps), programs.fused_add_rms_norm(hidden, dtype, eps),
+             programs.silu_and_mul(inter, dtype)]
+    if cfg.get("model_type") == "qwen3":
+        head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+        progs.append(programs.rms_norm(head_dim, dtype, eps))
+    return progs
+
+
+def results(progs, device: DeviceInfo, *, status: str = "verified", versions: Versions | None = None,
+            buckets=BUCKETS, gpu: str = "h100", model: str = "") -> list[KernelResult]:
+    """One proven, instantiated oracle kernel per program and bucket."""
+    spec = get_gpu(gpu if device.kind == "cpu" else device.name)
+    out = []
+    for prog in progs:
+        g = oracle(prog)
+        proof = prove_equivalent(g)
+        for bucket, block_tokens in buckets:
+            params = default_assignment(g, block_tokens=block_tokens)
+            instantiate(g, params, spec)  # raises when the assignment does not fit
+            out.append(KernelResult(
+                program=prog, sgraph=g, device=device, dtype=prog.inputs[0].attr("dtype"), bucket=bucket,
+                params=params, versions=versions or current_versions(), status=status,
+                reason="forced test kernel" if status == "verified" else "measured faster",
+                proof={"ok": proof.ok, "reason": proof.reason, "seconds": proof.seconds},
+                sources=((model, prog.name),) if model else ()))
+    return out
