@@ -31,6 +31,8 @@ class CaptureState:
     groups: dict[str, Group] = field(default_factory=dict)
     graph_nodes: int = 0
     num_tokens: Counter = field(default_factory=Counter)
+    # per forward with attention metadata: (sequences, longest query, longest kv) -> count
+    attention_shapes: Counter = field(default_factory=Counter)
     record_pending: int = 0  # how many of the next forwards to record
     # per recorded forward: (num_tokens, {region index: {"inputs": [...], "outputs": [...]}})
     recorded: list[tuple[int | None, dict[int, dict[str, list[torch.Tensor]]]]] = field(default_factory=list)
@@ -113,6 +115,26 @@ def _num_tokens(gm: fx.GraphModule, args: tuple) -> int | None:
     return next((int(a) for a in args if isinstance(a, int)), None)
 
 
+def _attention_shape() -> tuple[int, int, int] | None:
+    """(sequences, longest query, longest kv) of the running forward, from vLLM's attention metadata."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, list):
+            meta = meta[0] if meta else None
+        if isinstance(meta, dict):
+            meta = next(iter(meta.values()), None)
+        if meta is None:
+            return None
+        batch = int(meta.query_start_loc.numel()) - 1
+        return batch, int(meta.max_query_len), int(meta.max_seq_len)
+    except Exception:  # another backend's metadata, or none: the histogram just lacks this forward
+        return None
+
+
 def capture_backend(gm: fx.GraphModule, example_inputs, *args, **kwargs):
     """Dynamo backend named in vLLM's compilation_config; returns an eager callable."""
     try:
@@ -131,6 +153,9 @@ def capture_backend(gm: fx.GraphModule, example_inputs, *args, **kwargs):
         n = _num_tokens(gm, call_args)
         if n is not None:
             STATE.num_tokens[n] += 1
+        shape = _attention_shape()
+        if shape is not None:
+            STATE.attention_shapes[shape] += 1
         if STATE.record_pending and gm.graph is not None and STATE.regions is regions:
             STATE.record_pending -= 1
             rec = _Recorder(gm, regions)

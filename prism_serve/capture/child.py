@@ -127,6 +127,7 @@ def main(argv: list[str]) -> int:
         backend.STATE.record_pending = 2
         llm.generate([TokensPrompt(prompt_token_ids=RECORD_PROMPT[:max(1, max_len - 2)])], greedy, use_tqdm=False)
         backend.STATE.num_tokens.clear()
+        backend.STATE.attention_shapes.clear()
         vocab = int(config.get("vocab_size", 256))
         longest = max(1, max_len - HOT_MAX_TOKENS - 1)
         prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % vocab for j in range(min(n, longest))])
@@ -143,6 +144,7 @@ def main(argv: list[str]) -> int:
                   "load_format": "auto" if has_weights else "dummy", "graph_nodes": st.graph_nodes,
                   "regions": regions, "module_time_us": times, "forward_time_us": total,
                   "num_tokens": {str(k): v for k, v in sorted(st.num_tokens.items())},
+                  "attention_shapes": [[*k, v] for k, v in sorted(st.attention_shapes.items())],
                   "recorded_num_tokens": [n for n, _ in st.recorded], "seconds": round(time.time() - t0, 2)}
         (out / "result.json").write_text(json.dumps(result))
         return 0

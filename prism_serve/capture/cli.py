@@ -24,6 +24,9 @@ def _table(result) -> str:
         layers = ",".join(map(str, r.layers)) or "-"
         lines.append(f"{r.kind:<20} {prog:<12} {dims:<40} {layers:<10} {100 * r.time_share:5.1f}%  "
                      f"{r.buckets}" + ("" if r.supported else f"  ({r.reason})"))
+    if result.attention_shapes:
+        lines.append("attention forwards (sequences x longest query x longest kv: count): " + ", ".join(
+            f"{s['batch']}x{s['q_len']}x{s['kv_len']}: {s['count']}" for s in result.attention_shapes))
     return "\n".join(lines)
 
 

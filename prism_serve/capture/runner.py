@@ -90,13 +90,15 @@ class Region:
     time_share: float
     buckets: list[int]
     rows_per_token: list[int] = field(default_factory=list)
+    # attention only: per forward, its sequences and longest query / kv ({"batch", "q_len", "kv_len", "count"})
+    shapes: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "program_hash": self.program.canonical_hash if self.program else None,
                 "program": self.program.to_json() if self.program else None, "dims": self.dims, "eps": self.eps,
                 "dtype": self.dtype, "supported": self.supported, "reason": self.reason, "layers": self.layers,
                 "modules": self.modules, "time_share": self.time_share, "buckets": self.buckets,
-                "rows_per_token": self.rows_per_token}
+                "rows_per_token": self.rows_per_token, "shapes": self.shapes}
 
 
 @dataclass
@@ -110,11 +112,12 @@ class CaptureResult:
     buckets: list[int]
     recorded_num_tokens: list[int]
     seconds: float
+    attention_shapes: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"model": self.model, "architecture": self.architecture, "load_format": self.load_format,
                 "num_tokens_histogram": {str(k): v for k, v in self.num_tokens.items()}, "buckets": self.buckets,
-                "regions": [r.to_json() for r in self.regions]}
+                "attention_shapes": self.attention_shapes, "regions": [r.to_json() for r in self.regions]}
 
 
 def buckets_from_histogram(hist: dict[int, int]) -> list[int]:
@@ -193,7 +196,8 @@ def _instances(result: dict, record: dict) -> list[Instance]:
     return out
 
 
-def _merge(instances: list[Instance], total_us: float, hist: dict[int, int]) -> list[Region]:
+def _merge(instances: list[Instance], total_us: float, hist: dict[int, int],
+           attention_shapes: list[dict]) -> list[Region]:
     merged: dict[tuple, Region] = {}
     for inst in instances:
         key = (inst.kind, inst.program.canonical_hash if inst.program else json.dumps(inst.dims, sort_keys=True))
@@ -212,6 +216,8 @@ def _merge(instances: list[Instance], total_us: float, hist: dict[int, int]) -> 
         reg.rows_per_token.sort()
         if reg.dims:  # a Program's num_tokens is rows: tokens * rows_per_token
             reg.buckets = buckets_from_histogram({n * r: c for n, c in hist.items() for r in reg.rows_per_token})
+        if reg.kind == "attention":
+            reg.shapes = attention_shapes
     return sorted(merged.values(), key=lambda r: (not r.supported, -r.time_share))
 
 
@@ -225,8 +231,9 @@ def capture(model: str | Path | None = None) -> CaptureResult:
         record = torch.load(out / "record.pt", weights_only=True)
     hist = {int(k): v for k, v in result["num_tokens"].items()}
     buckets = buckets_from_histogram(hist)
+    shapes = [{"batch": b, "q_len": q, "kv_len": kv, "count": c} for b, q, kv, c in result["attention_shapes"]]
     instances = _instances(result, record)
-    regions = _merge(instances, result["forward_time_us"], hist)
+    regions = _merge(instances, result["forward_time_us"], hist, shapes)
     return CaptureResult(str(model) if model is not None else str(model_dir), result["architecture"],
                          result["load_format"], regions, instances, hist, buckets,
-                         result["recorded_num_tokens"], result["seconds"])
+                         result["recorded_num_tokens"], result["seconds"], shapes)

@@ -40,6 +40,13 @@ def test_report_table_and_json(llama_capture, monkeypatch, tmp_path):
     from prism_serve.optimize.ir import Program
 
     assert Program.from_json(r["program"]).canonical_hash == r["program_hash"]
+    attn = next(r for r in doc["regions"] if r["kind"] == "attention")
+    assert not attn["supported"] and attn["reason"] and attn["program_hash"] is None
+    cfg = json.loads((embedded_path("tiny-llama") / "config.json").read_text())
+    assert attn["dims"] == {"heads": cfg["num_attention_heads"], "kv_heads": cfg["num_key_value_heads"],
+                            "head_dim": cfg["head_dim"]}
+    assert attn["shapes"] == doc["attention_shapes"] and attn["buckets"] == doc["buckets"]
+    assert "attention forwards" in res.output and attn["reason"] in res.output
 
 
 def _bad_configs(tmp_path):

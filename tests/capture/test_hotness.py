@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prism_serve.capture import buckets_from_histogram
+from prism_serve.capture.child import HOT_MAX_TOKENS, HOT_PROMPT_LENS
 
 
 def test_buckets_from_histogram():
@@ -22,3 +23,15 @@ def test_time_shares_and_buckets(llama_capture):
     # disjoint regions cannot take more than the whole forward
     disjoint = [r for r in res.regions if r.kind in ("rms_norm", "fused_add_rms_norm", "swiglu", "attention")]
     assert sum(r.time_share for r in disjoint) <= 1.0
+
+
+def test_attention_shapes_follow_the_generation(llama_capture):
+    """One batched prefill of every prompt, then one decode step of the whole batch per new token,
+    each attending to one more cached position."""
+    n, longest = len(HOT_PROMPT_LENS), max(HOT_PROMPT_LENS)
+    want = [(n, longest, longest)] + [(n, 1, longest + i) for i in range(1, HOT_MAX_TOKENS)]
+    got = [(s["batch"], s["q_len"], s["kv_len"]) for s in llama_capture.attention_shapes]
+    assert sorted(got) == sorted(want) and all(s["count"] == 1 for s in llama_capture.attention_shapes)
+    attn = next(r for r in llama_capture.regions if r.kind == "attention")
+    assert attn.shapes == llama_capture.attention_shapes
+    assert sum(s["count"] for s in attn.shapes) == sum(llama_capture.num_tokens.values())
