@@ -83,7 +83,7 @@ def _register() -> tuple[str, str]:
         return "disabled", f"prism-serve: disabled by {DISABLE_ENV}=1; nothing patched"
     from prism_serve.patch.device import current_device
     from prism_serve.registry.db import describe, open_registry, resolve_url
-    from prism_serve.registry.store import load_device
+    from prism_serve.registry.store import explain, load_device
 
     url = resolve_url()
     where = describe(url)
@@ -98,9 +98,12 @@ def _register() -> tuple[str, str]:
         reg = open_registry(url, upgrade=False)
     except Exception as exc:  # noqa: BLE001 - RegistryError, or a driver's own error
         return "error", f"prism-serve: nothing patched: cannot open registry {where}: {_line(exc)}"
+    others: dict[str, int] = {}
     try:
         with reg.read() as session:
             loaded = load_device(session, device, statuses=statuses)
+            if not loaded.usable and not loaded.skipped:  # say what the registry holds instead
+                others = explain(session, device)
             table = _build(loaded.usable, device_type)
     except Exception as exc:  # noqa: BLE001
         return "error", f"prism-serve: nothing patched: cannot read registry {where}: {_line(exc)}"
@@ -112,7 +115,9 @@ def _register() -> tuple[str, str]:
     which = "enabled or verified (forced)" if force else "enabled"
     if not table.ops:
         if not loaded.usable and not loaded.skipped:
-            return "nothing", f"prism-serve: nothing patched: registry {where} has no {which} kernels for {device.fingerprint}"
+            held = f" (it holds: {_reasons(Counter(others))})" if others else " (it is empty)"
+            return "nothing", (f"prism-serve: nothing patched: registry {where} has no {which} kernels for "
+                               f"{device.fingerprint}{held}")
         return "nothing", (f"prism-serve: nothing patched: none of the {len(loaded.usable) + len(loaded.skipped)} "
                            f"{which} kernels for {device.fingerprint} in {where} is usable: {_reasons(reasons)}")
     from prism_serve.patch import ops

@@ -1,0 +1,37 @@
+"""Registries filled with real, proven oracle kernels for this device (the way warmup fills them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_serve.capture.embedded import embedded_path
+from prism_serve.patch import seed
+from prism_serve.patch.device import current_device
+from prism_serve.registry import add_kernel, open_registry
+
+MODELS = ("tiny-llama", "tiny-qwen3")
+
+
+def fill(path, results) -> str:
+    url = f"sqlite:///{path}"
+    reg = open_registry(url)
+    with reg.write() as s:
+        for r in results:
+            add_kernel(s, r)
+    reg.close()
+    return url
+
+
+def model_results(status: str = "verified", **kw):
+    device = current_device(use_vllm=False)[0]
+    out = []
+    for m in MODELS:
+        out += seed.results(seed.model_programs(embedded_path(m) / "config.json"), device, status=status, model=m,
+                            **kw)
+    return out
+
+
+@pytest.fixture(scope="session")
+def kernels_registry(tmp_path_factory):
+    """Forced ('verified') kernels for both tiny models' ops on this device."""
+    return fill(tmp_path_factory.mktemp("reg") / "registry.db", model_results())

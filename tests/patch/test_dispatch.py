@@ -1,0 +1,165 @@
+"""The dispatch table and the prism custom ops, in this process (no vLLM): bucket choice,
+what is skipped and why, numerics against vLLM's semantics, misses, fake impls and torch.compile."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from prism_serve.optimize.workloads import programs
+from prism_serve.patch import ops, seed
+from prism_serve.patch.device import current_device
+from prism_serve.patch.table import build_table, disjoint
+from prism_serve.registry import add_kernel, open_registry
+from prism_serve.registry.store import load_device
+
+from .conftest import fill
+
+EPS = 1e-6
+
+
+def _table(url, statuses=("verified",)):
+    reg = open_registry(url)
+    with reg.read() as s:
+        loaded = load_device(s, current_device(use_vllm=False)[0], statuses=statuses)
+        table = build_table(loaded.usable, "cpu")
+    reg.close()
+    return table
+
+
+@pytest.fixture(scope="module")
+def table(kernels_registry):
+    return _table(kernels_registry)
+
+
+@pytest.fixture
+def live(table):
+    ops.define_ops()
+    previous = ops.STATE.table
+    ops.STATE.table = table
+    yield table
+    ops.STATE.table = previous
+
+
+def test_table_serves_each_op_and_bucket(table):
+    f32 = torch.float32
+    assert set(table.summary()) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul"}
+    assert table.entry("rms_norm", f32, 128, EPS) and table.entry("rms_norm", f32, 32, EPS)  # norm and q/k norm
+    b = table.entry("silu_and_mul", f32, 256)
+    assert (b.los, b.his) == ([1, 9], [8, 8192])
+    small, large = b.pick(1), b.pick(9)
+    assert small is b.pick(8) and large is b.pick(8192) and small is not large
+    assert b.pick(8193) is None and b.pick(0) is None
+    assert table.entry("rms_norm", f32, 128, 1e-5) is None  # another epsilon is another program
+    assert table.entry("rms_norm", torch.float16, 128, EPS) is None
+
+
+def test_overlapping_buckets_take_the_fastest(table):
+    lz = table.entry("rms_norm", torch.float32, 128, EPS).launchers
+    fast, slow = (type(lz[0])(lz[0].run, 1, 1, 100, 5.0), type(lz[0])(lz[1].run, 2, 50, 200, 9.0))
+    b = disjoint([slow, fast])
+    assert (b.los, b.his) == ([1, 101], [100, 200])
+    assert [x.kernel_id for x in b.launchers] == [1, 2]
+
+
+def test_unpatchable_and_broken_kernels_are_skipped_with_reasons(tmp_path):
+    device = current_device(use_vllm=False)[0]
+    linear = seed.results([programs.rmsnorm_linear(64, 64, "float32")], device, buckets=(((1, 16), 16),))
+    silu = seed.results([programs.silu_and_mul(256, "float32")], device, buckets=(((1, 16), 16),))[0]
+    bad = type(silu)(**{**silu.__dict__, "params": {"BT": 16, "G": 3}})  # 256 columns do not split in 3
+    url = fill(tmp_path / "r.db", linear + [bad])
+    table = _table(url)
+    assert not table.ops
+    reasons = sorted(why for _, why in table.skipped)
+    assert reasons[0].startswith("failed to compile: RegistryError") and "cannot instantiate" in reasons[0]
+    assert reasons[1] == "program 'rmsnorm_linear' is not one prism can patch into vLLM"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 37])
+def test_ops_match_vllm_semantics(live, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, 128, generator=gen), torch.randn(rows, 128, generator=gen)
+    w = 1 + 0.1 * torch.randn(128, generator=gen)
+    before = dict(ops.COUNTS)
+    torch.testing.assert_close(torch.ops.prism.rms_norm(x, w, EPS), ops.ref_rms_norm(x, w, EPS))
+    y, r = torch.ops.prism.fused_add_rms_norm(x, res, w, EPS)
+    ry, rr = ops.ref_fused_add_rms_norm(x, res, w, EPS)
+    torch.testing.assert_close(y, ry)
+    torch.testing.assert_close(r, rr)
+    gu = torch.randn(rows, 512, generator=gen)
+    torch.testing.assert_close(torch.ops.prism.silu_and_mul(gu), ops.ref_silu_and_mul(gu))
+    q = torch.randn(rows, 4, 32, generator=gen)  # q-norm: rows x heads rows of head_dim
+    qw = 1 + 0.1 * torch.randn(32, generator=gen)
+    torch.testing.assert_close(torch.ops.prism.rms_norm(q, qw, EPS), ops.ref_rms_norm(q, qw, EPS))
+    assert {k: ops.COUNTS[k] - before[k] for k in before} == {"rms_norm": 2, "fused_add_rms_norm": 1,
+                                                              "silu_and_mul": 1}
+
+
+def test_a_miss_falls_back_to_vllms_path(live):
+    before = dict(ops.MISSES)
+    x, w = torch.randn(8200, 128), torch.rand(128)  # beyond the largest bucket
+    torch.testing.assert_close(torch.ops.prism.rms_norm(x, w, EPS), ops.ref_rms_norm(x, w, EPS))
+    x, w = torch.randn(4, 96), torch.rand(96)  # a hidden size with no kernel
+    torch.testing.assert_close(torch.ops.prism.rms_norm(x, w, EPS), ops.ref_rms_norm(x, w, EPS))
+    x16, w16 = torch.randn(4, 128, dtype=torch.float16), torch.rand(128, dtype=torch.float16)  # another dtype
+    torch.testing.assert_close(torch.ops.prism.rms_norm(x16, w16, EPS), ops.ref_rms_norm(x16, w16, EPS))
+    assert ops.MISSES["rms_norm"] - before["rms_norm"] == 3
+
+
+def test_fake_impls_and_schemas(live):
+    x, res, w = torch.randn(5, 128), torch.randn(5, 128), torch.rand(128)
+    torch.library.opcheck(torch.ops.prism.rms_norm.default, (x, w, EPS))
+    torch.library.opcheck(torch.ops.prism.fused_add_rms_norm.default, (x, res, w, EPS))
+    torch.library.opcheck(torch.ops.prism.silu_and_mul.default, (torch.randn(5, 512),))
+
+
+def test_compiled_graph_keeps_the_ops_opaque_and_dispatches_per_call(live):
+    def block(x, res, w, gu):
+        y, r = torch.ops.prism.fused_add_rms_norm(x, res, w, EPS)
+        return torch.ops.prism.rms_norm(y, w, EPS) + r, torch.ops.prism.silu_and_mul(gu)
+
+    compiled = torch.compile(block, backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows in (3, 20):  # one graph, two buckets
+        x, res, w, gu = torch.randn(rows, 128), torch.randn(rows, 128), torch.rand(128), torch.randn(rows, 512)
+        before = dict(ops.COUNTS)
+        got, want = compiled(x, res, w, gu), block(x, res, w, gu)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+        assert all(ops.COUNTS[k] - before[k] == 2 for k in ops.COUNTS)  # compiled call + eager call
+
+
+def test_counters_file_is_written_only_by_a_process_that_ran_ops(tmp_path, monkeypatch, live):
+    path = tmp_path / "counters.json"
+    monkeypatch.setenv(ops.COUNTERS_ENV, str(path))
+    torch.ops.prism.rms_norm(torch.randn(2, 128), torch.rand(128), EPS)
+    ops._write_counters()
+    data = json.loads(path.read_text())
+    assert data["kernel"]["rms_norm"] >= 1 and set(data) >= {"kernel", "fallback", "failed_kernels", "pid"}
+
+
+def test_seeded_kernels_are_proven(kernels_registry):
+    reg = open_registry(kernels_registry)
+    with reg.read() as s:
+        loaded = load_device(s, current_device(use_vllm=False)[0], statuses=("verified",))
+    reg.close()
+    assert loaded.usable and not loaded.skipped
+    assert all(k.sgraph.proof.get("ok") for k in loaded.usable)
+    assert len(loaded.usable) == 8  # 4 programs (norm, residual norm, silu, q/k norm) x 2 buckets
+
+
+def test_enabled_kernels_only_unless_forced(kernels_registry):
+    assert not _table(kernels_registry, statuses=("enabled",)).ops
+
+
+def test_add_kernel_roundtrip_keeps_buckets(tmp_path):
+    device = current_device(use_vllm=False)[0]
+    rs = seed.results([programs.rms_norm(64, "float32")], device, status="enabled")
+    url = fill(tmp_path / "e.db", rs)
+    reg = open_registry(url)
+    with reg.write() as s:
+        add_kernel(s, rs[0])  # the same key again: one row
+    reg.close()
+    b = _table(url, statuses=("enabled",)).entry("rms_norm", torch.float32, 64, EPS)
+    assert (b.los, b.his) == ([1, 9], [8, 8192])

@@ -1,0 +1,57 @@
+"""Run vLLM offline in this fresh process (vLLM rebinds torch's threads for its whole process):
+greedy tokens for fixed prompts in each mode asked for, the plugin's status and the prism op
+counters per mode, as JSON.
+
+    python tests/patch/vllm_child.py MODEL_DIR OUT.json eager [compiled]
+"""
+
+import gc
+import json
+import os
+import sys
+import time
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+       "VLLM_USE_AOT_COMPILE": "0", "TOKENIZERS_PARALLELISM": "false"}
+PROMPTS = ([1, 5, 9, 13, 17, 21, 25], [3, 4], list(range(2, 40)))  # 7, 2 and 38 tokens: both buckets
+MAX_TOKENS = 6
+MODES = {"eager": {"enforce_eager": True},
+         "compiled": {"enforce_eager": False, "compilation_config": {"mode": 3, "cudagraph_mode": "NONE"}}}
+
+
+def run(model: str, mode: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from prism_serve.patch import ops
+
+    before = ops.counters()
+    has_weights = any(f.endswith(".safetensors") for f in os.listdir(model))
+    t0 = time.time()
+    llm = LLM(model=model, load_format="auto" if has_weights else "dummy", skip_tokenizer_init=True,
+              max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8, dtype="float32", seed=0,
+              **MODES[mode])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    after = ops.counters()
+    del llm
+    gc.collect()
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(time.time() - t0, 2),
+            "kernel": {k: after["kernel"][k] - before["kernel"][k] for k in after["kernel"]},
+            "fallback": {k: after["fallback"][k] - before["fallback"][k] for k in after["fallback"]}}
+
+
+def main(model: str, out: str, modes: list[str]) -> int:
+    os.environ.update(ENV)
+    result: dict = {"runs": {mode: run(model, mode) for mode in modes}}
+    from prism_serve.patch import STATUS, ops
+    result["plugin"] = {"state": STATUS.state, "message": STATUS.message, "patched": STATUS.patched,
+                        "kernels": STATUS.kernels, "skipped": STATUS.skipped}
+    result["counters"] = ops.counters()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:] or ["eager"]))
