@@ -4,10 +4,13 @@ Runs in the capture child process on the graph vLLM's Dynamo trace hands to the
 capture backend. Each leaf module instance (``layers.0.input_layernorm``) becomes a
 group of nodes; a group's external inputs and outputs give the data flow between
 modules, from which regions are chained: RMSNorm -> Linear is ``rmsnorm_linear``,
-Linear -> SiluAndMul is ``swiglu``, and so on. Every region instance carries its
-dims, read from the traced fake tensors (so they are the sharded, per-rank dims),
-and *refs*: where to read its inputs and outputs at run time, in the argument
-order of the optimizer's Program builder.
+Linear -> SiluAndMul is ``swiglu``, RMSNorm -> Linear -> SiluAndMul is
+``rmsnorm_swiglu``, and so on. Every region instance carries its dims, read from
+the traced fake tensors (so they are the sharded, per-rank dims), and *refs*: where
+to read its inputs and outputs at run time, in the argument order of the
+optimizer's Program builder. Rotary embedding and attention are found as vLLM's
+own ops and reported unsupported (the IR has no gather, slice or mask), with their
+dims and refs to the op's own tensor arguments, so what is reported can be checked.
 
 A ref is a dict: ``{"node", "at", "when"}`` reads the value of FX node ``node``
 just before or after node ``at`` runs (several ops mutate in place, so the moment
@@ -237,10 +240,14 @@ def _rotary_region(g: Group) -> dict:
         return _region("rotary_embedding", [g], {}, "float32", [], [], supported=False,
                        reason=f"{g.cls} not traced as vLLM's _C.rotary_embedding op")
     positions, q, k, head_dim, cache, neox = rot.args[:6]
-    head_dim = int(head_dim)
-    dims = {"heads": _heads(q, head_dim), "kv_heads": _heads(k, head_dim) if k is not None else 0,
-            "head_dim": head_dim, "rotary_dim": int(_shape(cache)[-1]), "max_position": int(_shape(cache)[0]),
-            "neox": int(bool(neox))}
+    try:
+        head_dim = int(head_dim)
+        dims = {"heads": _heads(q, head_dim), "kv_heads": _heads(k, head_dim) if k is not None else 0,
+                "head_dim": head_dim, "rotary_dim": int(_shape(cache)[-1]), "max_position": int(_shape(cache)[0]),
+                "neox": int(bool(neox))}
+    except (IndexError, TypeError, ValueError, ZeroDivisionError):
+        return _region("rotary_embedding", [g], {}, "float32", [], [], supported=False,
+                       reason="rotary_embedding op traced without tensor shapes")
     sides = [q] + ([k] if k is not None else [])
     inputs = [_before(positions, rot), *(_before(x, rot) for x in sides), _before(cache, rot)]
     style = "halves" if neox else "interleaved pairs"

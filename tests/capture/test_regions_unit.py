@@ -185,3 +185,12 @@ def test_recorder_takes_in_place_rotary_outputs_after_the_op(monkeypatch):
     torch.testing.assert_close(rot["outputs"], [2 * q0, 3 * k0])  # and after it
     attn = recorded[kinds.index("attention")]
     torch.testing.assert_close(attn["outputs"], [(2 * q0).reshape(3, 4, 8)])
+
+
+def test_a_rotary_op_without_traced_shapes_is_unsupported_not_a_crash():
+    g = _attention_graph()
+    next(n for n in g.nodes if n.name == "cache").meta.pop("example_value")
+    regions, _ = find_regions(g)
+    rot = next(r for r in regions if r["kind"] == "rotary_embedding")
+    assert rot["dims"] == {} and not rot["supported"] and "without tensor shapes" in rot["reason"]
+    assert next(r for r in regions if r["kind"] == "attention")["dims"]  # the rest is still found
