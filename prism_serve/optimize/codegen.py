@@ -90,8 +90,8 @@ class _KernelWriter:
     def params(self) -> list[str]:
         out = []
         for t in self.tensors:
-            out.append(f"{t}_ptr")
-            out += [f"{t}_s{d}" for d in range(len(self.g.tensors[t].shape))]
+            out.append(f"{ident(t)[2:]}_ptr")
+            out += [f"{ident(t)[2:]}_s{d}" for d in range(len(self.g.tensors[t].shape))]
         return out + (["n_tokens"] if self.uses_tokens else [])
 
     def _tiling(self, n: Node) -> list[tuple[int, str, str | None, bool]]:
@@ -136,10 +136,10 @@ class _KernelWriter:
         for d, (tile, start, mask, _) in enumerate(tiling):
             offs = f"offs_{ident(n.name)[2:]}_{d}"
             self.emit(f"{offs} = {start + ' + ' if start else ''}tl.arange(0, {pow2(tile)})", depth)
-            terms.append(f"{_expand(offs, d, rank)} * {t}_s{d}")
+            terms.append(f"{_expand(offs, d, rank)} * {ident(t)[2:]}_s{d}")
             if mask:
                 masks.append(_expand(mask, d, rank))
-        return f"{t}_ptr + " + " + ".join(terms), " & ".join(masks) or None
+        return f"{ident(t)[2:]}_ptr + " + " + ".join(terms), " & ".join(masks) or None
 
     # --- ops ---------------------------------------------------------------
     def load(self, n: Node, depth: int) -> None:
@@ -157,7 +157,7 @@ class _KernelWriter:
         dims = tuple(pow2(t) for t, *_ in tiling)
         val = v.var if v.padded == dims else f"tl.reshape({v.var}, {dims})"
         masked = f", mask={mask}" if mask else ""
-        self.emit(f"tl.store({ptrs}, {val}.to({n.attr('tensor')}_ptr.dtype.element_ty){masked})", depth)
+        self.emit(f"tl.store({ptrs}, {val}.to({ident(n.attr('tensor'))[2:]}_ptr.dtype.element_ty){masked})", depth)
 
     def _masked(self, v: Value, dim: int, neutral: str) -> str:
         if v.masks[dim] is None:

@@ -1,7 +1,7 @@
 """The cost model: a roofline with L2 reuse, wave quantisation and launch overhead.
 
 It ranks instantiations of an sGraph for one GPU and num_tokens; it is not a
-simulator. Unique tensor bytes move from DRAM, repeated tile loads (weights read
+simulator. Unique tensor bytes move from DRAM (in 32-byte sectors), repeated tile loads (weights read
 by every token block, say) hit L2; matmuls with every dim >= 16 run on tensor
 cores, everything else on the fp32 units; a grid smaller than a wave leaves SMs idle.
 """
@@ -18,6 +18,7 @@ from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance
 
 LAUNCH_US = 3.0  # per kernel launch on the host, as commonly measured for CUDA + Triton
+SECTOR_BYTES = 32  # the DRAM access granularity
 L2_BANDWIDTH_FACTOR = 2.5  # L2 serves repeated loads this many times faster than DRAM
 
 
@@ -40,6 +41,14 @@ def _time_us(gpu: GpuSpec, blocks: int, dram: float, l2: float, tc: float, fp32:
     return max(mem, compute) / max(busy, 1e-9) + LAUNCH_US
 
 
+def _sector_waste(tile_last: int, tensor_last: int, itemsize: int) -> float:
+    """DRAM moves whole 32-byte sectors: a tile narrower than its rows reads each run rounded up."""
+    if tile_last >= tensor_last:
+        return 1.0
+    run = tile_last * itemsize
+    return math.ceil(run / SECTOR_BYTES) * SECTOR_BYTES / run
+
+
 def _numel(shape) -> int:
     return math.prod(shape)
 
@@ -59,9 +68,10 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
         times = steps if k.stages[n.name] == "loop" else 1
         if n.op in ("load", "store"):
             decl = g.tensors[n.attr("tensor")]
-            size = _numel(inst.tensor_shape(decl.name, num_tokens)) * BYTES[decl.dtype]
-            requested += blocks * times * _numel(tile) * BYTES[decl.dtype]
-            unique += size
+            shape = inst.tensor_shape(decl.name, num_tokens)
+            waste = _sector_waste(tile[-1] if tile else 1, shape[-1] if shape else 1, BYTES[decl.dtype])
+            requested += blocks * times * _numel(tile) * BYTES[decl.dtype] * waste
+            unique += _numel(shape) * BYTES[decl.dtype] * waste
         elif n.op == "matmul":
             a, b = (types[s].shape for s in n.inputs)
             m = inst.concrete(a[-2], num_tokens)

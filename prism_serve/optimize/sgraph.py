@@ -403,7 +403,8 @@ def instantiate(g: SGraph, assignment: Mapping[str, int], gpu: GpuSpec) -> Insta
     values = dict(assignment)
     for t in g.intermediates:
         for d in t.shape:
-            _exact(g.name, f"intermediate '{t.name}'", d, values)
+            if TOKENS not in d.free_symbols:  # token dims are bound at launch
+                _exact(g.name, f"intermediate '{t.name}'", d, values)
     for k in g.kernels:
         if not isinstance(k, BlockKernel):
             continue

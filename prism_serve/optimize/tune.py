@@ -30,21 +30,114 @@ class Candidate:
         return self.instance.values
 
 
-def symbol_choices(g: SGraph) -> dict[str, tuple[int, ...]]:
-    """Candidate values per symbol: token blocks for token axes, powers of two up to MAX_SPLIT else.
-    Divisibility and hardware limits are checked by `instantiate`."""
-    choices: dict[str, tuple[int, ...]] = {}
+def split_sizes(g: SGraph) -> dict[str, int]:
+    """The size of the data dim each grid / loop symbol divides (a loop's, before any split)."""
+    sizes: dict[str, int] = {}
     for k in g.kernels:
-        if isinstance(k, BlockKernel):
-            for a in k.grid:
-                choices[a.symbol] = TOKEN_BLOCKS if a.over_tokens else _pow2_upto(MAX_SPLIT)
-            if k.forloop:
-                choices[k.forloop] = _pow2_upto(MAX_SPLIT)
-    return {s: choices.get(s, _pow2_upto(MAX_SPLIT)) for s in g.symbols}
+        if not isinstance(k, BlockKernel):
+            continue
+        for n in k.loads + k.stores:
+            shape = g.tensors[n.attr("tensor")].shape
+            maps = n.attr("imap") if n.op == "load" else n.attr("omap")
+            for axis, d in zip(k.grid, maps):
+                if d is not None and not axis.over_tokens and not shape[d].free_symbols:
+                    sizes.setdefault(axis.symbol, int(shape[d]))
+            if n.op == "load" and n.attr("fmap") is not None and not shape[n.attr("fmap")].free_symbols:
+                sizes.setdefault(k.forloop, int(shape[n.attr("fmap")]))
+    return sizes
+
+
+def symbol_choices(g: SGraph) -> dict[str, tuple[int, ...]]:
+    """Candidate values per symbol: token blocks for token axes, else the powers of two (up to
+    MAX_SPLIT) that divide the dim the symbol splits. `instantiate` checks the rest."""
+    sizes = split_sizes(g)
+    tokens = {a.symbol for k in g.kernels if isinstance(k, BlockKernel) for a in k.grid if a.over_tokens}
+    return {s: TOKEN_BLOCKS if s in tokens else
+            tuple(v for v in _pow2_upto(min(sizes.get(s, MAX_SPLIT), MAX_SPLIT)) if sizes.get(s, v) % v == 0)
+            for s in g.symbols}
 
 
 def _pow2_upto(n: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(n.bit_length()) if 1 << i <= n)
+
+
+def _loop_splits(g: SGraph) -> set[str]:
+    """Grid symbols that split a loop's dim across blocks (split-K / split-KV)."""
+    out = set()
+    for k in g.kernels:
+        if isinstance(k, BlockKernel) and k.forloop:
+            for n in k.loads:
+                out |= {a.symbol for a, d in zip(k.grid, n.attr("imap")) if d is not None and d == n.attr("fmap")}
+    return out
+
+
+def finest_assignment(g: SGraph) -> dict[str, int]:
+    """The assignment with the smallest tiles: no split of a loop across the grid, every other
+    symbol at its largest choice, one token per block. Tile resources only grow from here, so
+    if this does not fit a GPU, no assignment does."""
+    splits = _loop_splits(g)
+    return {s: 1 if s in splits else c[0] if c == TOKEN_BLOCKS else c[-1] for s, c in symbol_choices(g).items()}
+
+
+def balanced_assignment(g: SGraph, tile: int = 64, block_tokens: int = 16) -> dict[str, int]:
+    """Tiles of about `tile` along every split dim, `block_tokens` tokens per block, no loop split."""
+    sizes, splits, choices = split_sizes(g), _loop_splits(g), symbol_choices(g)
+    out = {}
+    for s, c in choices.items():
+        if c == TOKEN_BLOCKS:
+            out[s] = block_tokens
+        elif s in splits:
+            out[s] = 1
+        else:
+            fitting = [v for v in c if sizes.get(s, 1) // v >= tile]
+            out[s] = fitting[-1] if fitting else c[0]
+    return out
+
+
+def best_modeled(g: SGraph, gpu: GpuSpec, num_tokens: int) -> Candidate | None:
+    """The best instance descent finds from balanced starts (or the finest tiles), or None
+    when nothing fits `gpu`."""
+    found = [c for c in (descend(g, gpu, num_tokens, balanced_assignment(g, t)) for t in (64, 16)) if c]
+    found = found or [c for c in [descend(g, gpu, num_tokens, finest_assignment(g))] if c]
+    return min(found, key=lambda c: c.modeled_us) if found else None
+
+
+def _coupled(g: SGraph) -> list[tuple[str, str]]:
+    """(split, loop) symbol pairs that divide the same dim: descent moves them jointly."""
+    pairs = []
+    for k in g.kernels:
+        if isinstance(k, BlockKernel) and k.forloop:
+            pairs += [(a.symbol, k.forloop) for a in k.grid if a.symbol in _loop_splits(g)]
+    return pairs
+
+
+def descend(g: SGraph, gpu: GpuSpec, num_tokens: int, start: dict[str, int]) -> Candidate | None:
+    """Coordinate descent on modeled time from a valid `start`, over `symbol_choices` one symbol
+    at a time and coupled (split, loop) pairs jointly: a cheap stand-in for `rank` while
+    searching (the final choice of parameters is ranked exhaustively)."""
+    choices = symbol_choices(g)
+    moves = [{s: v} for s in g.symbols for v in choices[s]] + [
+        {a: va, b: vb} for a, b in _coupled(g) for va in choices[a] for vb in choices[b]]
+    try:
+        inst = instantiate(g, start, gpu)
+    except SGraphError:
+        return None
+    best = Candidate(inst, num_tokens, modeled_us(inst, num_tokens, gpu))
+    improved = True
+    while improved:
+        improved = False
+        for m in moves:
+            values = best.assignment | m
+            if values == best.assignment:
+                continue
+            try:
+                inst = instantiate(g, values, gpu)
+            except SGraphError:
+                continue
+            t = modeled_us(inst, num_tokens, gpu)
+            if t < best.modeled_us:
+                best, improved = Candidate(inst, num_tokens, t), True
+    return best
 
 
 def enumerate_instances(g: SGraph, gpu: GpuSpec) -> list[Instance]:

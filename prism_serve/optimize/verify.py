@@ -52,6 +52,7 @@ class _Ctx:
     def __init__(self, symbols: tuple[str, ...]):
         self.symbols = symbols
         self.facts: list = []
+        self.accums: dict[str, T] = {}  # "kernel.node" -> the accumulator's term
 
     def note(self, term: T, shape: tuple, deps: frozenset[str]) -> T:
         for i in range(1, MAX_RANK + 1):
@@ -111,7 +112,8 @@ def program_terms(g: SGraph, ctx: _Ctx) -> dict[str, T]:
     return {o: env[o] for o in prog.outputs}
 
 
-def sgraph_terms(g: SGraph, ctx: _Ctx) -> dict[str, T]:
+def sgraph_terms(g: SGraph, ctx: _Ctx, everything: bool = False) -> dict[str, T]:
+    """Terms of the sGraph's outputs (of every tensor it writes, with `everything`)."""
     env: dict[str, T] = {n.name: T.var(n.name) for n in g.program.inputs}  # noted by program_terms
     for k in g.kernels:
         if isinstance(k, BlockKernel):
@@ -121,7 +123,7 @@ def sgraph_terms(g: SGraph, ctx: _Ctx) -> dict[str, T]:
             shapes = [tuple(g.tensors[s].shape) for s in n.inputs]
             env[n.name] = ctx.note(_op(n, [env[s] for s in n.inputs], shapes, ctx), tuple(g.tensors[n.name].shape),
                                    frozenset())
-    return {o: env[o] for o in g.program.outputs}
+    return env if everything else {o: env[o] for o in g.program.outputs}
 
 
 def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
@@ -155,6 +157,7 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
                 scale = (run - local[m]).exp()
                 term = (body * scale).red_sum(loop)
             local[n.name], deps[n.name] = term, deps[n.inputs[0]] - {k.forloop}
+            ctx.accums[f"{k.name}.{n.name}"] = term
         elif n.op == "store":
             decl = g.tensors[n.attr("tensor")]
             value, rank = local[n.inputs[0]], len(decl.shape)
@@ -185,12 +188,57 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
         ctx.note(local[n.name], shape, deps[n.name])
 
 
+@dataclass(frozen=True)
+class SubtermResult:
+    ok: bool
+    failed: tuple[str, ...]  # accumulators / intermediate tensors outside the target
+    seconds: float
+
+
 _CACHE: dict[str, ProofResult] = {}
+_SUB_CACHE: dict[str, SubtermResult] = {}
+
+
+def _key(g: SGraph, iterations: int) -> str:
+    return json.dumps(g.to_json(), sort_keys=True, default=str) + f"#{iterations}"
+
+
+def check_subterms(g: SGraph, *, iterations: int = ITERATIONS) -> SubtermResult:
+    """Search's abstract-expression rule: every accumulator and every intermediate tensor of `g`
+    must be a subexpression of (an equivalent form of) one of its Program's outputs (cached)."""
+    key = _key(g, iterations)
+    if key in _SUB_CACHE:
+        return _SUB_CACHE[key]
+    start = time.perf_counter()
+    ctx = _Ctx(tuple(g.symbols))
+    try:
+        want = program_terms(g, ctx)
+        env = sgraph_terms(g, ctx, everything=True)
+    except Unsupported as exc:
+        return SubtermResult(False, (f"unsupported: {exc}",), time.perf_counter() - start)
+    probes = dict(ctx.accums) | {t.name: env[t.name] for t in g.intermediates}
+    egraph = EGraph()
+    for o in g.program.outputs:
+        egraph.register(A.within(egraph.let(f"want_{o}", want[o])))
+        egraph.let(f"got_{o}", env[o])
+    handles = {name: egraph.let(f"probe_{i}", term) for i, (name, term) in enumerate(probes.items())}
+    egraph.register(*ctx.facts)
+    egraph.run(A.schedule(iterations))
+    egraph.run(A.subterms.saturate())
+    failed = []
+    for name, h in handles.items():
+        try:
+            egraph.check(A.within(h))
+        except EggSmolError:
+            failed.append(name)
+    result = SubtermResult(not failed, tuple(failed), time.perf_counter() - start)
+    _SUB_CACHE[key] = result
+    return result
 
 
 def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
     """Prove every output of `g` equal to its Program's, over symbolic sizes (cached)."""
-    key = json.dumps(g.to_json(), sort_keys=True, default=str) + f"#{iterations}"
+    key = _key(g, iterations)
     if key in _CACHE:
         return _CACHE[key]
     start = time.perf_counter()

@@ -1,0 +1,405 @@
+"""The superoptimizer: symbolic search over plans, verification, instantiation.
+
+Stage 1 enumerates, for every segment of the Program's primitive ops, the ways to
+run it: a library kernel, or a graph-defined kernel for each `BlockChoice` (grid
+labels, for-loop label, split, hoisting). Each candidate passes the pruning rules
+in order, each counted in `SearchStats.pruned`:
+
+- ``canonical``: one grid-axis order per set of labels, and no unhoisted twin when
+  hoisting changes nothing, so symmetric duplicates are built once;
+- ``shape``: symbolic shape compatibility: tiles must be bounded (a token dim is
+  always split by the grid), matmul batch dims map to the grid, at most 3 grid dims,
+  and the sGraph's sympy shape checks must hold;
+- ``schedule``: the block graph must respect the loop (no loop value stored);
+- ``hardware``: the finest tiles must fit the GPU's shared memory, registers and tile
+  limits (resources only grow from there, so otherwise no assignment fits);
+- ``abstract_expression``: every accumulator and intermediate must be a subexpression
+  of the target, decided by egglog saturation (cached). Being the costly rule, it runs
+  lazily, on the candidates the best-first search reaches.
+
+Plans are explored best-first (A*) on modeled time: a segment not yet expanded
+counts at a lower bound (its tensors' bytes at full bandwidth plus a launch), an
+expanded one at its best candidate. A candidate that fails a lazy rule or its proof
+(Stage 2) is dropped and the plan re-queued. A plan whose segments all hold proven
+candidates is built whole, proven again, checked through Triton on fresh inputs
+at a small instantiation, and ranked exhaustively per num_tokens bucket.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import time
+
+import numpy
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from prism_serve.errors import SGraphError
+from prism_serve.optimize.check import numeric_errors, small_program
+from prism_serve.optimize.cost import LAUNCH_US, modeled_us, unfused_us
+from prism_serve.optimize.gpus import GpuSpec, get_gpu
+from prism_serve.optimize.ir import NUM_TOKENS, Program, bind_shape
+from prism_serve.optimize.labels import Labels, index_labels
+from prism_serve.optimize.lower import (
+    BlockChoice,
+    Plan,
+    SegmentPlan,
+    Unschedulable,
+    build,
+    op_order,
+    segment_program,
+    segment_sgraph,
+)
+from prism_serve.optimize.reference import TOLERANCE, expand_composites
+from prism_serve.optimize.rewrite import loop_form
+from prism_serve.optimize.sgraph import BYTES, Instance, SGraph, instantiate
+from prism_serve.optimize.tune import Candidate, best_modeled, enumerate_instances, finest_assignment, rank
+from prism_serve.optimize.verify import ProofResult, check_subterms, prove_equivalent
+
+log = logging.getLogger(__name__)
+RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression")
+CHECK_TOKENS = (1, 7)  # num_tokens of the numeric check: one token and an awkward count
+Progress = Callable[[str, "SearchStats"], None]
+
+
+@dataclass
+class SearchStats:
+    states: int = 0  # candidates generated: (segment, choice) pairs, and plans taken from the queue
+    plans: int = 0
+    pruned: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
+    rejected: dict[str, int] = field(default_factory=lambda: {"proof": 0, "numeric": 0})
+    verified: int = 0
+    search_s: float = 0.0
+    verify_s: float = 0.0
+    stopped_by_budget: bool = False
+
+    def to_json(self) -> dict:
+        return {"states": self.states, "plans": self.plans, "pruned": dict(self.pruned),
+                "rejected": dict(self.rejected), "verified": self.verified, "search_s": self.search_s,
+                "verify_s": self.verify_s, "stopped_by_budget": self.stopped_by_budget}
+
+
+@dataclass(frozen=True)
+class Found:
+    """A verified sGraph with its best instance per num_tokens bucket (ranked exhaustively)."""
+
+    plan: Plan
+    sgraph: SGraph
+    proof: ProofResult
+    numeric_error: float  # worst over the small-instantiation checks, relative to max |ref|
+    kernels: tuple[Candidate, ...]
+
+    def kernel_for(self, num_tokens: int) -> Candidate:
+        return next(c for c in self.kernels if c.num_tokens == num_tokens)
+
+    def to_json(self) -> dict:
+        return {"plan": self.plan.to_json(), "describe": self.plan.describe(), "sgraph": self.sgraph.to_json(),
+                "proof": {"ok": self.proof.ok, "reason": self.proof.reason, "seconds": self.proof.seconds},
+                "numeric_error": self.numeric_error,
+                "kernels": [{"num_tokens": c.num_tokens, "params": c.assignment, "modeled_us": c.modeled_us}
+                            for c in self.kernels]}
+
+
+@dataclass(frozen=True)
+class OptimizeResult:
+    program: Program
+    gpu: str
+    num_tokens: tuple[int, ...]
+    found: tuple[Found, ...]  # fastest (summed over the buckets) first
+    unfused_us: dict[int, float]
+    stats: SearchStats
+
+    @property
+    def best(self) -> Found:
+        if not self.found:
+            raise SGraphError(f"no verified kernel was found for '{self.program.name}'")
+        return self.found[0]
+
+    def to_json(self) -> dict:
+        return {"program": self.program.to_json(), "program_hash": self.program.canonical_hash, "gpu": self.gpu,
+                "num_tokens": list(self.num_tokens), "unfused_us": {str(k): v for k, v in self.unfused_us.items()},
+                "found": [f.to_json() for f in self.found], "stats": self.stats.to_json()}
+
+
+@dataclass
+class _Candidate:
+    seg: SegmentPlan
+    sgraph: SGraph
+    cost: float  # summed over the buckets
+    lazy_checked: bool = False
+
+
+class _Search:
+    def __init__(self, prog: Program, gpu: GpuSpec, num_tokens: tuple[int, ...], max_segments: int,
+                 deadline: float, progress: Progress | None):
+        self.prog, self.gpu, self.buckets = prog, gpu, num_tokens
+        self.flat = expand_composites(prog)
+        self.labels = index_labels(self.flat)
+        self.order = op_order(self.flat)
+        self.max_segments, self.deadline, self.progress = max_segments, deadline, progress
+        self.stats = SearchStats()
+        self.candidates: dict[tuple[int, int], list[_Candidate]] = {}  # sorted by cost, once expanded
+        self.bounds: dict[tuple[int, int], float] = {}
+
+    # --- costs ---------------------------------------------------------------
+    def lower_bound(self, span: tuple[int, int]) -> float:
+        if span not in self.bounds:
+            seg = segment_program(self.flat, self.order[span[0]:span[1]])
+            names = [n.name for n in seg.inputs] + list(seg.outputs)
+            total = 0.0
+            for nt in self.buckets:
+                nbytes = sum(math.prod(bind_shape(seg.types[t].shape, nt)) * BYTES[seg.types[t].dtype] for t in names)
+                total += nbytes / (self.gpu.mem_bandwidth_gbs * 1e3) + LAUNCH_US
+            self.bounds[span] = total
+        return self.bounds[span]
+
+    def value(self, span: tuple[int, int]) -> float:
+        if span not in self.candidates:
+            return self.lower_bound(span)
+        return self.candidates[span][0].cost if self.candidates[span] else math.inf
+
+    # --- Stage 1: candidates of one segment ------------------------------------
+    def expand(self, span: tuple[int, int]) -> None:
+        seg = segment_program(self.flat, self.order[span[0]:span[1]])
+        seg_labels = Labels({n.name: self.labels.dims[n.name] for n in seg.nodes}, self.labels.reduced)
+        found: list[_Candidate] = []
+        choices: list[BlockChoice | None] = [None] if span[1] - span[0] == 1 else []
+        choices += list(_block_choices(seg, seg_labels))
+        for choice in choices:
+            self.stats.states += 1
+            rule = self._cheap_rules(seg, seg_labels, choice)
+            if rule:
+                self.stats.pruned[rule] += 1
+                continue
+            plan = SegmentPlan(span[0], span[1], choice)
+            try:
+                g = segment_sgraph(self.flat, self.labels, plan)
+            except Unschedulable as exc:
+                self._prune("schedule" if choice else "shape", plan, exc)
+                continue
+            except SGraphError as exc:
+                self._prune("shape", plan, exc)
+                continue
+            try:
+                instantiate(g, finest_assignment(g), self.gpu)
+            except SGraphError as exc:
+                self._prune("hardware", plan, exc)
+                continue
+            best = [best_modeled(g, self.gpu, nt) for nt in self.buckets]
+            if any(b is None for b in best):
+                self._prune("hardware", plan, "no instance found")
+                continue
+            found.append(_Candidate(plan, g, sum(b.modeled_us for b in best)))
+        self.candidates[span] = sorted(found, key=lambda c: c.cost)
+
+    def _prune(self, rule: str, plan: SegmentPlan, why) -> None:
+        self.stats.pruned[rule] += 1
+        log.debug("pruned (%s) %s: %s", rule, plan.describe(), why)
+
+    def _cheap_rules(self, seg: Program, labels: Labels, choice: BlockChoice | None) -> str | None:
+        if choice is None:
+            return None
+        order = _label_order(seg, labels)
+        if list(choice.grid) != sorted(choice.grid, key=order.index):
+            return "canonical"
+        if choice.loop and not choice.hoist and loop_form(seg, choice.loop, labels, hoist=False) == \
+                loop_form(seg, choice.loop, labels, hoist=True):
+            return "canonical"
+        has_tokens = any(NUM_TOKENS in labels.dims[n.name] for n in seg.nodes)
+        if has_tokens and NUM_TOKENS not in choice.grid or len(choice.grid) + choice.split > 3:
+            return "shape"
+        for n in seg.nodes:
+            if n.op == "matmul":
+                batch = [lb for lb in labels.dims[n.name][:-2] if lb]
+                if any(lb not in choice.grid for lb in batch):
+                    return "shape"
+        return None
+
+    # --- lazy rules and Stage 2 per segment -------------------------------------------
+    def settle(self, span: tuple[int, int]) -> bool:
+        """Make the segment's best candidate pass the abstract-expression rule and its proof,
+        dropping failures. True when its best candidate is settled (or none is left)."""
+        cands = self.candidates[span]
+        while cands and not cands[0].lazy_checked:
+            c = cands[0]
+            t0 = time.perf_counter()
+            sub = check_subterms(c.sgraph)
+            self.stats.search_s += 0  # accounted in total time
+            if not sub.ok:
+                self._prune("abstract_expression", c.seg, sub.failed)
+                cands.pop(0)
+                continue
+            t1 = time.perf_counter()
+            proof = prove_equivalent(c.sgraph)
+            self.stats.verify_s += time.perf_counter() - t1
+            del t0
+            if not proof.ok:
+                self.stats.rejected["proof"] += 1
+                log.info("proof failed for %s: %s", c.seg.describe(), proof.reason)
+                cands.pop(0)
+                continue
+            c.lazy_checked = True
+        return True
+
+    # --- plans, best-first ---------------------------------------------------
+    def plans(self) -> list[tuple[tuple[int, int], ...]]:
+        n = len(self.order)
+        out = []
+        for k in range(1, min(self.max_segments, n) + 1):
+            for cuts in itertools.combinations(range(1, n), k - 1):
+                edges = (0, *cuts, n)
+                out.append(tuple(zip(edges, edges[1:])))
+        return out
+
+    def run(self, top: int) -> list[Plan]:
+        queue = [(sum(self.value(s) for s in p), i, p) for i, p in enumerate(self.plans())]
+        heapq.heapify(queue)
+        accepted: list[Plan] = []
+        while queue and len(accepted) < top:
+            if time.perf_counter() > self.deadline:
+                self.stats.stopped_by_budget = True
+                break
+            cost, i, spans = heapq.heappop(queue)
+            self.stats.states += 1
+            self.stats.plans += 1
+            now = sum(self.value(s) for s in spans)
+            if math.isinf(now):
+                continue
+            if now > cost + 1e-9:
+                heapq.heappush(queue, (now, i, spans))
+                continue
+            todo = next((s for s in spans if s not in self.candidates), None)
+            if todo:
+                self.expand(todo)
+                if self.progress:
+                    self.progress(f"expanded ops {todo[0]}:{todo[1]}", self.stats)
+            else:
+                unsettled = next((s for s in spans if self.candidates[s] and not self.candidates[s][0].lazy_checked),
+                                 None)
+                if unsettled is None:
+                    accepted.append(Plan(tuple(self.candidates[s][0].seg for s in spans)))
+                    continue
+                self.settle(unsettled)
+            heapq.heappush(queue, (sum(self.value(s) for s in spans), i, spans))
+        return accepted
+
+
+def _label_order(seg: Program, labels: Labels) -> list[str]:
+    order: list[str] = []
+    for n in seg.nodes:
+        for lb in labels.dims[n.name]:
+            if lb and lb not in order:
+                order.append(lb)
+    return order
+
+
+def _block_choices(seg: Program, labels: Labels):
+    """Every grid / loop / split / hoist choice for a segment (pruning rules sort them out)."""
+    order = _label_order(seg, labels)
+    reduced = {lb for n in seg.nodes for lb in labels.reduced.get(n.name, ())}
+    parallel = [lb for lb in order if lb not in reduced and all(lb in labels.dims[o] for o in seg.outputs)]
+    loops = [None] + [lb for lb in order if lb in reduced]
+    for r in range(1, min(3, len(parallel)) + 1):
+        for grid in itertools.permutations(parallel, r):
+            for loop in loops:
+                for split in ((False, True) if loop else (False,)):
+                    for hoist in ((True, False) if loop else (True,)):
+                        yield BlockChoice(grid, loop, split, hoist)
+
+
+def _segment_instances(prog: Program, plan: Plan, gpu: GpuSpec) -> list[tuple[SGraph, list[Instance]]]:
+    """Every valid instance of each segment on its own. Segments share no symbols and the cost
+    is a sum over kernels, so choosing per segment is exact and avoids a product of searches."""
+    flat = expand_composites(prog)
+    labels = index_labels(flat)
+    out = []
+    for s in plan.segments:
+        g = segment_sgraph(flat, labels, s)
+        instances = enumerate_instances(g, gpu)
+        if not instances:
+            raise SGraphError(f"segment {s.describe()} of '{prog.name}' has no instance that fits {gpu.name}")
+        out.append((g, instances))
+    return out
+
+
+def _check_numerics(prog: Program, plan: Plan, gpu: GpuSpec) -> float:
+    """Worst relative error of the plan rebuilt for small dims, at an instance that exercises
+    every split and loop it can (more symbols above 1 first), through Triton."""
+    small = small_program(prog)
+    values: dict[str, int] = {}
+    for _, instances in _segment_instances(small, plan, gpu):
+        values |= max(instances, key=lambda i: (sum(v > 1 for v in i.values.values()),
+                                                -sum(i.values.values()))).values
+    inst = instantiate(build(small, plan), values, gpu)
+    with numpy.errstate(all="ignore"):  # padded rows of a masked tile may divide by zero
+        return max(e for nt in CHECK_TOKENS for e in numeric_errors(inst, nt))
+
+
+def instantiate_plan(prog: Program, plan: Plan, gpu: GpuSpec, buckets: Sequence[int],
+                     g: SGraph | None = None) -> tuple[Candidate, ...]:
+    """The best modeled instance of a plan per num_tokens bucket, ranked exhaustively per segment."""
+    g = g or build(prog, plan)
+    segments = _segment_instances(prog, plan, gpu)
+    out = []
+    for nt in buckets:
+        values: dict[str, int] = {}
+        for seg_g, instances in segments:
+            values |= rank(seg_g, gpu, nt, instances)[0].assignment
+        inst = instantiate(g, values, gpu)
+        out.append(Candidate(inst, nt, modeled_us(inst, nt, gpu)))
+    return tuple(out)
+
+
+def _finish(prog: Program, plan: Plan, gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats) -> Found | None:
+    """Stage 2 for a whole plan: build, prove, check numerically, rank per bucket."""
+    t0 = time.perf_counter()
+    g = build(prog, plan)
+    proof = prove_equivalent(g)
+    if not proof.ok:
+        stats.rejected["proof"] += 1
+        log.warning("whole-plan proof failed for %s: %s", plan.describe(), proof.reason)
+        return None
+    error = _check_numerics(prog, plan, gpu)
+    stats.verify_s += time.perf_counter() - t0
+    dtype = next(t.dtype for t in prog.types.values() if t.dtype != "const")
+    if not error <= TOLERANCE[dtype]:
+        stats.rejected["numeric"] += 1
+        log.warning("numeric check failed for %s: error %.3g", plan.describe(), error)
+        return None
+    stats.verified += 1
+    return Found(plan, g, proof, error, instantiate_plan(prog, plan, gpu, buckets, g))
+
+
+def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[int] = (16,), *,
+             max_segments: int = 3, budget_s: float = 60.0, top: int = 3, known: Sequence[Plan] = (),
+             progress: Progress | None = None) -> OptimizeResult:
+    """Find verified fused kernels for `prog` on `gpu`, fastest first, each instantiated per
+    num_tokens bucket. `known` plans (from an earlier search) are re-instantiated instead of
+    searching. The search stops cleanly at `budget_s` with the best found so far."""
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    buckets = tuple(sorted(set(num_tokens))) or (1,)
+    if any(not isinstance(n, int) or n < 1 for n in buckets):
+        raise SGraphError(f"num_tokens buckets must be positive ints, got {list(num_tokens)}")
+    start = time.perf_counter()
+    stats = SearchStats()
+    if known:
+        plans = list(known)
+    else:
+        search = _Search(prog, spec, buckets, max_segments, start + budget_s, progress)
+        plans = search.run(top)
+        stats = search.stats
+    stats.search_s = time.perf_counter() - start
+    found = []
+    for plan in plans:
+        f = _finish(prog, plan, spec, buckets, stats)
+        if f:
+            found.append(f)
+        if progress:
+            progress(f"verified {len(found)} of {len(plans)}", stats)
+    stats.search_s = time.perf_counter() - start
+    found.sort(key=lambda f: sum(c.modeled_us for c in f.kernels))
+    return OptimizeResult(prog, spec.name, buckets, tuple(found),
+                          {nt: unfused_us(prog, nt, spec) for nt in buckets}, stats)
