@@ -64,7 +64,8 @@ FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm"
 # --- dispatch --------------------------------------------------------------------------
 
 def pick(op: str, x: Tensor, dim: int, eps: float | None):
-    """The launcher for this call, or None: the whole per-call cost of prism's dispatch."""
+    """The launcher for this call, counted, or None: prism's whole per-call dispatch cost
+    (table and bucket lookup, bookkeeping) before the kernel launch."""
     table = STATE.table
     if table is None or x.device.type != table.device:
         return None
@@ -74,13 +75,19 @@ def pick(op: str, x: Tensor, dim: int, eps: float | None):
     launcher = buckets.pick(x.numel() // dim)
     if launcher is None or launcher.kernel_id in STATE.failed:
         return None
+    COUNTS[op] += 1
     return launcher
 
 
 def _failed(op: str, launcher, exc: Exception) -> None:
+    COUNTS[op] -= 1
     STATE.failed.add(launcher.kernel_id)
     log.warning("prism-serve: kernel %d for %s failed (%s: %s); vLLM's own path serves it from now on",
                 launcher.kernel_id, op, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+
+
+def _rows(x: Tensor, dim: int) -> Tensor:
+    return x if x.dim() == 2 else x.reshape(-1, dim)
 
 
 def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
@@ -88,9 +95,8 @@ def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
     launcher = pick("rms_norm", x, dim, epsilon)
     if launcher is not None:
         try:
-            (y,) = launcher.run(x.reshape(-1, dim), weight)
-            COUNTS["rms_norm"] += 1
-            return y.view(x.shape)
+            (y,) = launcher.run(_rows(x, dim), weight)
+            return y if x.dim() == 2 else y.view(x.shape)
         except Exception as exc:  # noqa: BLE001 - never break serving
             _failed("rms_norm", launcher, exc)
     MISSES["rms_norm"] += 1
@@ -99,12 +105,12 @@ def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
 
 def fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     dim = x.shape[-1]
-    launcher = pick("fused_add_rms_norm", x, dim, epsilon)
-    if launcher is not None and residual.dtype == x.dtype and residual.shape == x.shape:
+    same = residual.shape == x.shape and residual.dtype == x.dtype
+    launcher = pick("fused_add_rms_norm", x, dim, epsilon) if same else None
+    if launcher is not None:
         try:
-            y, r = launcher.run(x.reshape(-1, dim), residual.reshape(-1, dim), weight)
-            COUNTS["fused_add_rms_norm"] += 1
-            return y.view(x.shape), r.view(x.shape)
+            y, r = launcher.run(_rows(x, dim), _rows(residual, dim), weight)
+            return (y, r) if x.dim() == 2 else (y.view(x.shape), r.view(x.shape))
         except Exception as exc:  # noqa: BLE001
             _failed("fused_add_rms_norm", launcher, exc)
     MISSES["fused_add_rms_norm"] += 1
@@ -116,10 +122,9 @@ def silu_and_mul_impl(x: Tensor) -> Tensor:
     launcher = pick("silu_and_mul", x, d, None)
     if launcher is not None:
         try:
-            x2 = x.reshape(-1, 2 * d)
+            x2 = _rows(x, 2 * d)
             (y,) = launcher.run(x2[:, :d], x2[:, d:])
-            COUNTS["silu_and_mul"] += 1
-            return y.view(*x.shape[:-1], d)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], d)
         except Exception as exc:  # noqa: BLE001
             _failed("silu_and_mul", launcher, exc)
     MISSES["silu_and_mul"] += 1

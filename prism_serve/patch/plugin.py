@@ -78,26 +78,49 @@ def _logging_ready() -> None:
         pass
 
 
-def _register() -> tuple[str, str]:
-    if flag(DISABLE_ENV):
-        return "disabled", f"prism-serve: disabled by {DISABLE_ENV}=1; nothing patched"
-    from prism_serve.patch.device import current_device
+@dataclass
+class Plan:
+    """What the plugin would patch: the dispatch table, or why there is none."""
+
+    state: str  # "ready" | "nothing" | "error"
+    message: str  # the log line when there is no table
+    device: str
+    where: str
+    which: str
+    table: object | None = None  # prism_serve.patch.table.Table
+    reasons: Counter = field(default_factory=Counter)  # skipped kernels: reason -> count
+
+
+def plan(url: str | None = None, device=None, device_type: str | None = None, force: bool | None = None) -> Plan:
+    """Read this device's kernels from the registry and build their dispatch table (no vLLM hooks).
+
+    Defaults: the configured registry, the device vLLM runs on, $PRISM_SERVE_FORCE. Never raises
+    for a registry problem: the Plan says what went wrong."""
     from prism_serve.registry.db import describe, open_registry, resolve_url
+    from prism_serve.registry.errors import RegistryError
     from prism_serve.registry.store import explain, load_device
 
-    url = resolve_url()
+    url = url or resolve_url()
     where = describe(url)
-    device, device_type = current_device()
-    STATUS.device = device.fingerprint
+    if device is None:
+        from prism_serve.patch.device import current_device
+        device, device_type = current_device()
+    force = flag(FORCE_ENV) if force is None else force
+    which = "enabled or verified (forced)" if force else "enabled"
+    out = Plan("nothing", "", device.fingerprint, where, which)
     missing = _missing_sqlite_file(url)
     if missing:
-        return "nothing", f"prism-serve: nothing patched: no registry at {missing} (run `prism-serve warmup`)"
-    force = flag(FORCE_ENV)
+        out.message = f"prism-serve: nothing patched: no registry at {missing} (run `prism-serve warmup`)"
+        return out
     statuses = ("enabled", "verified") if force else ("enabled",)
     try:
         reg = open_registry(url, upgrade=False)
-    except Exception as exc:  # noqa: BLE001 - RegistryError, or a driver's own error
-        return "error", f"prism-serve: nothing patched: cannot open registry {where}: {_line(exc)}"
+    except RegistryError as exc:  # its message names the registry
+        out.state, out.message = "error", f"prism-serve: nothing patched: cannot open the registry: {_line(exc)}"
+        return out
+    except Exception as exc:  # noqa: BLE001 - a driver's own error
+        out.state, out.message = "error", f"prism-serve: nothing patched: cannot open registry {where}: {_line(exc)}"
+        return out
     others: dict[str, int] = {}
     try:
         with reg.read() as session:
@@ -106,31 +129,44 @@ def _register() -> tuple[str, str]:
                 others = explain(session, device)
             table = _build(loaded.usable, device_type)
     except Exception as exc:  # noqa: BLE001
-        return "error", f"prism-serve: nothing patched: cannot read registry {where}: {_line(exc)}"
+        out.state, out.message = "error", f"prism-serve: nothing patched: cannot read registry {where}: {_line(exc)}"
+        return out
     finally:
         reg.close()
-    reasons = Counter(why for _, why in loaded.skipped) + Counter(why for _, why in table.skipped)
-    STATUS.skipped = dict(reasons)
-    STATUS.kernels = table.kernels()
-    which = "enabled or verified (forced)" if force else "enabled"
-    if not table.ops:
-        if not loaded.usable and not loaded.skipped:
-            held = f" (it holds: {_reasons(Counter(others))})" if others else " (it is empty)"
-            return "nothing", (f"prism-serve: nothing patched: registry {where} has no {which} kernels for "
-                               f"{device.fingerprint}{held}")
-        return "nothing", (f"prism-serve: nothing patched: none of the {len(loaded.usable) + len(loaded.skipped)} "
-                           f"{which} kernels for {device.fingerprint} in {where} is usable: {_reasons(reasons)}")
+    out.reasons = Counter(why for _, why in loaded.skipped) + Counter(why for _, why in table.skipped)
+    out.table = table
+    if table.ops:
+        out.state = "ready"
+    elif not loaded.usable and not loaded.skipped:
+        held = f" (it holds: {_reasons(Counter(others))})" if others else " (it is empty)"
+        if not force and any(why == "status verified" for why in others):
+            held += f"; {FORCE_ENV}=1 would use the verified ones"
+        out.message = f"prism-serve: nothing patched: registry {where} has no {which} kernels for {out.device}{held}"
+    else:
+        out.message = (f"prism-serve: nothing patched: none of the {len(loaded.usable) + len(loaded.skipped)} "
+                       f"{which} kernels for {out.device} in {where} is usable: {_reasons(out.reasons)}")
+    return out
+
+
+def _register() -> tuple[str, str]:
+    if flag(DISABLE_ENV):
+        return "disabled", f"prism-serve: disabled by {DISABLE_ENV}=1; nothing patched"
+    p = plan()
+    STATUS.device, STATUS.skipped = p.device, dict(p.reasons)
+    if p.state != "ready":
+        return p.state, p.message
     from prism_serve.patch import ops
     from prism_serve.patch.hooks import install
+    table = p.table
     installed = install(table)
     _INSTALLED.append(installed)
     ops.install_counters_at_exit()
-    STATUS.patched = list(installed.names)
+    STATUS.patched, STATUS.kernels = list(installed.names), table.kernels()
     shapes = ", ".join(f"{op} x{n}" for op, n in table.summary().items())
-    text = (f"prism-serve: patched {', '.join(installed.names) or 'nothing'} with {STATUS.kernels} {which} kernels "
-            f"for {device.fingerprint} from {where} (shapes: {shapes})")
-    if reasons:
-        text += f"; skipped {sum(reasons.values())}: {_reasons(reasons)}"
+    text = (f"prism-serve: patched {', '.join(installed.names) or 'nothing'} with {STATUS.kernels} {p.which} "
+            f"kernels for {p.device} from {p.where} (shapes: {shapes})")
+    if p.reasons:
+        text += f"; skipped {sum(p.reasons.values())}: {_reasons(p.reasons)}"
     return ("patched" if installed.names else "nothing"), text
 
 
