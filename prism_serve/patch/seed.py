@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from prism_serve.errors import SGraphError
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.verify import prove_equivalent
 from prism_serve.optimize.workloads import programs
@@ -40,8 +41,7 @@ def results(progs, device: DeviceInfo, *, status: str = "verified", versions: Ve
         g = oracle(prog)
         proof = prove_equivalent(g)
         for bucket, block_tokens in buckets:
-            params = default_assignment(g, block_tokens=block_tokens)
-            instantiate(g, params, spec)  # raises when the assignment does not fit
+            params = _fitting(g, block_tokens, spec)
             out.append(KernelResult(
                 program=prog, sgraph=g, device=device, dtype=prog.inputs[0].attr("dtype"), bucket=bucket,
                 params=params, versions=versions or current_versions(), status=status,
@@ -49,3 +49,18 @@ def results(progs, device: DeviceInfo, *, status: str = "verified", versions: Ve
                 proof={"ok": proof.ok, "reason": proof.reason, "seconds": proof.seconds},
                 sources=((model, prog.name),) if model else ()))
     return out
+
+
+def _fitting(g, block_tokens: int, spec) -> dict[str, int]:
+    """The default assignment with the largest token block <= `block_tokens` that fits `spec`."""
+    error = None
+    bt = block_tokens
+    while bt >= 1:
+        params = default_assignment(g, block_tokens=bt)
+        try:
+            instantiate(g, params, spec)
+            return params
+        except SGraphError as exc:
+            error = exc
+        bt //= 2
+    raise error
