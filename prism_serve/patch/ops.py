@@ -5,7 +5,8 @@ Each op picks the registry kernel for (dtype, dim, eps, rows) from the table ins
 startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
 vLLM's own path (`FALLBACKS`, set by the vLLM hooks; the torch references below otherwise).
 Calls are counted per op (`COUNTS`: kernel launches, `MISSES`: fallbacks) and written as JSON
-to $PRISM_SERVE_COUNTERS when the process exits, so tests can prove the kernels ran.
+to $PRISM_SERVE_COUNTERS (at exit, and every half second while serving), so tests can prove
+the kernels ran.
 """
 
 
@@ -13,6 +14,8 @@ import atexit
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -188,10 +191,23 @@ def _write_counters() -> None:
     if not path or not (any(COUNTS.values()) or any(MISSES.values())):
         return  # a process that ran no prism op (e.g. vLLM's API server) leaves the file alone
     try:
-        with open(path, "w") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             json.dump(counters() | {"pid": os.getpid()}, f)
+        os.replace(tmp, path)
     except OSError as exc:
         log.warning("prism-serve: cannot write counters to %s: %s", path, exc)
+
+
+def _flush_periodically(period_s: float) -> None:
+    """vLLM's workers may end without running atexit: keep the file current while serving."""
+    last = None
+    while True:
+        time.sleep(period_s)
+        now = (tuple(COUNTS.values()), tuple(MISSES.values()))
+        if now != last:
+            _write_counters()
+            last = now
 
 
 def log_counters() -> None:
@@ -203,7 +219,11 @@ def log_counters() -> None:
 _ATEXIT = []
 
 
-def install_counters_at_exit() -> None:
+def install_counters_at_exit(period_s: float = 0.5) -> None:
+    """Write the counters to $PRISM_SERVE_COUNTERS at exit and, while serving, every `period_s`."""
+    if os.getpid() in _ATEXIT or not os.environ.get(COUNTERS_ENV):
+        return  # a forked child inherits the list but not the thread: it starts its own
     if not _ATEXIT:
         atexit.register(_write_counters)
-        _ATEXIT.append(True)
+    threading.Thread(target=_flush_periodically, args=(period_s,), name="prism-counters", daemon=True).start()
+    _ATEXIT.append(os.getpid())

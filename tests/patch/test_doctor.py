@@ -1,0 +1,26 @@
+"""The doctor: which layers of a model would be patched on this device, and why others not."""
+
+from __future__ import annotations
+
+from prism_serve.patch.doctor import patch_report
+
+
+def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
+    r = patch_report("tiny-qwen3", kernels_registry, force=True)
+    assert r["plugin"] == "would patch" and r["device"].startswith("cpu:")
+    ops = [row for row in r["layers"] if row["op"] != "swiglu"]
+    assert len(ops) == 2 * 5 + 1  # per layer: input norm, q norm, k norm, post norm, act; the final norm
+    assert all(row["patched"] for row in ops)
+    assert ops[0]["op"] == "rms_norm" and ops[0]["buckets"][0].startswith("1-8: kernel")
+    assert {row["op"] for row in ops if "q_norm" in row["layer"]} == {"rms_norm"}
+    assert not r["layers"][-1]["patched"] and "not built yet" in r["layers"][-1]["why"]
+
+
+def test_reasons_when_nothing_would_be_patched(kernels_registry, tmp_path):
+    unforced = patch_report("tiny-llama", kernels_registry, force=False)
+    assert unforced["plugin"] == "nothing"
+    assert "PRISM_SERVE_FORCE=1 would use the verified ones" in unforced["layers"][0]["why"]
+    other_dtype = patch_report("tiny-llama", kernels_registry, dtype="float16", force=True)
+    assert "no kernel in the registry for rms_norm (128, float16, eps 1e-06)" in other_dtype["layers"][0]["why"]
+    missing = patch_report("tiny-llama", str(tmp_path / "none.db"))
+    assert "no registry at" in missing["layers"][0]["why"] and not (tmp_path / "none.db").exists()
