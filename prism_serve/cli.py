@@ -14,6 +14,7 @@ from rich.table import Table
 from prism_serve import __version__
 from prism_serve.capture.cli import capture_command
 from prism_serve.errors import PrismError
+from prism_serve.optimize.cli import optimize_command
 from prism_serve.registry.cli import registry_app
 
 app = typer.Typer(help="Superoptimized, verified Triton kernels for vLLM endpoints.", no_args_is_help=True,
@@ -103,4 +104,5 @@ def workloads() -> None:
 
 
 app.command("capture")(capture_command)
+app.command("optimize")(optimize_command)
 app.add_typer(registry_app, name="registry")

@@ -55,3 +55,33 @@ def test_sub_apps_are_wired():
     for command, expected in (["registry", "--help"], "export"), (["capture", "--help"], "config.json"):
         result = runner.invoke(app, command, env={"COLUMNS": "200"})
         assert result.exit_code == 0 and expected in result.output
+
+
+def test_optimize_prints_verified_kernels_and_writes_source_and_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "result.json"
+    result = runner.invoke(app, ["optimize", "rms_norm", "--shape", "hidden=96", "-n", "1", "-n", "64",
+                                 "--emit", str(tmp_path / "emit"), "--json", str(out), "--top", "2"],
+                           env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "verified kernels" in result.output and "speedup vs unfused" in result.output
+    data = json.loads(out.read_text())
+    assert data["found"] and all(f["proof"]["ok"] for f in data["found"])
+    assert data["stats"]["verified"] == len(data["found"]) and data["num_tokens"] == [1, 64]
+    sources = sorted((tmp_path / "emit").glob("rms_norm_1_n*.py"))
+    assert [p.name for p in sources] == ["rms_norm_1_n1.py", "rms_norm_1_n64.py"]
+    assert "@triton.jit" in sources[0].read_text()
+
+
+def test_optimize_rejects_bad_programs_with_one_line_naming_the_node(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"ir_version": 1, "name": "bad", "outputs": ["y"], "nodes": [
+        {"name": "x", "op": "input", "attrs": {"shape": ["num_tokens", 8], "dtype": "float16"}},
+        {"name": "w", "op": "input", "attrs": {"shape": [4], "dtype": "float16"}},
+        {"name": "y", "op": "mul", "inputs": ["x", "w"]}]}))
+    for args, expected in ((["optimize", str(bad)], "node 'y'"),
+                           (["optimize", "nope"], "neither a workload"),
+                           (["optimize", "rms_norm", "--shape", "hidden"], "name=int")):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1
+        assert expected in result.output and len(result.output.strip().splitlines()) == 1, result.output

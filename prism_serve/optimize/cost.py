@@ -104,7 +104,7 @@ def _library_cost(prog_types, op, num_tokens: int, gpu: GpuSpec, name: str) -> K
         tc = 2.0 * size(out) * int(a.shape[-1])
     elif op.op in ELEMENTWISE_BINARY + ELEMENTWISE_UNARY + REDUCTIONS:
         fp32 = float(max(size(out), *(size(prog_types[s]) for s in op.inputs)))
-    blocks = max(1, size(out) // 1024)  # library kernels are assumed to fill the GPU well
+    blocks = max(gpu.sms, size(out) // 1024)  # library kernels (cuBLAS, torch) are assumed to fill the GPU
     return KernelCost(name, blocks, dram, 0.0, tc, fp32, _time_us(gpu, blocks, dram, 0.0, tc, fp32))
 
 

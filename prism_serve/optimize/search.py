@@ -42,6 +42,7 @@ from prism_serve.optimize.check import numeric_errors, small_program
 from prism_serve.optimize.cost import LAUNCH_US, modeled_us, unfused_us
 from prism_serve.optimize.gpus import GpuSpec, get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Program, bind_shape
+from prism_serve.optimize import prune
 from prism_serve.optimize.labels import Labels, index_labels
 from prism_serve.optimize.lower import (
     BlockChoice,
@@ -56,8 +57,8 @@ from prism_serve.optimize.lower import (
 from prism_serve.optimize.reference import TOLERANCE, expand_composites
 from prism_serve.optimize.rewrite import loop_form
 from prism_serve.optimize.sgraph import BYTES, Instance, SGraph, instantiate
-from prism_serve.optimize.tune import Candidate, best_modeled, enumerate_instances, finest_assignment, rank
-from prism_serve.optimize.verify import ProofResult, check_subterms, prove_equivalent
+from prism_serve.optimize.tune import Candidate, best_modeled, enumerate_instances, rank
+from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
 RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression")
@@ -129,7 +130,7 @@ class _Candidate:
     seg: SegmentPlan
     sgraph: SGraph
     cost: float  # summed over the buckets
-    lazy_checked: bool = False
+    settled: bool = False
 
 
 class _Search:
@@ -183,10 +184,13 @@ class _Search:
             except SGraphError as exc:
                 self._prune("shape", plan, exc)
                 continue
-            try:
-                instantiate(g, finest_assignment(g), self.gpu)
-            except SGraphError as exc:
-                self._prune("hardware", plan, exc)
+            why = prune.shape(g)
+            if why:
+                self._prune("shape", plan, why)
+                continue
+            why = prune.hardware(g, self.gpu)
+            if why:
+                self._prune("hardware", plan, why)
                 continue
             best = [best_modeled(g, self.gpu, nt) for nt in self.buckets]
             if any(b is None for b in best):
@@ -200,9 +204,11 @@ class _Search:
         log.debug("pruned (%s) %s: %s", rule, plan.describe(), why)
 
     def _cheap_rules(self, seg: Program, labels: Labels, choice: BlockChoice | None) -> str | None:
+        """The rules decidable from a choice's labels alone, before lowering: `canonical`, and the
+        fast path of `shape` (a token dim outside the grid, a matmul batch dim outside it)."""
         if choice is None:
             return None
-        order = _label_order(seg, labels)
+        order = prune.label_order(seg, labels)
         if list(choice.grid) != sorted(choice.grid, key=order.index):
             return "canonical"
         if choice.loop and not choice.hoist and loop_form(seg, choice.loop, labels, hoist=False) == \
@@ -211,38 +217,28 @@ class _Search:
         has_tokens = any(NUM_TOKENS in labels.dims[n.name] for n in seg.nodes)
         if has_tokens and NUM_TOKENS not in choice.grid or len(choice.grid) + choice.split > 3:
             return "shape"
-        for n in seg.nodes:
-            if n.op == "matmul":
-                batch = [lb for lb in labels.dims[n.name][:-2] if lb]
-                if any(lb not in choice.grid for lb in batch):
-                    return "shape"
-        return None
+        batch = {lb for n in seg.nodes if n.op == "matmul" for lb in labels.dims[n.name][:-2] if lb}
+        return "shape" if batch - set(choice.grid) else None
 
     # --- lazy rules and Stage 2 per segment -------------------------------------------
-    def settle(self, span: tuple[int, int]) -> bool:
-        """Make the segment's best candidate pass the abstract-expression rule and its proof,
-        dropping failures. True when its best candidate is settled (or none is left)."""
-        cands = self.candidates[span]
-        while cands and not cands[0].lazy_checked:
-            c = cands[0]
-            t0 = time.perf_counter()
-            sub = check_subterms(c.sgraph)
-            self.stats.search_s += 0  # accounted in total time
-            if not sub.ok:
-                self._prune("abstract_expression", c.seg, sub.failed)
-                cands.pop(0)
-                continue
-            t1 = time.perf_counter()
-            proof = prove_equivalent(c.sgraph)
-            self.stats.verify_s += time.perf_counter() - t1
-            del t0
-            if not proof.ok:
-                self.stats.rejected["proof"] += 1
-                log.info("proof failed for %s: %s", c.seg.describe(), proof.reason)
-                cands.pop(0)
-                continue
-            c.lazy_checked = True
-        return True
+    def settle(self, span: tuple[int, int]) -> None:
+        """Run the lazy rule and the proof (Stage 2) on the segment's best candidate; a failure
+        drops it, and the next best is settled when the plan comes round again."""
+        c = self.candidates[span][0]
+        why = prune.abstract_expression(c.sgraph)
+        if why:
+            self._prune("abstract_expression", c.seg, why)
+            self.candidates[span].pop(0)
+            return
+        t0 = time.perf_counter()
+        proof = prove_equivalent(c.sgraph)
+        self.stats.verify_s += time.perf_counter() - t0
+        if not proof.ok:
+            self.stats.rejected["proof"] += 1
+            log.info("proof failed for %s: %s", c.seg.describe(), proof.reason)
+            self.candidates[span].pop(0)
+            return
+        c.settled = True
 
     # --- plans, best-first ---------------------------------------------------
     def plans(self) -> list[tuple[tuple[int, int], ...]]:
@@ -277,7 +273,7 @@ class _Search:
                 if self.progress:
                     self.progress(f"expanded ops {todo[0]}:{todo[1]}", self.stats)
             else:
-                unsettled = next((s for s in spans if self.candidates[s] and not self.candidates[s][0].lazy_checked),
+                unsettled = next((s for s in spans if self.candidates[s] and not self.candidates[s][0].settled),
                                  None)
                 if unsettled is None:
                     accepted.append(Plan(tuple(self.candidates[s][0].seg for s in spans)))
@@ -287,18 +283,9 @@ class _Search:
         return accepted
 
 
-def _label_order(seg: Program, labels: Labels) -> list[str]:
-    order: list[str] = []
-    for n in seg.nodes:
-        for lb in labels.dims[n.name]:
-            if lb and lb not in order:
-                order.append(lb)
-    return order
-
-
 def _block_choices(seg: Program, labels: Labels):
     """Every grid / loop / split / hoist choice for a segment (pruning rules sort them out)."""
-    order = _label_order(seg, labels)
+    order = prune.label_order(seg, labels)
     reduced = {lb for n in seg.nodes for lb in labels.reduced.get(n.name, ())}
     parallel = [lb for lb in order if lb not in reduced and all(lb in labels.dims[o] for o in seg.outputs)]
     loops = [None] + [lb for lb in order if lb in reduced]

@@ -33,9 +33,12 @@ def test_modeled_winner_is_correct_through_the_interpreter(name, dims):
     check_instance(best.instance, 1, "float32")
 
 
-@pytest.mark.parametrize("gpu", sorted(GPUS))
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
 @pytest.mark.parametrize("name", sorted(ORACLES))
 def test_fused_oracles_beat_the_unfused_program_in_the_model(name, gpu):
+    """On the Hopper parts. On an A100 or L40S the one-loop swiglu oracle has too few blocks at 16
+    tokens to pull the weights at full bandwidth, and the search picks another design there
+    (test_search covers that)."""
     spec = get_gpu(gpu)
     prog = WORKLOADS[name].program()
     num_tokens = 16

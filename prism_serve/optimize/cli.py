@@ -1,0 +1,126 @@
+"""`prism-serve optimize <workload | program.json>`: search, verify, instantiate; print the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from prism_serve.errors import PrismError, ProgramError
+
+
+def _program(target: str, shapes: list[str]):
+    from prism_serve.optimize.ir import Program
+    from prism_serve.optimize.workloads.programs import WORKLOADS
+
+    path = Path(target)
+    if target.endswith(".json") or path.exists():
+        if shapes:
+            raise ProgramError("--shape sets a workload's dims; a program file already fixes them")
+        if not path.is_file():
+            raise ProgramError(f"program file {target} does not exist")
+        return Program.from_json(path.read_text()), ()
+    if target not in WORKLOADS:
+        raise ProgramError(f"{target!r} is neither a workload ({', '.join(WORKLOADS)}) nor a program .json file")
+    dims = {}
+    for item in shapes:
+        key, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise ProgramError(f"--shape takes name=int, got {item!r}")
+        dims[key.strip()] = int(value)
+    w = WORKLOADS[target]
+    try:
+        return w.program(**dims), w.default_num_tokens
+    except TypeError as exc:
+        raise ProgramError(f"workload {target!r}: {exc}") from None
+
+
+def _table(result) -> Table:
+    from prism_serve.optimize.sgraph import BlockKernel
+
+    buckets = result.num_tokens
+    table = Table("#", "plan", "kernels", "grid", "loop", *(f"modeled us @{n}" for n in buckets),
+                  "speedup vs unfused", title=f"{result.program.name} on {result.gpu}: verified kernels "
+                  f"(unfused: {', '.join(f'{result.unfused_us[n]:.1f} us @{n}' for n in buckets)})")
+    for i, f in enumerate(result.found):
+        c = f.kernels[-1]
+        blocks = [k for k in f.sgraph.kernels if isinstance(k, BlockKernel)]
+        grid = "; ".join("x".join(f"{a.symbol}={c.assignment[a.symbol]}" for a in k.grid) for k in blocks)
+        loop = "; ".join(f"{k.forloop}={c.assignment[k.forloop]}" if k.forloop else "-" for k in blocks) or "-"
+        speed = sum(result.unfused_us[n] for n in buckets) / sum(k.modeled_us for k in f.kernels)
+        table.add_row(str(i + 1), f.plan.describe(), str(len(f.sgraph.kernels)), grid or "library", loop,
+                      *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets), f"{speed:.2f}x")
+    return table
+
+
+def _emit(result, directory: Path) -> list[Path]:
+    from prism_serve.optimize.codegen import render
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i, f in enumerate(result.found, 1):
+        for c in f.kernels:
+            path = directory / f"{result.program.name}_{i}_n{c.num_tokens}.py"
+            path.write_text(render(c.instance))
+            written.append(path)
+        path = directory / f"{result.program.name}_{i}.json"
+        path.write_text(json.dumps(f.to_json(), indent=1))
+        written.append(path)
+    return written
+
+
+def optimize_command(
+    target: str = typer.Argument(..., help="a workload name (see `prism-serve workloads`) or a program .json file"),
+    device: str = typer.Option("h100", "--device", help="GPU to optimize for: h100, h200, a100, l40s"),
+    shape: Optional[List[str]] = typer.Option(None, "--shape", help="workload dim, name=int (repeatable)"),
+    num_tokens: Optional[List[int]] = typer.Option(None, "--num-tokens", "-n", help="num_tokens buckets"),
+    emit: Optional[Path] = typer.Option(None, "--emit", help="write each verified kernel's Triton source here"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the result (plans, sGraphs, stats) here"),
+    budget: float = typer.Option(60.0, "--budget", help="seconds the search may take"),
+    top: int = typer.Option(3, "--top", help="how many verified designs to return"),
+    max_kernels: int = typer.Option(3, "--max-kernels", help="most segments (kernels before splits) per design"),
+) -> None:
+    """Superoptimize a Program: symbolic search, egglog proofs, numeric checks, tuned instances."""
+    os.environ.setdefault("TRITON_INTERPRET", "0" if _has_gpu() else "1")
+    from prism_serve.optimize.search import optimize
+
+    console = Console(stderr=True)
+    try:
+        prog, default_tokens = _program(target, list(shape or []))
+        buckets = list(num_tokens or default_tokens[-1:] or [1])
+        with console.status("searching") as status:
+            def progress(message: str, stats) -> None:
+                status.update(f"{message}: {stats.states} states, {stats.plans} plans, "
+                              f"{sum(stats.pruned.values())} pruned, {stats.verified} verified")
+            result = optimize(prog, device, buckets, budget_s=budget, top=top, max_segments=max_kernels,
+                              progress=progress)
+    except PrismError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    Console(width=None if sys.stdout.isatty() else 200).print(_table(result))
+    s = result.stats
+    typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s), {s.states} states, pruned "
+               + ", ".join(f"{k} {v}" for k, v in s.pruned.items())
+               + ("; stopped by the time budget" if s.stopped_by_budget else ""))
+    if emit is not None:
+        for path in _emit(result, emit):
+            typer.echo(f"wrote {path}")
+    if json_file is not None:
+        json_file.write_text(json.dumps(result.to_json(), indent=1))
+        typer.echo(f"wrote {json_file}")
+    if not result.found:
+        typer.echo("error: no verified kernel found" + (" within the time budget" if s.stopped_by_budget else ""),
+                   err=True)
+        raise typer.Exit(1)
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
