@@ -4,7 +4,7 @@ import pytest
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.cost import instance_cost, modeled_us, unfused_us
-from prism_serve.optimize.gpus import GPUS, get_gpu
+from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.tune import enumerate_instances, measure, rank
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
