@@ -75,7 +75,7 @@ def pick(op: str, x: Tensor, dim: int, eps: float | None):
     buckets = table.entry(op, x.dtype, dim, eps)
     if buckets is None:
         return None
-    launcher = buckets.pick(x.numel() // dim)
+    launcher = buckets.pick(x.numel() // x.shape[-1])  # rows: tokens (x heads for q/k norm)
     if launcher is None or launcher.kernel_id in STATE.failed:
         return None
     COUNTS[op] += 1

@@ -56,6 +56,15 @@ def test_table_serves_each_op_and_bucket(table):
     assert table.entry("rms_norm", torch.float16, 128, EPS) is None
 
 
+def test_silu_and_mul_buckets_count_tokens_not_both_halves(live):
+    b = live.entry("silu_and_mul", torch.float32, 256)
+    before = ops.COUNTS["silu_and_mul"]
+    assert ops.pick("silu_and_mul", torch.randn(5, 512), 256, None) is b.pick(5) is not b.pick(10)
+    assert ops.pick("rms_norm", torch.randn(2, 4, 32), 32, EPS) is live.entry("rms_norm", torch.float32, 32,
+                                                                                EPS).pick(8)
+    assert ops.COUNTS["silu_and_mul"] == before + 1
+
+
 def test_overlapping_buckets_take_the_fastest(table):
     lz = table.entry("rms_norm", torch.float32, 128, EPS).launchers
     fast, slow = (type(lz[0])(lz[0].run, 1, 1, 100, 5.0), type(lz[0])(lz[1].run, 2, 50, 200, 9.0))
