@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import sys
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -58,9 +60,20 @@ def doctor_report() -> dict:
 
 
 @app.command()
-def doctor(as_json: bool = typer.Option(False, "--json", help="print machine-readable JSON")) -> None:
-    """Show versions, the device kernels would run on, and where the registry lives."""
+def doctor(
+    model: Optional[str] = typer.Argument(None, help="also say which layers of this model would be patched"),
+    as_json: bool = typer.Option(False, "--json", help="print machine-readable JSON"),
+) -> None:
+    """Show versions, the device kernels would run on, where the registry lives, and with a
+    model, which of its layers the vLLM plugin would patch here and why the others would not."""
     report = doctor_report()
+    if model is not None:
+        from prism_serve.patch.doctor import patch_report
+
+        try:
+            report["patch"] = patch_report(model)
+        except (PrismError, OSError, ValueError) as exc:
+            raise _fail(exc) from None
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
@@ -73,6 +86,63 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="print machine-rea
     table.add_row("registry", report["registry"])
     table.add_row("kernel cache", report["cache"])
     console.print(table)
+    if model is not None:
+        patch = report["patch"]
+        layers = Table("layer", "op", "patched", "why", title=f"{patch['model']} ({patch['architecture']}, "
+                       f"{patch['dtype']}) on {patch['device']}: plugin {patch['plugin']}")
+        for row in patch["layers"]:
+            layers.add_row(row["layer"], row["op"], "yes" if row["patched"] else "no",
+                           "; ".join(row.get("buckets", [])) or row.get("why", ""))
+        console.print(layers)
+        if patch.get("message"):
+            console.print(patch["message"], highlight=False)
+
+
+@app.command()
+def warmup(
+    model: Optional[str] = typer.Argument(None, help="model directory or embedded model (default tiny-llama)"),
+    registry: Optional[str] = typer.Option(None, "--registry", help="registry path or URL (default: the "
+                                                                    "configured one)"),
+    budget: float = typer.Option(60.0, "--budget", help="search seconds per region"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the warmup report here"),
+) -> None:
+    """Capture a model under vLLM, superoptimize its hot regions, check them against vLLM, store them."""
+    os.environ.setdefault("TRITON_INTERPRET", "0" if _has_gpu() else "1")
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from prism_serve.warmup import warmup as run_warmup
+
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("warmup", total=1)
+
+            def progress(stage: str, done: int, total: int) -> None:
+                bar.update(task, description=stage, completed=done, total=max(total, 1))
+
+            report = run_warmup(model, registry=registry, budget_s=budget, progress=progress)
+    except PrismError as exc:
+        raise _fail(exc) from None
+    table = Table("region", "kernel", "buckets", "verified", "speedup", "status",
+                  title=f"warmup of {report.model} on {report.device} in {report.seconds:.1f} s"
+                  + (": nothing new" if report.nothing_new else ""))
+    for r in report.regions:
+        speed = (f"{r.measured_speedup:.2f}x measured" if r.measured_speedup else
+                 f"{r.modeled_speedup:.2f}x modeled" if r.modeled_speedup else "-")
+        buckets = ", ".join(f"{lo}-{hi}" for lo, hi in r.buckets) or "-"
+        table.add_row(r.kind, (r.plan + (" (reused)" if r.reused else "")) or "-", buckets,
+                      "yes" if r.verified else "-", speed, f"{r.status}: {r.reason}" if r.reason else r.status)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    if json_file is not None:
+        json_file.write_text(json.dumps(report.to_json(), indent=1))
+    if any(r.status == "failed" for r in report.regions):
+        raise typer.Exit(1)
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @app.command()

@@ -1,0 +1,303 @@
+"""`prism-serve warmup <model>`: capture -> optimize -> check against vLLM -> time -> store.
+
+For each supported region of the model (as found by capture under the real vLLM):
+reuse the stored verified plans of its Program when the registry has any (shape-
+generic: a plan of the same Program family is re-instantiated, not searched again),
+else search; instantiate the best design for this device and each num_tokens bucket;
+check it on the layer's real weights and the inputs vLLM saw against vLLM's own
+outputs; on a GPU, time it against the eager torch path; store every kernel with
+its proof, checks and timings. A kernel is `enabled` only when it measured faster;
+on the CPU nothing is measured, so kernels stay `verified` (PRISM_SERVE_FORCE=1 uses them).
+
+A capture report is cached per model fingerprint (config, weight files, versions):
+a second run whose regions all have kernels for this device finishes without vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from prism_serve.errors import PrismError
+from prism_serve.paths import cache_dir
+
+log = logging.getLogger(__name__)
+MAX_TOKENS = 1 << 20  # the last bucket serves every larger num_tokens
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass
+class RegionOutcome:
+    kind: str
+    program_hash: str | None
+    layers: list[int]
+    buckets: list[tuple[int, int]] = field(default_factory=list)
+    plan: str = ""
+    reused: bool = False  # re-instantiated from stored plans, no search
+    verified: bool = False
+    vllm_max_rel_error: float | None = None  # vs vLLM's own outputs on the layer's real inputs
+    modeled_speedup: float | None = None  # over the unfused program, summed over the buckets
+    measured_speedup: float | None = None
+    status: str = "skipped"  # enabled | verified | skipped | failed
+    reason: str = ""
+
+
+@dataclass
+class WarmupReport:
+    model: str
+    device: str
+    seconds: float
+    nothing_new: bool
+    regions: list[RegionOutcome]
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "device": self.device, "seconds": self.seconds,
+                "nothing_new": self.nothing_new, "regions": [asdict(r) for r in self.regions]}
+
+
+def bucket_ranges(buckets: list[int]) -> list[tuple[int, int]]:
+    """Sorted bucket sizes -> disjoint inclusive num_tokens ranges, each tuned at its upper end;
+    the last one also serves everything above it."""
+    sizes = sorted(set(buckets)) or [1]
+    lows = [1] + [b + 1 for b in sizes[:-1]]
+    return [(lo, hi) for lo, hi in zip(lows, sizes[:-1] + [MAX_TOKENS])]
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """What a capture depends on: the config, the weight files (name, size, mtime), the versions."""
+    from prism_serve.registry.store import current_versions
+
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for p in sorted(model_dir.iterdir()):
+        if p.suffix in (".safetensors", ".bin", ".pt"):
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(json.dumps(asdict(current_versions()), sort_keys=True).encode())
+    return h.hexdigest()[:24]
+
+
+def _cached_capture(key: str) -> dict | None:
+    path = cache_dir() / "captures" / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _store_capture(key: str, report: dict) -> None:
+    path = cache_dir() / "captures" / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, path)  # atomic: a crash never leaves half a report behind
+
+
+def _have_kernels(session, region: dict, device, env) -> bool:
+    """Every bucket of a supported region already has a compatible kernel for this device."""
+    from prism_serve.registry.store import incompatibility, list_kernels
+
+    have = {(k.bucket_lo, k.bucket_hi) for k in list_kernels(session, device=device.fingerprint,
+                                                             program=region["program_hash"])
+            if k.status in ("enabled", "verified") and not incompatibility(k, env)}
+    return all(tuple(b) in have for b in bucket_ranges(region["buckets"]))
+
+
+def known_plans(session, prog) -> list:
+    """Verified plans stored for this Program, or for any Program of the same family (name) whose
+    plan still builds for it: re-instantiated for the new shapes instead of searching."""
+    from sqlalchemy import select
+
+    from prism_serve.errors import SGraphError
+    from prism_serve.optimize.lower import Plan, build
+    from prism_serve.registry.models import ProgramRecord, SGraphRecord
+
+    rows = session.execute(select(SGraphRecord.proof, ProgramRecord.hash).join(
+        ProgramRecord, SGraphRecord.program_id == ProgramRecord.id).where(ProgramRecord.name == prog.name)).all()
+    rows = sorted(rows, key=lambda r: r[1] != prog.canonical_hash)  # this very Program's plans first
+    plans = []
+    for proof, _ in rows:
+        if not (proof or {}).get("ok") or "plan" not in proof:
+            continue
+        try:
+            plan = Plan.from_json(proof["plan"])
+            build(prog, plan)
+        except SGraphError:
+            continue
+        if plan not in plans:
+            plans.append(plan)
+    return plans
+
+
+def warmup(model: str | Path | None = None, *, registry: str | None = None, budget_s: float = 60.0,
+           progress: Progress | None = None) -> WarmupReport:
+    """Capture, optimize, check and store kernels for `model` on this device (see the module doc)."""
+    from prism_serve.capture.embedded import resolve_model
+    from prism_serve.patch.device import current_device
+    from prism_serve.registry.db import open_registry
+    from prism_serve.registry.store import current_versions, finish_warmup, start_warmup
+
+    start = time.perf_counter()
+    model_dir = resolve_model(model)
+    if not (model_dir / "config.json").is_file():
+        from prism_serve.capture.runner import capture  # its validation gives the precise one-line error
+        capture(model)
+    name = str(model) if model is not None else model_dir.name
+    device, device_type = current_device(use_vllm=False)
+    key = model_fingerprint(model_dir)
+    reg = open_registry(registry)
+    env = current_versions()
+    try:
+        cached = _cached_capture(key)
+        if cached is not None:
+            with reg.read() as s:
+                supported = [r for r in cached["regions"] if r["supported"]]
+                if supported and all(_have_kernels(s, r, device, env) for r in supported):
+                    return WarmupReport(name, device.fingerprint, time.perf_counter() - start, True, [
+                        RegionOutcome(r["kind"], r["program_hash"], r["layers"],
+                                      [tuple(b) for b in bucket_ranges(r["buckets"])],
+                                      status="stored", reason="kernels already in the registry")
+                        for r in cached["regions"] if r["supported"]])
+        from prism_serve.capture.runner import capture
+
+        if progress:
+            progress("capture under vLLM", 0, 1)
+        captured = capture(model)
+        with reg.write() as s:
+            run_id = start_warmup(s, name, device)
+        outcomes = []
+        supported = [r for r in captured.regions if r.supported]
+        for i, region in enumerate(supported):
+            if progress:
+                progress(f"optimize {region.kind}", i, len(supported))
+            outcomes.append(_warm_region(region, captured, name, reg, device, device_type, env, run_id, budget_s))
+        outcomes += [RegionOutcome(r.kind, None, r.layers, reason=r.reason or "unsupported")
+                     for r in captured.regions if not r.supported]
+        if progress:
+            progress("done", len(supported), len(supported))
+        report = WarmupReport(name, device.fingerprint, time.perf_counter() - start, False, outcomes)
+        with reg.write() as s:
+            failed = any(o.status == "failed" for o in outcomes)
+            finish_warmup(s, run_id, "failed" if failed else "ok", report.to_json())
+        _store_capture(key, captured.to_json())
+        return report
+    finally:
+        reg.close()
+
+
+def _warm_region(region, captured, model: str, reg, device, device_type: str, env, run_id: int,
+                 budget_s: float) -> RegionOutcome:
+    from prism_serve.optimize.gpus import get_gpu
+    from prism_serve.optimize.search import optimize
+    from prism_serve.patch.table import CPU_BOUNDS_GPU
+    from prism_serve.registry.store import KernelResult, add_kernels
+
+    prog = region.program
+    sizes = sorted(set(region.buckets)) or [1]
+    ranges = bucket_ranges(sizes)
+    out = RegionOutcome(region.kind, prog.canonical_hash, region.layers, ranges)
+    spec = get_gpu(device.name if device.kind == "gpu" else CPU_BOUNDS_GPU)
+    with reg.read() as s:
+        plans = known_plans(s, prog)
+    try:
+        result = optimize(prog, spec, sizes, budget_s=budget_s, known=plans)
+        if plans and not result.found:  # stored plans no longer verify here: search afresh
+            result, plans = optimize(prog, spec, sizes, budget_s=budget_s), []
+    except PrismError as exc:
+        out.status, out.reason = "failed", f"optimizer: {exc}"
+        return out
+    if not result.found:
+        out.status, out.reason = "failed", "no verified kernel" + (" within the time budget"
+                                                                  if result.stats.stopped_by_budget else "")
+        return out
+    best = result.best
+    out.reused, out.plan, out.verified = bool(plans), best.plan.describe(), True
+    kernels = {rng: best.kernel_for(size) for rng, size in zip(ranges, sizes)}
+    try:
+        out.vllm_max_rel_error = _check_against_vllm(prog, kernels, captured, device_type)
+    except PrismError as exc:
+        out.status, out.reason, out.verified = "failed", f"check against vLLM: {exc}", False
+        return out
+    from prism_serve.optimize.reference import TOLERANCE
+    dtype = prog.inputs[0].attr("dtype")
+    if out.vllm_max_rel_error > TOLERANCE[dtype]:
+        out.status, out.verified = "failed", False
+        out.reason = f"differs from vLLM's output by {out.vllm_max_rel_error:.2e} (limit {TOLERANCE[dtype]:g})"
+        return out
+    unfused = sum(result.unfused_us.values())
+    out.modeled_speedup = unfused / sum(c.modeled_us for c in best.kernels)
+    timings = _time_against_torch(prog, kernels) if device_type == "cuda" else {}
+    results = []
+    for rng, c in kernels.items():
+        measured, baseline = timings.get(rng, (None, None))
+        faster = measured is not None and measured < baseline
+        status = "enabled" if faster else "verified"
+        reason = ("measured faster than torch eager" if faster else
+                  "measured slower than torch eager" if measured is not None else
+                  "not measured: no GPU here (modeled only)")
+        results.append(KernelResult(
+            program=prog, sgraph=best.sgraph, device=device, dtype=dtype, bucket=rng, params=c.assignment,
+            versions=env, status=status, reason=reason, modeled_us=c.modeled_us, measured_us=measured,
+            baseline="torch-eager" if baseline is not None else None, baseline_us=baseline,
+            proof={"ok": best.proof.ok, "reason": best.proof.reason, "seconds": best.proof.seconds,
+                   "plan": best.plan.to_json()},
+            tests={"small_instance_max_rel_error": best.numeric_error,
+                   "vllm_max_rel_error": out.vllm_max_rel_error},
+            sources=tuple((model, m) for m in region.modules), warmup_run_id=run_id))
+    with reg.write() as s:
+        add_kernels(s, results)
+    if timings:
+        speed = [b / m for m, b in timings.values()]
+        out.measured_speedup = min(speed)
+    out.status = "enabled" if all(r.status == "enabled" for r in results) else "verified"
+    out.reason = results[0].reason if len({r.reason for r in results}) == 1 else "; ".join(
+        f"{r.bucket[0]}-{r.bucket[1]}: {r.reason}" for r in results)
+    return out
+
+
+def _check_against_vllm(prog, kernels: dict, captured, device_type: str) -> float:
+    """Worst relative error over every recorded forward of every layer running this Program."""
+    import torch
+
+    from prism_serve.errors import CodegenError
+    from prism_serve.optimize.codegen import compile_instance
+    from prism_serve.optimize.reference import max_rel_error
+
+    compiled = {}
+    worst, checked = 0.0, 0
+    for inst in captured.instances:
+        if inst.program is None or inst.program.canonical_hash != prog.canonical_hash:
+            continue
+        for num_tokens, inputs, outputs in inst.recordings:
+            rows = inputs[0].shape[0]
+            rng = next(r for r in kernels if r[0] <= rows <= r[1])
+            if rng not in compiled:
+                compiled[rng] = compile_instance(kernels[rng].instance)
+            dev = "cuda" if device_type == "cuda" else "cpu"
+            got = compiled[rng](*(t.to(dev).contiguous() for t in inputs))
+            for g, want in zip(got, outputs):
+                worst = max(worst, max_rel_error(g.to(torch.float32).cpu(), want.to(torch.float32)))
+            checked += 1
+    if not checked:
+        raise CodegenError(f"capture recorded no forward of {prog.name} to check against")
+    return worst
+
+
+def _time_against_torch(prog, kernels: dict) -> dict:
+    """On the GPU: median time of each range's kernel and of the eager torch path at its tuned size."""
+    from prism_serve.optimize.codegen import compile_instance
+    from prism_serve.optimize.reference import as_torch_function, random_inputs
+    from prism_serve.optimize.timing import median_us
+
+    eager = as_torch_function(prog)
+    out = {}
+    for rng, c in kernels.items():
+        sets = [random_inputs(prog, c.num_tokens, seed=i, device="cuda") for i in range(4)]
+        run = compile_instance(c.instance)
+        out[rng] = (median_us(run, sets), median_us(eager, sets))
+    return out
