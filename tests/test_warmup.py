@@ -1,0 +1,107 @@
+"""`warmup` end to end on the embedded tiny Llama: real vLLM capture, search, checks against
+vLLM's own outputs, the registry, the no-op second run, and vLLM serving with the plugin on
+the kernels warmup stored (through the Triton interpreter, forced: nothing is measured on a CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prism_serve.optimize.lower import build
+from prism_serve.optimize.workloads.programs import rmsnorm_linear
+from prism_serve.registry import open_registry
+from prism_serve.registry.store import list_kernels
+from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_plans, warmup
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = ROOT / "tests" / "patch" / "vllm_child.py"
+SUPPORTED = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rmsnorm_linear", "swiglu", "rmsnorm_swiglu"}
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("warmup")
+    url = f"sqlite:///{tmp / 'registry.db'}"
+    old = os.environ.get("PRISM_SERVE_CACHE")
+    os.environ["PRISM_SERVE_CACHE"] = str(tmp / "cache")
+    try:
+        stages = []
+        first = warmup(None, registry=url, progress=lambda stage, done, total: stages.append(stage))
+        second = warmup(None, registry=url)
+    finally:
+        if old is None:
+            os.environ.pop("PRISM_SERVE_CACHE")
+        else:
+            os.environ["PRISM_SERVE_CACHE"] = old
+    return first, second, url, stages
+
+
+def test_every_supported_region_is_verified_against_vllm(warmed):
+    first, _, _, stages = warmed
+    assert not first.nothing_new and stages[0] == "capture under vLLM" and stages[-1] == "done"
+    done = [r for r in first.regions if r.status != "skipped"]
+    assert {r.kind for r in done} == SUPPORTED
+    for r in done:
+        assert r.status == "verified" and r.verified and r.plan, r
+        assert r.vllm_max_rel_error is not None and r.vllm_max_rel_error < 1e-4  # fp32 model
+        assert r.modeled_speedup > 1 and r.measured_speedup is None  # nothing is measured on a CPU
+        assert r.buckets[-1][1] == MAX_TOKENS
+    skipped = {r.kind: r.reason for r in first.regions if r.status == "skipped"}
+    assert set(skipped) == {"attention", "rotary_embedding"} and all(skipped.values())
+
+
+def test_the_registry_holds_each_kernel_with_its_proof_plan_and_checks(warmed):
+    first, _, url, _ = warmed
+    reg = open_registry(url)
+    with reg.read() as s:
+        kernels = list_kernels(s)
+        assert {k.program.name for k in kernels} == SUPPORTED
+        for k in kernels:
+            assert k.status == "verified" and k.sgraph.proof["ok"] and "plan" in k.sgraph.proof
+            assert k.sgraph.tests["vllm_max_rel_error"] < 1e-4
+        # shape-generic reuse: the stored rmsnorm_linear plan builds for other dims of the family
+        other = rmsnorm_linear(256, 384, "float32")
+        plans = known_plans(s, other)
+        assert plans and build(other, plans[0]).program == other
+    reg.close()
+    n_regions = len([r for r in first.regions if r.status != "skipped"])
+    assert len(kernels) == sum(len(r.buckets) for r in first.regions if r.status != "skipped") >= 2 * n_regions
+
+
+def test_a_second_run_with_nothing_new_skips_vllm(warmed):
+    _, second, _, _ = warmed
+    assert second.nothing_new
+    assert {r.kind for r in second.regions} == SUPPORTED and all(r.status == "stored" for r in second.regions)
+
+
+def test_bucket_ranges_are_disjoint_and_cover_everything():
+    assert bucket_ranges([128, 8, 8]) == [(1, 8), (9, MAX_TOKENS)]
+    assert bucket_ranges([1, 16, 256]) == [(1, 1), (2, 16), (17, MAX_TOKENS)]
+
+
+def _serve(url: str | None, tmp: Path, **env) -> dict:
+    out = tmp / f"out-{os.urandom(4).hex()}.json"
+    full = {k: v for k, v in os.environ.items() if not k.startswith("PRISM_SERVE_")}
+    full.update(TRITON_INTERPRET="1", PRISM_SERVE_FORCE="1", PYTHONPATH=str(ROOT), **env)
+    if url:
+        full["PRISM_SERVE_REGISTRY"] = url
+    model = ROOT / "prism_serve" / "capture" / "models" / "tiny-llama"
+    proc = subprocess.run([sys.executable, str(CHILD), str(model), str(out), "eager"], env=full, cwd=tmp,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_vllm_serves_the_same_tokens_on_the_warmed_kernels(warmed, tmp_path):
+    _, _, url, _ = warmed
+    stock = _serve(url, tmp_path, PRISM_SERVE_DISABLE="1")
+    prism = _serve(url, tmp_path)
+    assert prism["plugin"]["state"] == "patched", prism["plugin"]
+    run = prism["runs"]["eager"]
+    assert run["tokens"] == stock["runs"]["eager"]["tokens"]
+    assert all(run["kernel"][op] > 0 for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul")), run
