@@ -34,19 +34,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table as RichTable  # noqa: E402
+from rich.console import Console
+from rich.table import Table as RichTable
 
-from prism_serve.optimize.workloads import programs  # noqa: E402
-from prism_serve.patch import ops, seed  # noqa: E402
-from prism_serve.patch.device import current_device  # noqa: E402
-from prism_serve.registry import open_registry  # noqa: E402
-from prism_serve.registry.store import add_kernels  # noqa: E402
+from prism_serve.optimize.workloads import programs
+from prism_serve.patch import ops, seed
+from prism_serve.patch.device import current_device
+from prism_serve.registry import open_registry
+from prism_serve.registry.store import add_kernels
 
 TARGET_US = 5.0
 BUCKETS = tuple(((lo, hi), min(16, hi)) for lo, hi in [(1, 1)] + [(2 ** (i - 1) + 1, 2 ** i) for i in range(1, 20)])
@@ -110,7 +110,7 @@ def startup(url: str, cache: str) -> dict:
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("PRISM_SERVE_DISABLE", None)
     env.pop("PRISM_SERVE_FORCE", None)
-    proc = subprocess.run([sys.executable, "-c", STARTUP_CHILD], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", STARTUP_CHILD], check=False, env=env, capture_output=True, text=True,
                           timeout=1800)
     if proc.returncode:
         raise SystemExit(f"start-up child failed:\n{proc.stderr[-3000:]}")

@@ -127,3 +127,21 @@ def _why_not(s: Site, dtype: str, url: str, device, p) -> str:
             return "this device's kernels are not usable: " + "; ".join(reasons)
     finally:
         reg.close()
+
+
+def print_patch_report(report: dict, console=None) -> None:
+    """The report as a table, for `prism-serve doctor <model>` (JSON: print `report` itself)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    title = (f"{report['model']} ({report['architecture']}, {report['dtype']}) on {report['device']}: "
+             f"{report['plugin']}")
+    table = Table("layer", "op", "patched", "kernels / why not", title=title)
+    for row in report["layers"]:
+        detail = ", ".join(row["buckets"]) if row.get("buckets") else row.get("why", "")
+        table.add_row(row["layer"], row["op"], "yes" if row["patched"] else "no", detail)
+    console.print(table)
+    console.print(f"registry: {report['registry']}" + (f" — {report['message']}" if report["message"] else ""))
+    if report["skipped"]:
+        console.print("skipped kernels: " + "; ".join(f"{why} ({n})" for why, n in report["skipped"].items()))

@@ -29,8 +29,9 @@ OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
 
 
 class _State:
-    table: Table | None = None
-    failed: set[int] = set()  # kernel ids that raised at run time: never launched again
+    def __init__(self) -> None:
+        self.table: Table | None = None
+        self.failed: set[int] = set()  # kernel ids that raised at run time: never launched again
 
 
 STATE = _State()

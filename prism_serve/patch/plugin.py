@@ -74,8 +74,8 @@ def _logging_ready() -> None:
         from vllm.config.logging import LoggingConfig
         from vllm.logger import configure_logging_if_needed
         configure_logging_if_needed(LoggingConfig())
-    except Exception:  # noqa: BLE001 - then the line goes wherever Python's logging sends it
-        pass
+    except Exception as exc:  # noqa: BLE001 - then the line goes wherever Python's logging sends it
+        log.debug("cannot apply vLLM's logging configuration: %s", exc)
 
 
 @dataclass

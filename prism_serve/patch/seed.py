@@ -6,13 +6,14 @@ the same way from the optimizer's results.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.sgraph import instantiate
 from prism_serve.optimize.verify import prove_equivalent
 from prism_serve.optimize.workloads import programs
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
-from prism_serve.optimize.sgraph import instantiate
 from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, current_versions
 
 # (lo, hi) num_tokens buckets and the token block used in each: small blocks for decode
@@ -22,7 +23,7 @@ BUCKETS = (((1, 8), 4), ((9, 8192), 16))
 def model_programs(config_path, dtype: str = "float32") -> list:
     """The patchable vLLM ops of a Hugging Face Llama / Qwen3 config: norms, residual norms,
     q/k norms (head_dim rows) and SiluAndMul."""
-    cfg = json.loads(open(config_path).read())
+    cfg = json.loads(Path(config_path).read_text())
     hidden, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], float(cfg.get("rms_norm_eps", 1e-6))
     progs = [programs.rms_norm(hidden, dtype, eps), programs.fused_add_rms_norm(hidden, dtype, eps),
              programs.silu_and_mul(inter, dtype)]

@@ -12,6 +12,7 @@ verified against (vLLM's op with this hidden size, dtype and epsilon).
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ class OpSpec:
         eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
         try:
             expected = self.build(int(dim), dtype, eps)
-        except Exception:  # a program that cannot even be rebuilt is not this op
+        except Exception:  # noqa: BLE001 - a program that cannot even be rebuilt is not this op
             return None
         return (dtype, int(dim), eps) if expected.canonical_hash == prog.canonical_hash else None
 
@@ -93,7 +94,7 @@ def disjoint(candidates: Iterable[Launcher]) -> Buckets:
     cands = list(candidates)
     cuts = sorted({c.lo for c in cands} | {c.hi + 1 for c in cands})
     out = Buckets()
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         cover = [c for c in cands if c.lo <= a and b - 1 <= c.hi]
         if not cover:
             continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prism_serve.patch.doctor import patch_report
+from prism_serve.patch.doctor import patch_report, print_patch_report
 
 
 def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
@@ -24,3 +24,12 @@ def test_reasons_when_nothing_would_be_patched(kernels_registry, tmp_path):
     assert "no kernel in the registry for rms_norm (128, float16, eps 1e-06)" in other_dtype["layers"][0]["why"]
     missing = patch_report("tiny-llama", str(tmp_path / "none.db"))
     assert "no registry at" in missing["layers"][0]["why"] and not (tmp_path / "none.db").exists()
+
+
+def test_report_prints_as_a_table(kernels_registry):
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    print_patch_report(patch_report("tiny-llama", kernels_registry, force=True), console)
+    text = console.export_text()
+    assert "model.layers.1.mlp.act_fn" in text and "1-8: kernel" in text and "would patch" in text
