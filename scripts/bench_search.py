@@ -6,7 +6,9 @@ For each workload: the time from the Program to verified, instantiated kernels
 (search_s, of which verify_s is proofs and numeric checks), the states visited,
 the candidates each pruning rule removed, how many designs were verified, and
 the modeled time of the best one beside the unfused program's and the
-hand-built oracle's, all at the workload's largest default num_tokens.
+hand-built oracle's, all at the workload's largest default num_tokens. The best plan is
+written too: `scripts/gpu_check.py` times it on a GPU beside the oracle (plans are
+shape-generic, so it is rebuilt for every shape there).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def bench(name: str, device: str, budget: float) -> dict:
             "plans": s.plans, "pruned": dict(s.pruned), "rejected": dict(s.rejected), "verified": s.verified,
             "stopped_by_budget": s.stopped_by_budget,
             "best_plan": result.found[0].plan.describe() if result.found else None,
+            "best_plan_json": result.found[0].plan.to_json() if result.found else None,
             "best_params": best.assignment if best else None,
             "best_modeled_us": best.modeled_us if best else None,
             "unfused_modeled_us": result.unfused_us[num_tokens],

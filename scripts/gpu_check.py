@@ -3,11 +3,14 @@
 For each workload, shape and dtype: rank the oracle sGraph's instances with the cost model,
 time the top candidates on the device, keep the measured winner, check it against the torch
 reference on fresh NaN-poisoned outputs, and time it against torch eager and torch.compile
-of the same Program. Writes gpu_check.json and gpu_check.md under --out and prints the table.
+of the same Program. The superoptimizer's own best plan for each Prism workload (read from
+the newest bench/results/search-*.json that scripts/bench_search.py wrote, proven there) is
+rebuilt for each shape and checked and timed the same way, in the first dtype, as design
+"searched". Writes gpu_check.json and gpu_check.md under --out and prints the table.
 
 --interpret runs the same path on the CPU through Triton's interpreter at tiny shapes, so the
 script is proven before any device time is spent (its times say nothing about GPU speed).
-Needs only torch, triton, sympy and numpy: it runs from a checkout with PYTHONPATH=.
+Needs only torch, triton, sympy and numpy (no egglog): it runs from a checkout with PYTHONPATH=.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
 INTERPRET = "--interpret" in sys.argv
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
@@ -29,6 +34,8 @@ import torch  # noqa: E402
 from prism_serve.optimize.codegen import compile_instance  # noqa: E402
 from prism_serve.optimize.cost import unfused_us  # noqa: E402
 from prism_serve.optimize.gpus import get_gpu  # noqa: E402
+from prism_serve.optimize.instantiate import rank_plan  # noqa: E402
+from prism_serve.optimize.lower import Plan  # noqa: E402
 from prism_serve.optimize.reference import (TOLERANCE, TORCH_DTYPES, as_torch_function, evaluate,  # noqa: E402
                                             max_rel_error, random_inputs)
 from prism_serve.optimize.timing import median_us, rotation, spearman  # noqa: E402
@@ -61,10 +68,23 @@ def device_spec():
     return get_gpu("h100"), "CPU (Triton interpreter; modeled as h100)"
 
 
-def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline):
+def searched_plans(path: Path | None) -> dict[str, Plan]:
+    """workload -> the search's best plan, from a bench_search JSON (the newest one by default)."""
+    if path is None:
+        found = sorted((ROOT / "bench" / "results").glob("search-*.json"))
+        if not found:
+            return {}
+        path = found[-1]
+    data = json.loads(path.read_text())["workloads"]
+    return {name: Plan.from_json(r["best_plan_json"]) for name, r in data.items() if r.get("best_plan_json")}
+
+
+def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, plan: Plan | None = None):
     prog = WORKLOADS[name].program(**dims, dtype=dtype)
-    g = oracle(prog)
-    ranked = rank(g, spec, num_tokens)
+    if plan is None:
+        ranked = rank(oracle(prog), spec, num_tokens)
+    else:
+        ranked = rank_plan(prog, plan, spec, num_tokens, top=max(args.top, 1))
     nbytes = sum(t.numel() * t.element_size() for t in random_inputs(prog, num_tokens, seed=0))
     sets = rotation(lambda s: random_inputs(prog, num_tokens, seed=s, device=device), nbytes,
                     int(spec.l2_mb * 2**20), max_sets=args.max_sets)
@@ -76,6 +96,8 @@ def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline):
 
     timed = measure(ranked, timer, top=args.top)
     row = {"workload": name, "dims": dims, "num_tokens": num_tokens, "dtype": dtype,
+           "design": "oracle" if plan is None else "searched",
+           "plan": "hand-built" if plan is None else plan.describe(),
            "candidates": [{"assignment": c.assignment, "modeled_us": c.modeled_us, "measured_us": c.measured_us}
                           for c in timed],
            "unfused_modeled_us": unfused_us(prog, num_tokens, spec)}
@@ -107,15 +129,28 @@ def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline):
     return row
 
 
+def run_case(name, dims, n, dtype, spec, device, args, deadline, design, start) -> dict:
+    t0 = time.monotonic()
+    try:
+        row = check_case(name, dims, n, dtype, spec, device, args, deadline, design)
+    except Exception as exc:  # record and go on: one broken case must not lose the run
+        row = {"workload": name, "dims": dims, "num_tokens": n, "dtype": dtype,
+               "design": "oracle" if design is None else "searched", "error": f"{type(exc).__name__}: {exc}"[:300]}
+    row["case_s"] = round(time.monotonic() - t0, 2)
+    print(f"[{time.monotonic() - start:6.1f}s] {name} {row['design']} {dims} n={n} {dtype}: "
+          f"{row.get('measured_us', row.get('error'))}", flush=True)
+    return row
+
+
 def markdown(rows, device_name):
     lines = [f"GPU check on {device_name}", "",
-             "| workload | shape | tokens | dtype | kernel | modeled us | measured us | eager us | compile us |"
-             " vs eager | vs compile | rel err | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | design | shape | tokens | dtype | kernel | modeled us | measured us | eager us |"
+             " compile us | vs eager | vs compile | rel err | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "measured_us" not in r:
-            lines.append(f"| {r['workload']} | {r['dims']} | {r['num_tokens']} | {r['dtype']} | "
-                         f"{r.get('error', '?')} | | | | | | | | no |")
+            lines.append(f"| {r['workload']} | {r.get('design', '?')} | {r['dims']} | {r['num_tokens']} | "
+                         f"{r['dtype']} | {r.get('error', '?')} | | | | | | | | no |")
             continue
         comp, measured = r.get("compile_us"), r["measured_us"]
         shape = ",".join(f"{k}={v}" for k, v in r["dims"].items()) or "default"
@@ -123,7 +158,7 @@ def markdown(rows, device_name):
         comp_us = f"{comp:.1f}" if comp else "-"
         vs_comp = f"{comp / measured:.2f}x" if comp else "-"
         lines.append(
-            f"| {r['workload']} | {shape} | {r['num_tokens'] or '-'} | {r['dtype']} | {kernel} | "
+            f"| {r['workload']} | {r['design']} | {shape} | {r['num_tokens'] or '-'} | {r['dtype']} | {kernel} | "
             f"{r['modeled_us']:.1f} | {measured:.1f} | {r['eager_us']:.1f} | {comp_us} | "
             f"{r['eager_us'] / measured:.2f}x | {vs_comp} | {r['max_rel_error']:.1e} | "
             f"{'yes' if r['correct'] else 'NO'} |")
@@ -142,6 +177,8 @@ def main(argv=None):
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     ap.add_argument("--workloads", nargs="*", default=None)
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
+    ap.add_argument("--plans", type=Path, default=None,
+                    help="bench_search JSON with the searched plans (default: newest bench/results/search-*.json)")
     args = ap.parse_args(argv)
     tiny = args.interpret
     # The interpreter runs each block in Python: one timed run of the top candidate proves the path.
@@ -157,26 +194,21 @@ def main(argv=None):
     start = time.monotonic()
     deadline = start + args.budget_s
     rows, skipped = [], []
+    searched = searched_plans(args.plans)
     for name in args.workloads or plan:
         dims_list, tokens = plan[name]
+        designs = [None] + ([searched[name]] if name in searched else [])
         for dims in dims_list:
             for n in tokens:
-                for dtype in args.dtypes:
-                    if time.monotonic() > deadline:
-                        skipped.append({"workload": name, "dims": dims, "num_tokens": n, "dtype": dtype})
-                        continue
-                    use_compile = args.compile and (not tiny or name in args.compile_only)
-                    case_args = argparse.Namespace(**(vars(args) | {"compile": use_compile}))
-                    t0 = time.monotonic()
-                    try:
-                        row = check_case(name, dims, n, dtype, spec, device, case_args, deadline)
-                    except Exception as exc:  # record and go on: one broken case must not lose the run
-                        row = {"workload": name, "dims": dims, "num_tokens": n, "dtype": dtype,
-                               "error": f"{type(exc).__name__}: {exc}"[:300]}
-                    row["case_s"] = round(time.monotonic() - t0, 2)
-                    rows.append(row)
-                    print(f"[{time.monotonic() - start:6.1f}s] {name} {dims} n={n} {dtype}: "
-                          f"{row.get('measured_us', row.get('error'))}", flush=True)
+                for design in designs:
+                    for dtype in (args.dtypes if design is None else args.dtypes[:1]):
+                        if time.monotonic() > deadline:
+                            skipped.append({"workload": name, "dims": dims, "num_tokens": n, "dtype": dtype,
+                                            "design": "oracle" if design is None else "searched"})
+                            continue
+                        use_compile = args.compile and (not tiny or name in args.compile_only)
+                        case_args = argparse.Namespace(**(vars(args) | {"compile": use_compile}))
+                        rows.append(run_case(name, dims, n, dtype, spec, device, case_args, deadline, design, start))
     winners = [r for r in rows if "measured_us" in r]
     result = {
         "device": device_name, "modeled_as": spec.name, "interpret": tiny,

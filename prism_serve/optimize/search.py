@@ -32,17 +32,18 @@ import itertools
 import logging
 import math
 import time
-
-import numpy
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy
+
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.check import numeric_errors, small_program
-from prism_serve.optimize.cost import LAUNCH_US, modeled_us, unfused_us
-from prism_serve.optimize.gpus import GpuSpec, get_gpu
-from prism_serve.optimize.ir import NUM_TOKENS, Program, bind_shape
 from prism_serve.optimize import prune
+from prism_serve.optimize.check import numeric_errors, small_program
+from prism_serve.optimize.cost import LAUNCH_US, unfused_us
+from prism_serve.optimize.gpus import GpuSpec, get_gpu
+from prism_serve.optimize.instantiate import instantiate_plan, segment_instances
+from prism_serve.optimize.ir import NUM_TOKENS, Program, bind_shape
 from prism_serve.optimize.labels import Labels, index_labels
 from prism_serve.optimize.lower import (
     BlockChoice,
@@ -56,8 +57,8 @@ from prism_serve.optimize.lower import (
 )
 from prism_serve.optimize.reference import TOLERANCE, expand_composites
 from prism_serve.optimize.rewrite import loop_form
-from prism_serve.optimize.sgraph import BYTES, Instance, SGraph, instantiate
-from prism_serve.optimize.tune import Candidate, best_modeled, enumerate_instances, rank
+from prism_serve.optimize.sgraph import BYTES, SGraph, instantiate
+from prism_serve.optimize.tune import Candidate, best_modeled
 from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
@@ -297,47 +298,17 @@ def _block_choices(seg: Program, labels: Labels):
                         yield BlockChoice(grid, loop, split, hoist)
 
 
-def _segment_instances(prog: Program, plan: Plan, gpu: GpuSpec) -> list[tuple[SGraph, list[Instance]]]:
-    """Every valid instance of each segment on its own. Segments share no symbols and the cost
-    is a sum over kernels, so choosing per segment is exact and avoids a product of searches."""
-    flat = expand_composites(prog)
-    labels = index_labels(flat)
-    out = []
-    for s in plan.segments:
-        g = segment_sgraph(flat, labels, s)
-        instances = enumerate_instances(g, gpu)
-        if not instances:
-            raise SGraphError(f"segment {s.describe()} of '{prog.name}' has no instance that fits {gpu.name}")
-        out.append((g, instances))
-    return out
-
-
 def _check_numerics(prog: Program, plan: Plan, gpu: GpuSpec) -> float:
     """Worst relative error of the plan rebuilt for small dims, at an instance that exercises
     every split and loop it can (more symbols above 1 first), through Triton."""
     small = small_program(prog)
     values: dict[str, int] = {}
-    for _, instances in _segment_instances(small, plan, gpu):
+    for _, instances in segment_instances(small, plan, gpu):
         values |= max(instances, key=lambda i: (sum(v > 1 for v in i.values.values()),
                                                 -sum(i.values.values()))).values
     inst = instantiate(build(small, plan), values, gpu)
     with numpy.errstate(all="ignore"):  # padded rows of a masked tile may divide by zero
         return max(e for nt in CHECK_TOKENS for e in numeric_errors(inst, nt))
-
-
-def instantiate_plan(prog: Program, plan: Plan, gpu: GpuSpec, buckets: Sequence[int],
-                     g: SGraph | None = None) -> tuple[Candidate, ...]:
-    """The best modeled instance of a plan per num_tokens bucket, ranked exhaustively per segment."""
-    g = g or build(prog, plan)
-    segments = _segment_instances(prog, plan, gpu)
-    out = []
-    for nt in buckets:
-        values: dict[str, int] = {}
-        for seg_g, instances in segments:
-            values |= rank(seg_g, gpu, nt, instances)[0].assignment
-        inst = instantiate(g, values, gpu)
-        out.append(Candidate(inst, nt, modeled_us(inst, nt, gpu)))
-    return tuple(out)
 
 
 def _finish(prog: Program, plan: Plan, gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats) -> Found | None:

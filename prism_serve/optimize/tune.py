@@ -44,6 +44,11 @@ def split_sizes(g: SGraph) -> dict[str, int]:
                     sizes.setdefault(axis.symbol, int(shape[d]))
             if n.op == "load" and n.attr("fmap") is not None and not shape[n.attr("fmap")].free_symbols:
                 sizes.setdefault(k.forloop, int(shape[n.attr("fmap")]))
+        for axis in k.grid:  # an axis that partitions nothing (a size-1 label) has extent 1
+            if not axis.over_tokens and not any(
+                    (n.attr("imap") if n.op == "load" else n.attr("omap"))[k.grid.index(axis)] is not None
+                    for n in k.loads + k.stores):
+                sizes[axis.symbol] = 1
     return sizes
 
 

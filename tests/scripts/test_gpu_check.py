@@ -26,6 +26,10 @@ def test_interpret_mode_checks_every_workload(tmp_path):
         assert c["measured_us"] > 0 and c["eager_us"] > 0 and c["modeled_us"] > 0
         assert c["candidates"][0]["assignment"] == c["assignment"]
     assert any("compile_us" in c for c in cases), "the torch.compile baseline path was never exercised"
+    # the superoptimizer's committed plans, rebuilt for these tiny shapes, are checked beside the oracles
+    searched = {c["workload"] for c in cases if c["design"] == "searched"}
+    assert searched == PRISM_WORKLOADS
+    assert all(c["plan"] != "hand-built" for c in cases if c["design"] == "searched")
     table = (tmp_path / "gpu_check.md").read_text()
     assert proc.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
     assert table.count("| yes |") == len(cases)
