@@ -21,7 +21,7 @@ from prism_serve.errors import CodegenError
 from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node
 from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, tile_shape
 
-CODEGEN_VERSION = 1
+CODEGEN_VERSION = 2
 BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 UNARY = {"exp": "tl.exp({})", "silu": "{0} * tl.sigmoid({0})", "square": "{0} * {0}",
          "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})"}
@@ -371,6 +371,7 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
         if any(a.over_tokens for a in k.grid):
             out.append("    if n_tokens == 0:")
             out.append(f"        return {_outputs_tuple(prog.outputs)}")
+        call.append(f"num_warps={inst.warps(k)}")
         out.append(f"    {w.kname}[({grid},)]({', '.join(call)})")
     out.append(f"    return {_outputs_tuple(prog.outputs)}")
     return "\n".join(out) + "\n"

@@ -23,6 +23,7 @@ class GpuSpec:
     fp16_tensor_tflops: float
     fp32_tflops: float
     max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
+    max_regs_per_thread: int = 255
     max_block_elements: int = 2**20  # Triton's limit on elements of one tile
 
 
