@@ -122,8 +122,9 @@ def test_json_errors_are_clear():
 def test_big_tiles_launch_more_warps_and_the_codegen_says_so():
     from prism_serve.optimize.codegen import render
 
+    narrow = oracle(WORKLOADS["rms_norm"].program(hidden=1024))
     g = oracle(WORKLOADS["rms_norm"].program(hidden=8192))
     k = g.kernels[0]
-    small, big = instantiate(g, {"BT": 1}, H100), instantiate(g, {"BT": 4}, H100)
-    assert small.warps(k) == 4 < big.warps(k) <= H100.max_threads_per_block // 32
+    small, big = instantiate(narrow, {"BT": 1}, H100), instantiate(g, {"BT": 4}, H100)
+    assert small.warps(narrow.kernels[0]) == 4 < big.warps(k) <= H100.max_threads_per_block // 32
     assert f"num_warps={big.warps(k)})" in render(big)
