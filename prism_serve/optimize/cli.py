@@ -45,7 +45,9 @@ def _table(result) -> Table:
     from prism_serve.optimize.sgraph import BlockKernel
 
     buckets = result.num_tokens
+    measured = any(c.measured_us is not None for f in result.found for c in f.kernels)
     table = Table("#", "plan", "kernels", "grid", "loop", *(f"modeled us @{n}" for n in buckets),
+                  *((f"measured us @{n}" for n in buckets) if measured else ()),
                   "speedup vs unfused", title=f"{result.program.name} on {result.gpu}: verified kernels "
                   f"(unfused: {', '.join(f'{result.unfused_us[n]:.1f} us @{n}' for n in buckets)})")
     for i, f in enumerate(result.found):
@@ -55,8 +57,14 @@ def _table(result) -> Table:
         loop = "; ".join(f"{k.forloop}={c.assignment[k.forloop]}" if k.forloop else "-" for k in blocks) or "-"
         speed = sum(result.unfused_us[n] for n in buckets) / sum(k.modeled_us for k in f.kernels)
         table.add_row(str(i + 1), f.plan.describe(), str(len(f.sgraph.kernels)), grid or "library", loop,
-                      *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets), f"{speed:.2f}x")
+                      *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets),
+                      *((_us(f.kernel_for(n).measured_us) for n in buckets) if measured else ()),
+                      f"{speed:.2f}x" + ("" if measured else " modeled"))
     return table
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _emit(result, directory: Path) -> list[Path]:

@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy
+import torch
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize import prune
 from prism_serve.optimize.check import numeric_errors, small_program
 from prism_serve.optimize.cost import LAUNCH_US, unfused_us
 from prism_serve.optimize.gpus import GpuSpec, get_gpu
-from prism_serve.optimize.instantiate import instantiate_plan, segment_instances
+from prism_serve.optimize.instantiate import instantiate_plan, rank_plan, segment_instances
 from prism_serve.optimize.ir import NUM_TOKENS, Program, bind_shape
 from prism_serve.optimize.labels import Labels, index_labels
 from prism_serve.optimize.lower import (
@@ -58,7 +59,8 @@ from prism_serve.optimize.lower import (
 from prism_serve.optimize.reference import TOLERANCE, expand_composites
 from prism_serve.optimize.rewrite import loop_form
 from prism_serve.optimize.sgraph import BYTES, SGraph, instantiate
-from prism_serve.optimize.tune import Candidate, best_modeled
+from prism_serve.optimize.timing import Timer, cuda_timer
+from prism_serve.optimize.tune import Candidate, best_modeled, measure
 from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
@@ -101,8 +103,8 @@ class Found:
         return {"plan": self.plan.to_json(), "describe": self.plan.describe(), "sgraph": self.sgraph.to_json(),
                 "proof": {"ok": self.proof.ok, "reason": self.proof.reason, "seconds": self.proof.seconds},
                 "numeric_error": self.numeric_error,
-                "kernels": [{"num_tokens": c.num_tokens, "params": c.assignment, "modeled_us": c.modeled_us}
-                            for c in self.kernels]}
+                "kernels": [{"num_tokens": c.num_tokens, "params": c.assignment, "modeled_us": c.modeled_us,
+                             "measured_us": c.measured_us} for c in self.kernels]}
 
 
 @dataclass(frozen=True)
@@ -311,8 +313,10 @@ def _check_numerics(prog: Program, plan: Plan, gpu: GpuSpec) -> float:
         return max(e for nt in CHECK_TOKENS for e in numeric_errors(inst, nt))
 
 
-def _finish(prog: Program, plan: Plan, gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats) -> Found | None:
-    """Stage 2 for a whole plan: build, prove, check numerically, rank per bucket."""
+def _finish(prog: Program, plan: Plan, gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats,
+            timer: Timer | None = None, measure_top: int = 5) -> Found | None:
+    """Stage 2 for a whole plan: build, prove, check numerically, rank per bucket (and on a
+    device, time the top candidates and keep the measured winner)."""
     t0 = time.perf_counter()
     g = build(prog, plan)
     proof = prove_equivalent(g)
@@ -328,16 +332,33 @@ def _finish(prog: Program, plan: Plan, gpu: GpuSpec, buckets: tuple[int, ...], s
         log.warning("numeric check failed for %s: error %.3g", plan.describe(), error)
         return None
     stats.verified += 1
-    return Found(plan, g, proof, error, instantiate_plan(prog, plan, gpu, buckets, g))
+    kernels = instantiate_plan(prog, plan, gpu, buckets, g)
+    if timer is not None:
+        kernels = tuple(_measured(prog, plan, gpu, c, timer, measure_top) for c in kernels)
+    return Found(plan, g, proof, error, kernels)
+
+
+def _measured(prog: Program, plan: Plan, gpu: GpuSpec, modeled: Candidate, timer: Timer, top: int) -> Candidate:
+    """On a device: time the `top` modeled candidates of the bucket and keep the measured winner
+    (the modeled one, unmeasured, if none runs)."""
+    timed = measure(rank_plan(prog, plan, gpu, modeled.num_tokens, top), timer, top)
+    return timed[0] if timed else modeled
 
 
 def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[int] = (16,), *,
              max_segments: int = 3, budget_s: float = 60.0, top: int = 3, known: Sequence[Plan] = (),
-             progress: Progress | None = None) -> OptimizeResult:
+             progress: Progress | None = None, timer: Timer | None = None, measure_top: int = 5
+             ) -> OptimizeResult:
     """Find verified fused kernels for `prog` on `gpu`, fastest first, each instantiated per
     num_tokens bucket. `known` plans (from an earlier search) are re-instantiated instead of
-    searching. The search stops cleanly at `budget_s` with the best found so far."""
+    searching. The search stops cleanly at `budget_s` with the best found so far.
+
+    `timer(instance, num_tokens) -> us` times candidates on a device; on a CUDA machine it
+    defaults to CUDA-event timing of the generated kernel. Measured kernels carry
+    `measured_us`; without a device they are modeled only (`measured_us` is None)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if timer is None and torch.cuda.is_available():
+        timer = cuda_timer(prog, spec)
     buckets = tuple(sorted(set(num_tokens))) or (1,)
     if any(not isinstance(n, int) or n < 1 for n in buckets):
         raise SGraphError(f"num_tokens buckets must be positive ints, got {list(num_tokens)}")
@@ -352,12 +373,13 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     stats.search_s = time.perf_counter() - start
     found = []
     for plan in plans:
-        f = _finish(prog, plan, spec, buckets, stats)
+        f = _finish(prog, plan, spec, buckets, stats, timer, measure_top)
         if f:
             found.append(f)
         if progress:
             progress(f"verified {len(found)} of {len(plans)}", stats)
     stats.search_s = time.perf_counter() - start
-    found.sort(key=lambda f: sum(c.modeled_us for c in f.kernels))
+    found.sort(key=lambda f: sum(c.measured_us if c.measured_us is not None else c.modeled_us
+                                 for c in f.kernels))
     return OptimizeResult(prog, spec.name, buckets, tuple(found),
                           {nt: unfused_us(prog, nt, spec) for nt in buckets}, stats)

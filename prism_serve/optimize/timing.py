@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
+Timer = Callable[..., float]  # (instance, num_tokens) -> microseconds
+
 
 def median_us(fn: Callable[..., object], input_sets: Sequence[Sequence[torch.Tensor]], *,
               warmup: int = 5, reps: int = 50) -> float:
@@ -67,3 +69,19 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
     return cov / var if var else None
+
+
+def cuda_timer(prog, gpu, *, warmup: int = 10, reps: int = 100) -> Timer:
+    """A timer for `tune.measure`: the generated kernel of an instance on the GPU, median of `reps`
+    runs over input sets rotated past the L2."""
+    from prism_serve.optimize.codegen import compile_instance
+    from prism_serve.optimize.reference import random_inputs
+
+    def timer(inst, num_tokens: int) -> float:
+        first = random_inputs(prog, num_tokens, seed=0)
+        nbytes = sum(t.numel() * t.element_size() for t in first)
+        sets = rotation(lambda s: random_inputs(prog, num_tokens, seed=s, device="cuda"), nbytes,
+                        int(gpu.l2_mb * 2**20))
+        return median_us(compile_instance(inst), sets, warmup=warmup, reps=reps)
+
+    return timer
