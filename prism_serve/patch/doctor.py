@@ -44,6 +44,7 @@ def sites(cfg: dict) -> list[Site]:
             out += [Site(p + "self_attn.q_norm", "rms_norm", head_dim, eps, "rows are tokens x heads"),
                     Site(p + "self_attn.k_norm", "rms_norm", head_dim, eps, "rows are tokens x kv heads")]
         out.append(Site(p + "post_attention_layernorm", "fused_add_rms_norm", hidden, eps))
+        out.append(Site(p + "mlp", "swiglu", (hidden, inter), None, "gate_up_proj + act_fn as one region"))
         out.append(Site(p + "mlp.act_fn", "silu_and_mul", inter, None))
     out.append(Site("model.norm", "fused_add_rms_norm", hidden, eps))
     return out
@@ -69,11 +70,15 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     if arch not in ARCHITECTURES:
         report["message"] = f"architecture {arch!r} is not one whose layers prism knows ({', '.join(sorted(ARCHITECTURES))})"
         return report
-    for s in sites(cfg):
-        report["layers"].append(_explain(s, dtype, p, url, device))
-    report["layers"].append({"layer": "model.layers.*.mlp (gate_up_proj + act_fn)", "op": "swiglu",
-                             "patched": False, "why": "whole-region (SwiGLU, RMSNorm + projection) replacement "
-                                                      "is not built yet; its parts are patched op by op"})
+    rows = [_explain(s, dtype, p, url, device) for s in sites(cfg)]
+    regions = {r["layer"] for r in rows if r["op"] == "swiglu" and r["patched"]}
+    for r in rows:
+        if r["op"] == "silu_and_mul" and r["layer"].removesuffix(".act_fn") in regions:
+            r.update(patched=True, why="runs inside its MLP's swiglu region kernel")
+            r.pop("buckets", None)
+    report["layers"] = rows + [{"layer": "model.layers.*.input_layernorm + self_attn.qkv_proj",
+                                "op": "rmsnorm_linear", "patched": False,
+                                "why": "the RMSNorm + projection region replacement is not built yet"}]
     return report
 
 
@@ -112,12 +117,13 @@ def _why_not(s: Site, dtype: str, url: str, device, p) -> str:
     from prism_serve.registry.store import current_versions, incompatibility, list_kernels
 
     prog = OPS[s.op].build(s.dim, dtype, s.eps)
+    dims = ", ".join(map(str, s.dim)) if isinstance(s.dim, tuple) else str(s.dim)
     reg = open_registry(url, upgrade=False)
     try:
         with reg.read() as session:
             rows = list_kernels(session, program=prog.canonical_hash)
             if not rows:
-                return (f"no kernel in the registry for {s.op} ({s.dim}, {dtype}"
+                return (f"no kernel in the registry for {s.op} ({dims}, {dtype}"
                         f"{f', eps {s.eps}' if s.eps is not None else ''}): run `prism-serve warmup`")
             mine = [k for k in rows if k.device.fingerprint == device.fingerprint]
             if not mine:

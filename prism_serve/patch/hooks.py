@@ -5,12 +5,16 @@
   under torch.compile vLLM's IR lowering pass traces the provider into the graph as the opaque
   `prism::` op.
 - `CustomOp.register_oot` replacement of `SiluAndMul`, whose every forward runs `prism::silu_and_mul`.
+- Whole regions: the decoder MLP classes of Llama and Qwen2/3 (looked up by name in their model
+  modules when a model is built) replaced by subclasses whose gate_up projection and activation
+  run as one `prism::swiglu` kernel where the table has one for that layer.
 
 Each provider's `supports_args` accepts only calls the table has kernels for (dtype, size,
 epsilon, device); inside the op a num_tokens miss runs the next provider in vLLM's priority.
 """
 
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -161,7 +165,104 @@ def _install_silu(table: Table, done: Installed) -> None:
     done.names.append("SiluAndMul")
 
 
-HOOKS = (_install_ir, _install_silu)
+# --- whole region: a SwiGLU MLP's gate_up projection + SiLU*mul as one prism::swiglu ----------
+
+# (model module, class name): decoder MLPs that run gate_up_proj -> SiluAndMul -> down_proj
+REGIONS = (("vllm.model_executor.models.llama", "LlamaMLP"), ("vllm.model_executor.models.qwen2", "Qwen2MLP"),
+           ("vllm.model_executor.models.qwen3", "Qwen3MLP"))
+SITES: list = []  # weak references to the patched MLPs, indexed by their prism::swiglu `site`
+
+
+def _swiglu_served(mlp) -> bool:
+    """An unquantized, unsharded, bias-free gate_up projection the table has a kernel for."""
+    g = mlp.gate_up_proj
+    if type(g.quant_method).__name__ != "UnquantizedLinearMethod" or getattr(g, "bias", None) is not None:
+        return False
+    if getattr(g, "tp_size", 1) != 1 or g.weight.dim() != 2:
+        return False
+    table = ops.STATE.table
+    key = (g.weight.shape[1], g.weight.shape[0] // 2)
+    return table is not None and table.entry("swiglu", g.weight.dtype, key, None) is not None
+
+
+def _keep_weight(mlp) -> None:
+    """Hold gate_up's weight as a buffer once loaded: on the CPU vLLM packs it for its own GEMM
+    and drops the plain tensor (elsewhere the buffer is the same storage, no extra memory)."""
+    g = mlp.gate_up_proj
+    qm = g.quant_method
+    inner = qm.process_weights_after_loading
+
+    def process_weights_after_loading(layer):
+        plain = layer.weight.detach() if layer is g else None
+        inner(layer)
+        if layer is g:
+            mlp._prism_weight = layer.weight.detach() if layer.weight.numel() else plain
+
+    qm.process_weights_after_loading = process_weights_after_loading
+
+
+def _region_class(base):
+    class PrismMLP(base):
+        """`base` whose gate_up projection and activation run as one prism::swiglu kernel where
+        the table has one (a num_tokens miss runs vLLM's own projection and activation)."""
+
+        _prism = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_buffer("_prism_weight", None, persistent=False)
+            self._prism_site = -1
+            self._prism_gate_up_cls = type(self.gate_up_proj)  # LoRA swaps the layer later: then stand down
+            try:
+                served = _swiglu_served(self)
+            except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
+                served = False
+            if served:
+                self._prism_site = len(SITES)
+                SITES.append(weakref.ref(self))
+                _keep_weight(self)
+
+        def forward(self, x):
+            if self._prism_weight is None or type(self.gate_up_proj) is not self._prism_gate_up_cls:
+                return super().forward(x)
+            y = torch.ops.prism.swiglu(x, self._prism_weight, self._prism_site)
+            out, _ = self.down_proj(y)
+            return out
+
+    PrismMLP.__name__ = PrismMLP.__qualname__ = f"Prism{base.__name__}"
+    return PrismMLP
+
+
+def _vllm_swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
+    """vLLM's own path for a patched MLP: its gate_up projection, then its activation."""
+    mlp = SITES[site]() if 0 <= site < len(SITES) else None
+    if mlp is None:
+        return ops.ref_swiglu(x, w_gate_up, site)
+    gate_up, _ = mlp.gate_up_proj(x)
+    return mlp.act_fn(gate_up)
+
+
+def _install_regions(table: Table, done: Installed) -> None:
+    import importlib
+
+    if not table.ops.get("swiglu"):
+        return
+    ops.FALLBACKS["swiglu"] = _vllm_swiglu
+    done.undo.append(lambda: ops.FALLBACKS.__setitem__("swiglu", ops.ref_swiglu))
+    for module_name, cls_name in REGIONS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        base = getattr(module, cls_name, None)
+        if base is None or getattr(base, "_prism", False):
+            continue
+        setattr(module, cls_name, _region_class(base))
+        done.undo.append(lambda m=module, n=cls_name, b=base: setattr(m, n, b))
+        done.names.append(f"{cls_name} (swiglu region)")
+
+
+HOOKS = (_install_ir, _install_silu, _install_regions)
 
 
 def install(table: Table) -> Installed:

@@ -1,5 +1,6 @@
 """The prism torch custom ops (`prism::rms_norm`, `prism::fused_add_rms_norm`,
-`prism::silu_and_mul`): opaque to torch.compile, with fake impls, dispatching by num_tokens.
+`prism::silu_and_mul`, and the whole-region `prism::swiglu`): opaque to torch.compile, with fake
+impls, dispatching by num_tokens.
 
 Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
 startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
@@ -25,7 +26,7 @@ from prism_serve.patch.table import Table
 
 log = logging.getLogger(__name__)
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu")
 
 
 class _State:
@@ -61,8 +62,13 @@ def ref_silu_and_mul(x: Tensor) -> Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
+def ref_swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
+    """silu(x @ W_gate^T) * (x @ W_up^T) with W_gate_up = [W_gate; W_up] (vLLM's merged layout)."""
+    return ref_silu_and_mul(torch.nn.functional.linear(x, w_gate_up))
+
+
 FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm": ref_fused_add_rms_norm,
-                                  "silu_and_mul": ref_silu_and_mul}
+                                  "silu_and_mul": ref_silu_and_mul, "swiglu": ref_swiglu}
 
 
 # --- dispatch --------------------------------------------------------------------------
@@ -135,6 +141,19 @@ def silu_and_mul_impl(x: Tensor) -> Tensor:
     return FALLBACKS["silu_and_mul"](x)
 
 
+def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
+    inter = w_gate_up.shape[0] // 2
+    launcher = pick("swiglu", x, (x.shape[-1], inter), None)
+    if launcher is not None:
+        try:
+            (y,) = launcher.run(_rows(x, x.shape[-1]), w_gate_up[:inter], w_gate_up[inter:])
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], inter)
+        except Exception as exc:  # noqa: BLE001
+            _failed("swiglu", launcher, exc)
+    MISSES["swiglu"] += 1
+    return FALLBACKS["swiglu"](x, w_gate_up, site)
+
+
 # --- torch custom ops: opaque to Dynamo, with fake impls for torch.compile -------------------
 
 def _define() -> dict[str, object]:
@@ -164,7 +183,16 @@ def _define() -> dict[str, object]:
     def _(x):
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
-    defined.update(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, silu_and_mul=silu_and_mul)
+    @torch.library.custom_op("prism::swiglu", mutates_args=())
+    def swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
+        return swiglu_impl(x, w_gate_up, site)
+
+    @swiglu.register_fake
+    def _(x, w_gate_up, site):
+        return x.new_empty((*x.shape[:-1], w_gate_up.shape[0] // 2))
+
+    defined.update(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, silu_and_mul=silu_and_mul,
+                   swiglu=swiglu)
     return defined
 
 

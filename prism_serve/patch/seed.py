@@ -20,9 +20,9 @@ from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, curre
 BUCKETS = (((1, 8), 4), ((9, 8192), 16))
 
 
-def model_programs(config_path, dtype: str = "float32") -> list:
+def model_programs(config_path, dtype: str = "float32", regions: bool = False) -> list:
     """The patchable vLLM ops of a Hugging Face Llama / Qwen3 config: norms, residual norms,
-    q/k norms (head_dim rows) and SiluAndMul."""
+    q/k norms (head_dim rows) and SiluAndMul; with `regions`, the SwiGLU MLP region too."""
     cfg = json.loads(Path(config_path).read_text())
     hidden, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], float(cfg.get("rms_norm_eps", 1e-6))
     progs = [programs.rms_norm(hidden, dtype, eps), programs.fused_add_rms_norm(hidden, dtype, eps),
@@ -30,6 +30,8 @@ def model_programs(config_path, dtype: str = "float32") -> list:
     if cfg.get("model_type") == "qwen3":
         head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
         progs.append(programs.rms_norm(head_dim, dtype, eps))
+    if regions:
+        progs.append(programs.swiglu(hidden, inter, dtype))
     return progs
 
 

@@ -36,26 +36,34 @@ class OpSpec:
 
     name: str  # the Program name and the prism custom op name (prism::<name>)
     dim_input: str  # the input whose last dim is the key's dim (hidden or intermediate size)
-    build: Callable[[int, str, float | None], Program]  # (dim, dtype, eps) -> the exact Program
+    build: Callable  # (dim, dtype, eps) -> the exact Program
+    region: str = ""  # the input whose first dim is a second key dim (a region's projection size)
 
-    def key_of(self, prog: Program) -> tuple[str, int, float | None] | None:
-        """(dtype, dim, eps) when `prog` is exactly this op's Program for them, else None."""
+    def key_of(self, prog: Program) -> tuple | None:
+        """(dtype, dim, eps) when `prog` is exactly this op's Program for them, else None; a
+        region's dim is (hidden, intermediate)."""
         if prog.name != self.name or self.dim_input not in prog.by_name:
             return None
         x = prog.by_name[self.dim_input]
-        dtype, dim = x.attr("dtype"), x.attr("shape")[-1]
+        dtype, dim = x.attr("dtype"), int(x.attr("shape")[-1])
+        if self.region:
+            if self.region not in prog.by_name:
+                return None
+            dim = (dim, int(prog.by_name[self.region].attr("shape")[0]))
         eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
         try:
-            expected = self.build(int(dim), dtype, eps)
+            expected = self.build(dim, dtype, eps)
         except Exception:  # noqa: BLE001 - a program that cannot even be rebuilt is not this op
             return None
-        return (dtype, int(dim), eps) if expected.canonical_hash == prog.canonical_hash else None
+        return (dtype, dim, eps) if expected.canonical_hash == prog.canonical_hash else None
 
 
 OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("rms_norm", "x", lambda d, dt, eps: programs.rms_norm(d, dt, eps)),
     OpSpec("fused_add_rms_norm", "x", lambda d, dt, eps: programs.fused_add_rms_norm(d, dt, eps)),
     OpSpec("silu_and_mul", "gate", lambda d, dt, eps: programs.silu_and_mul(d, dt)),
+    # whole region: a SwiGLU MLP's gate_up projection and activation in one kernel
+    OpSpec("swiglu", "x", lambda d, dt, eps: programs.swiglu(d[0], d[1], dt), region="w_gate"),
 )}
 
 

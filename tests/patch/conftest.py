@@ -22,12 +22,12 @@ def fill(path, results) -> str:
     return url
 
 
-def model_results(status: str = "verified", **kw):
+def model_results(status: str = "verified", regions: bool = False, **kw):
     device = current_device(use_vllm=False)[0]
     out = []
     for m in MODELS:
-        out += seed.results(seed.model_programs(embedded_path(m) / "config.json"), device, status=status, model=m,
-                            **kw)
+        progs = seed.model_programs(embedded_path(m) / "config.json", regions=regions)
+        out += seed.results(progs, device, status=status, model=m, **kw)
     return out
 
 
@@ -35,3 +35,9 @@ def model_results(status: str = "verified", **kw):
 def kernels_registry(tmp_path_factory):
     """Forced ('verified') kernels for both tiny models' ops on this device."""
     return fill(tmp_path_factory.mktemp("reg") / "registry.db", model_results())
+
+
+@pytest.fixture(scope="session")
+def regions_registry(tmp_path_factory):
+    """As `kernels_registry`, plus the SwiGLU MLP region of both models."""
+    return fill(tmp_path_factory.mktemp("reg-regions") / "registry.db", model_results(regions=True))

@@ -18,6 +18,7 @@ from prism_serve.registry.store import load_device
 from .conftest import fill
 
 EPS = 1e-6
+OPS3 = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
 
 
 def _table(url, statuses=("verified",)):
@@ -103,7 +104,7 @@ def test_ops_match_vllm_semantics(live, rows):
     qw = 1 + 0.1 * torch.randn(32, generator=gen)
     torch.testing.assert_close(torch.ops.prism.rms_norm(q, qw, EPS), ops.ref_rms_norm(q, qw, EPS))
     assert {k: ops.COUNTS[k] - before[k] for k in before} == {"rms_norm": 2, "fused_add_rms_norm": 1,
-                                                              "silu_and_mul": 1}
+                                                              "silu_and_mul": 1, "swiglu": 0}
 
 
 def test_a_miss_falls_back_to_vllms_path(live):
@@ -136,7 +137,7 @@ def test_compiled_graph_keeps_the_ops_opaque_and_dispatches_per_call(live):
         got, want = compiled(x, res, w, gu), block(x, res, w, gu)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
-        assert all(ops.COUNTS[k] - before[k] == 2 for k in ops.COUNTS)  # compiled call + eager call
+        assert all(ops.COUNTS[k] - before[k] == 2 for k in OPS3)  # compiled call + eager call
 
 
 def test_counters_file_is_written_only_by_a_process_that_ran_ops(tmp_path, monkeypatch, live):
@@ -172,3 +173,19 @@ def test_add_kernel_roundtrip_keeps_buckets(tmp_path):
     reg.close()
     b = _table(url, statuses=("enabled",)).entry("rms_norm", torch.float32, 64, EPS)
     assert (b.los, b.his) == ([1, 9], [8, 8192])
+
+
+def test_swiglu_region_matches_vllms_projection_and_activation(regions_registry):
+    table = _table(regions_registry)
+    assert table.entry("swiglu", torch.float32, (128, 256)) is not None
+    ops.define_ops()
+    previous, ops.STATE.table = ops.STATE.table, table
+    try:
+        before = ops.COUNTS["swiglu"]
+        for rows in (1, 6, 21):
+            x, w = torch.randn(rows, 128), 0.1 * torch.randn(512, 128)  # vLLM's merged [W_gate; W_up]
+            torch.testing.assert_close(torch.ops.prism.swiglu(x, w, -1), ops.ref_swiglu(x, w, -1))
+        assert ops.COUNTS["swiglu"] == before + 3
+        torch.library.opcheck(torch.ops.prism.swiglu.default, (torch.randn(3, 128), torch.randn(512, 128), -1))
+    finally:
+        ops.STATE.table = previous

@@ -8,12 +8,21 @@ from prism_serve.patch.doctor import patch_report, print_patch_report
 def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
     r = patch_report("tiny-qwen3", kernels_registry, force=True)
     assert r["plugin"] == "would patch" and r["device"].startswith("cpu:")
-    ops = [row for row in r["layers"] if row["op"] != "swiglu"]
+    ops = [row for row in r["layers"] if row["op"] not in ("swiglu", "rmsnorm_linear")]
     assert len(ops) == 2 * 5 + 1  # per layer: input norm, q norm, k norm, post norm, act; the final norm
     assert all(row["patched"] for row in ops)
     assert ops[0]["op"] == "rms_norm" and ops[0]["buckets"][0].startswith("1-8: kernel")
     assert {row["op"] for row in ops if "q_norm" in row["layer"]} == {"rms_norm"}
+    mlp = next(row for row in r["layers"] if row["layer"] == "model.layers.0.mlp")
+    assert not mlp["patched"] and "no kernel in the registry for swiglu (128, 256, float32)" in mlp["why"]
     assert not r["layers"][-1]["patched"] and "not built yet" in r["layers"][-1]["why"]
+
+
+def test_swiglu_region_takes_the_activation_with_it(regions_registry):
+    r = patch_report("tiny-llama", regions_registry, force=True)
+    by = {row["layer"]: row for row in r["layers"]}
+    assert by["model.layers.1.mlp"]["patched"] and by["model.layers.1.mlp"]["buckets"]
+    assert by["model.layers.1.mlp.act_fn"]["patched"] and "inside its MLP" in by["model.layers.1.mlp.act_fn"]["why"]
 
 
 def test_reasons_when_nothing_would_be_patched(kernels_registry, tmp_path):

@@ -57,13 +57,15 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoints, kernels_registry, tmp_path_factory):
-    """Per model: stock vLLM and vLLM with the plugin, each in eager and compiled mode."""
+def runs(checkpoints, kernels_registry, regions_registry, tmp_path_factory):
+    """Per model: stock vLLM, vLLM with the plugin's op kernels, and with the SwiGLU region too,
+    each in eager and compiled mode."""
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
     for m, path in checkpoints.items():
         out[m, "stock"] = run_vllm(path, kernels_registry, tmp, "eager", "compiled", PRISM_SERVE_DISABLE="1")
         out[m, "prism"] = run_vllm(path, kernels_registry, tmp, "eager", "compiled")
+        out[m, "regions"] = run_vllm(path, regions_registry, tmp, "eager", "compiled")
     return out
 
 
@@ -73,8 +75,22 @@ def test_same_tokens_as_stock_and_every_op_ran(runs, model, mode):
     stock, prism = runs[model, "stock"], runs[model, "prism"]
     assert prism["runs"][mode]["tokens"] == stock["runs"][mode]["tokens"]
     assert all(prism["runs"][mode]["kernel"][op] > 0 for op in OPS), prism["runs"][mode]
+    assert prism["runs"][mode]["kernel"]["swiglu"] == 0  # no region kernels in this registry
     assert not any(prism["runs"][mode]["fallback"].values())
     assert not any(stock["runs"][mode]["kernel"].values())
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_swiglu_region_replaces_projection_and_activation_with_stock_tokens(runs, model, mode):
+    stock, prism = runs[model, "stock"]["runs"][mode], runs[model, "regions"]["runs"][mode]
+    assert prism["tokens"] == stock["tokens"]
+    assert prism["kernel"]["swiglu"] > 0 and prism["kernel"]["silu_and_mul"] == 0  # the region took the MLPs
+    assert prism["kernel"]["swiglu"] == runs[model, "prism"]["runs"][mode]["kernel"]["silu_and_mul"]
+    assert prism["kernel"]["rms_norm"] > 0 and prism["kernel"]["fused_add_rms_norm"] > 0
+    assert not any(prism["fallback"].values())
+    line = runs[model, "regions"]["log_lines"]
+    assert len(line) == 1 and "LlamaMLP (swiglu region)" in line[0] and "Qwen2MLP (swiglu region)" in line[0]
 
 
 @pytest.mark.parametrize("model", MODELS)
