@@ -101,6 +101,10 @@ def test_one_log_line_says_what_was_patched(runs, model):
     assert len(prism["log_lines"]) == 1 and "patched vllm.ir.rms_norm" in prism["log_lines"][0]
     assert "8 enabled or verified (forced) kernels" in prism["log_lines"][0]
     assert len(stock["log_lines"]) == 1 and "disabled by PRISM_SERVE_DISABLE=1" in stock["log_lines"][0]
+    assert prism["again"] == {"state": "patched", "message": prism["plugin"]["message"]}  # idempotent
+    undone = prism["after_unpatch"]
+    assert "prism" not in undone["ir_providers"] and "SiluAndMul" not in undone["oot"]
+    assert undone["state"] == "not run"
 
 
 def test_qwen3_qk_norm_is_patched_too(runs):

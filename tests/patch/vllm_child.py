@@ -48,6 +48,14 @@ def main(model: str, out: str, modes: list[str]) -> int:
     result["plugin"] = {"state": STATUS.state, "message": STATUS.message, "patched": STATUS.patched,
                         "kernels": STATUS.kernels, "skipped": STATUS.skipped}
     result["counters"] = ops.counters()
+    import prism_serve.patch as patch  # vLLM may call the plugin again: nothing changes, nothing is logged
+    patch.register()
+    result["again"] = {"state": STATUS.state, "message": STATUS.message}
+    from vllm import ir
+    from vllm.model_executor.custom_op import op_registry_oot
+    patch.unpatch()
+    result["after_unpatch"] = {"ir_providers": sorted(ir.ops.rms_norm.impls), "oot": sorted(op_registry_oot),
+                               "state": STATUS.state}
     with open(out, "w") as f:
         json.dump(result, f)
     return 0
