@@ -48,7 +48,7 @@ def main(model: str, out: str, modes: list[str]) -> int:
     result["plugin"] = {"state": STATUS.state, "message": STATUS.message, "patched": STATUS.patched,
                         "kernels": STATUS.kernels, "skipped": STATUS.skipped}
     result["counters"] = ops.counters()
-    import prism_serve.patch as patch  # vLLM may call the plugin again: nothing changes, nothing is logged
+    from prism_serve import patch  # vLLM may call the plugin again: nothing changes, nothing is logged
     patch.register()
     result["again"] = {"state": STATUS.state, "message": STATUS.message}
     from vllm import ir
