@@ -29,20 +29,28 @@ def warmed(tmp_path_factory):
     url = f"sqlite:///{tmp / 'registry.db'}"
     old = os.environ.get("PRISM_SERVE_CACHE")
     os.environ["PRISM_SERVE_CACHE"] = str(tmp / "cache")
+    saved = {k: os.environ.get(k) for k in ("PRISM_SERVE_REGISTRY", "PRISM_SERVE_FORCE")}
     try:
         stages = []
         first = warmup(None, registry=url, progress=lambda stage, done, total: stages.append(stage))
         second = warmup(None, registry=url)
+        # without the cached capture, with the plugin pointed at the warmed registry and forced on:
+        # capture must still see vLLM's own ops, and every plan is reused instead of searched
+        for f in (tmp / "cache" / "captures").glob("*.json"):
+            f.unlink()
+        os.environ.update(PRISM_SERVE_REGISTRY=url, PRISM_SERVE_FORCE="1")
+        third = warmup(None, registry=url)
     finally:
-        if old is None:
-            os.environ.pop("PRISM_SERVE_CACHE")
-        else:
-            os.environ["PRISM_SERVE_CACHE"] = old
-    return first, second, url, stages
+        for k, v in {"PRISM_SERVE_CACHE": old, **saved}.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return first, second, url, stages, third
 
 
 def test_every_supported_region_is_verified_against_vllm(warmed):
-    first, _, _, stages = warmed
+    first, _, _, stages, _ = warmed
     assert not first.nothing_new and stages[0] == "capture under vLLM" and stages[-1] == "done"
     done = [r for r in first.regions if r.status != "skipped"]
     assert {r.kind for r in done} == SUPPORTED
@@ -56,7 +64,7 @@ def test_every_supported_region_is_verified_against_vllm(warmed):
 
 
 def test_the_registry_holds_each_kernel_with_its_proof_plan_and_checks(warmed):
-    first, _, url, _ = warmed
+    first, _, url, _, _ = warmed
     reg = open_registry(url)
     with reg.read() as s:
         kernels = list_kernels(s)
@@ -74,9 +82,19 @@ def test_the_registry_holds_each_kernel_with_its_proof_plan_and_checks(warmed):
 
 
 def test_a_second_run_with_nothing_new_skips_vllm(warmed):
-    _, second, _, _ = warmed
+    _, second, _, _, _ = warmed
     assert second.nothing_new
     assert {r.kind for r in second.regions} == SUPPORTED and all(r.status == "stored" for r in second.regions)
+
+
+def test_a_rerun_reuses_the_stored_plans_and_capture_still_sees_vllm(warmed):
+    first, _, _, _, third = warmed
+    assert not third.nothing_new
+    done = {r.kind: r for r in third.regions if r.status != "skipped"}
+    assert set(done) == SUPPORTED
+    for r in done.values():
+        assert r.reused and r.status == "verified" and r.vllm_max_rel_error < 1e-4, r
+    assert {r.kind: r.plan for r in first.regions} == {r.kind: r.plan for r in third.regions}
 
 
 def test_bucket_ranges_are_disjoint_and_cover_everything():
@@ -98,10 +116,11 @@ def _serve(url: str | None, tmp: Path, **env) -> dict:
 
 
 def test_vllm_serves_the_same_tokens_on_the_warmed_kernels(warmed, tmp_path):
-    _, _, url, _ = warmed
+    _, _, url, _, _ = warmed
     stock = _serve(url, tmp_path, PRISM_SERVE_DISABLE="1")
     prism = _serve(url, tmp_path)
     assert prism["plugin"]["state"] == "patched", prism["plugin"]
     run = prism["runs"]["eager"]
     assert run["tokens"] == stock["runs"]["eager"]["tokens"]
-    assert all(run["kernel"][op] > 0 for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul")), run
+    # warmup stored swiglu kernels, so the plugin runs each MLP's gate_up + SiLU*mul as one region
+    assert all(run["kernel"][op] > 0 for op in ("rms_norm", "fused_add_rms_norm", "swiglu")), run

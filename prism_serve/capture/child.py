@@ -20,8 +20,10 @@ RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89]  # 7 tokens: its prefill and one dec
 HOT_PROMPT_LENS = (3, 9, 17, 33, 60)  # mixed lengths, batched
 HOT_MAX_TOKENS = 6
 MAX_MODEL_LEN = 256  # capture needs only short prompts
+# PRISM_SERVE_DISABLE: capture traces vLLM's own ops, which are also what warmup checks kernels
+# against, even when the registry already holds kernels the plugin would patch in.
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-       "VLLM_USE_AOT_COMPILE": "0", "TOKENIZERS_PARALLELISM": "false"}
+       "VLLM_USE_AOT_COMPILE": "0", "TOKENIZERS_PARALLELISM": "false", "PRISM_SERVE_DISABLE": "1"}
 
 
 def _one_line(exc: BaseException) -> str:
