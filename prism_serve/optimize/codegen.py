@@ -99,7 +99,7 @@ class _KernelWriter:
         t = n.attr("tensor")
         shape = self.g.tensors[t].shape
         imap = n.attr("imap") if n.op == "load" else n.attr("omap")
-        fmap = n.attr("fmap") if n.op == "load" else None
+        fmap = dict(n.attrs).get("fmap")
         tile = self.inst.tile(self.k, n.name) if n.op == "load" else self._store_tile(n)
         out = []
         for d, size in enumerate(shape):
@@ -121,7 +121,8 @@ class _KernelWriter:
 
     def _store_tile(self, n: Node) -> tuple[int, ...]:
         decl = self.g.tensors[n.attr("tensor")]
-        return tuple(self.inst.concrete(d) for d in tile_shape(self.k, decl.shape, n.attr("omap"), None))
+        return tuple(self.inst.concrete(d) for d in tile_shape(self.k, decl.shape, n.attr("omap"),
+                                                               dict(n.attrs).get("fmap")))
 
     def _mask(self, expr: str) -> str | None:
         if not expr:
@@ -157,7 +158,12 @@ class _KernelWriter:
         dims = tuple(pow2(t) for t, *_ in tiling)
         val = v.var if v.padded == dims else f"tl.reshape({v.var}, {dims})"
         masked = f", mask={mask}" if mask else ""
-        self.emit(f"tl.store({ptrs}, {val}.to({ident(n.attr('tensor'))[2:]}_ptr.dtype.element_ty){masked})", depth)
+        # replicas agree: along a grid axis the store does not map, only the first block writes
+        first = [f"pid{a} == 0" for a, d in enumerate(n.attr("omap")) if d is None]
+        if first:
+            self.emit(f"if {' and '.join(first)}:", depth)
+        self.emit(f"tl.store({ptrs}, {val}.to({ident(n.attr('tensor'))[2:]}_ptr.dtype.element_ty){masked})",
+                  depth + bool(first))
 
     def _masked(self, v: Value, dim: int, neutral: str) -> str:
         if v.masks[dim] is None:

@@ -70,7 +70,11 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
             decl = g.tensors[n.attr("tensor")]
             shape = inst.tensor_shape(decl.name, num_tokens)
             waste = _sector_waste(tile[-1] if tile else 1, shape[-1] if shape else 1, BYTES[decl.dtype])
-            requested += blocks * times * _numel(tile) * BYTES[decl.dtype] * waste
+            writers = blocks
+            if n.op == "store":  # along an axis the store does not map, only the first block writes
+                writers //= math.prod(values[a.symbol] for a, d in zip(k.grid, n.attr("omap"))
+                                      if d is None and not a.over_tokens)
+            requested += writers * times * _numel(tile) * BYTES[decl.dtype] * waste
             unique += _numel(shape) * BYTES[decl.dtype] * waste
         elif n.op == "matmul":
             a, b = (types[s].shape for s in n.inputs)

@@ -159,13 +159,21 @@ def lower_segment(seg: Program, labels: Labels, choice: BlockChoice, tag: int
             body.append(Node(b, n.op, ins, n.attrs))
             if stages[n.name] == "loop":
                 running[n.name] = uses
-    for o in seg.outputs:
-        if stages[o] == "loop":
-            raise Unschedulable(f"output '{o}' varies along the loop label {choice.loop}")
+    for o in seg.outputs:  # a loop-body output is written tile by tile, unless it is only a running value
+        if stages[o] == "loop" and (labels.dim_of(o, choice.loop) is None or running.get(o)):
+            raise Unschedulable(f"output '{o}' varies along the loop label {choice.loop} but cannot be "
+                                f"written tile by tile")
     if not choice.split:
-        stores = [node(f"st_{ident(o)}", "store", ident(o), tensor=o, omap=imap(o)) for o in seg.outputs]
+        stores = [_store(o, imap(o), labels.dim_of(o, choice.loop) if stages[o] == "loop" else None)
+                  for o in seg.outputs]
         return (), (BlockKernel(f"k{tag}", axes + split_axis, loop_sym, tuple(body + stores)),)
     return _split(seg, labels, choice, tag, axes, split_axis[0], loop_sym, body, stages, accums)
+
+
+def _store(tensor: str, omap: tuple, fmap: int | None) -> Node:
+    """The store of a segment output; `fmap` only for a loop-body value (the attr is absent otherwise)."""
+    extra = {} if fmap is None else {"fmap": fmap}
+    return node(f"st_{ident(tensor)}", "store", ident(tensor), tensor=tensor, omap=omap, **extra)
 
 
 def _stages(seg: Program, labels: Labels, loop: str | None) -> tuple[dict[str, str], dict[str, str]]:
@@ -209,8 +217,9 @@ def _split(seg: Program, labels: Labels, choice: BlockChoice, tag: int, axes: tu
     grid_dims = lambda t: tuple(labels.dim_of(t, lb) for lb in choice.grid)  # noqa: E731
     by_block = {n.name: n for n in body}
     partial_nodes, decls, combine = [], [], []
-    stores_k1 = [node(f"st_{ident(o)}", "store", ident(o), tensor=o, omap=grid_dims(o) + (None,))
-                 for o in seg.outputs if stages[o] == "pre"]
+    stores_k1 = [_store(o, grid_dims(o) + (labels.dim_of(o, choice.loop) if stages[o] == "loop" else None,),
+                        labels.dim_of(o, choice.loop) if stages[o] == "loop" else None)
+                 for o in seg.outputs if stages[o] in ("pre", "loop")]
     for a in (n.name for n in seg.nodes if n.name in accums):
         b, t = ident(a), f"{a}.part"
         decls.append(TensorDecl(t, (to_expr(split_axis.symbol),) + tuple(to_expr(d) for d in seg.types[a].shape),

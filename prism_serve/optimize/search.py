@@ -60,7 +60,7 @@ from prism_serve.optimize.reference import TOLERANCE, expand_composites
 from prism_serve.optimize.rewrite import loop_form
 from prism_serve.optimize.sgraph import BYTES, SGraph, instantiate
 from prism_serve.optimize.timing import Timer, cuda_timer
-from prism_serve.optimize.tune import Candidate, best_modeled, measure
+from prism_serve.optimize.tune import Candidate, best_modeled, enumerate_instances, measure, rank
 from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,11 @@ class _Search:
             log.info("proof failed for %s: %s", c.seg.describe(), proof.reason)
             self.candidates[span].pop(0)
             return
+        # descent only bounds a candidate's best time from above: rank it exhaustively now
+        instances = enumerate_instances(c.sgraph, self.gpu)
+        c.cost = min(c.cost, sum(rank(c.sgraph, self.gpu, nt, instances)[0].modeled_us for nt in self.buckets))
         c.settled = True
+        self.candidates[span].sort(key=lambda x: x.cost)
 
     # --- plans, best-first ---------------------------------------------------
     def plans(self) -> list[tuple[tuple[int, int], ...]]:
@@ -290,7 +294,7 @@ def _block_choices(seg: Program, labels: Labels):
     """Every grid / loop / split / hoist choice for a segment (pruning rules sort them out)."""
     order = prune.label_order(seg, labels)
     reduced = {lb for n in seg.nodes for lb in labels.reduced.get(n.name, ())}
-    parallel = [lb for lb in order if lb not in reduced and all(lb in labels.dims[o] for o in seg.outputs)]
+    parallel = [lb for lb in order if lb not in reduced and any(lb in labels.dims[o] for o in seg.outputs)]
     loops = [None] + [lb for lb in order if lb in reduced]
     for r in range(1, min(3, len(parallel)) + 1):
         for grid in itertools.permutations(parallel, r):

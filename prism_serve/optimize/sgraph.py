@@ -13,7 +13,9 @@ nodes plus three block-only ops:
   (sum / range), ``max``, or ``rescaled_sum`` whose second input is a ``max``
   accumulator: ``acc = acc * exp(m_old - m_new) + x`` (online softmax). Inside
   the loop a ``max`` accumulator reads as the running max; after it, the final one.
-- ``store`` (attrs ``tensor``, ``omap``): write a value as the tile of a kernel tensor.
+- ``store`` (attrs ``tensor``, ``omap``, optional ``fmap``): write a value as the tile of a
+  kernel tensor; with ``fmap``, a loop-body value is written every iteration as the tile the
+  for-loop selects along that dim (a fused producer's own output, e.g. the residual sum).
 
 Tile dims are sympy expressions of the symbols. A grid axis over the symbolic
 ``num_tokens`` dim is parametrised by its block of tokens (`over_tokens`),
@@ -280,7 +282,7 @@ def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, writ
                 raise _fail(at, f"loads tensor '{name}' before any kernel writes it")
             decl = table[name]
             imap = n.attr("imap" if n.op == "load" else "omap")
-            fmap = n.attr("fmap") if n.op == "load" else None
+            fmap = dict(n.attrs).get("fmap")
             _check_maps(at, k, decl, imap, fmap)
             tile = tile_shape(k, decl.shape, imap, fmap)
             if n.op == "load":
@@ -289,8 +291,10 @@ def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, writ
                 value = types[n.inputs[0]]
                 if [d for d in value.shape if d != 1] != [d for d in tile if d != 1]:
                     raise _fail(at, f"value tile {value.shape} does not fit the tile {tile} of '{name}'")
-                if k.stages[n.inputs[0]] == "loop":
-                    raise _fail(at, "stores a value of the loop body; accumulate it first")
+                if fmap is None and k.stages[n.inputs[0]] == "loop":
+                    raise _fail(at, "stores a value of the loop body; accumulate it, or map the loop (fmap)")
+                if fmap is not None and k.stages[n.inputs[0]] != "loop":
+                    raise _fail(at, "a store with a for-loop map needs a value of the loop body")
                 types[n.name] = value
         elif n.op == "accum":
             has_accum = True

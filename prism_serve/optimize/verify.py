@@ -162,15 +162,18 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
             decl = g.tensors[n.attr("tensor")]
             value, rank = local[n.inputs[0]], len(decl.shape)
             vshape = tuple(types[n.inputs[0]].shape)
+            fmap = dict(n.attrs).get("fmap")
             if len(vshape) == rank - 1:  # the tile gains a unit dim (a stacked split)
-                tile = tile_shape(k, decl.shape, n.attr("omap"), None)
+                tile = tile_shape(k, decl.shape, n.attr("omap"), fmap)
                 at = [i for i in range(rank) if tile[i] == 1 and tile[:i] + tile[i + 1:] == vshape]
                 if not at:
                     raise Unsupported(f"kernel '{k.name}' store '{n.name}': value does not fit the tile")
                 value = value.unsq(at[0] - rank)
             elif len(vshape) != rank:
                 raise Unsupported(f"kernel '{k.name}' store '{n.name}': value rank differs from the tensor's")
-            for axis, d in zip(k.grid, n.attr("omap")):
+            if fmap is not None:  # written every iteration: the loop's tiles, concatenated (loads part last)
+                value = value.assemble(fmap - rank, loop)
+            for axis, d in reversed(list(zip(k.grid, n.attr("omap")))):
                 s = Sym(axis.symbol)
                 value = value.replicate(s) if d is None else value.assemble(d - rank, s)
             env[n.attr("tensor")] = ctx.note(value, tuple(decl.shape), frozenset())

@@ -21,6 +21,8 @@ TOKEN_CASES = [
     ("silu_and_mul", {"intermediate": 50}, (2,)),
     ("rmsnorm_linear", {"hidden": 96, "out": 48}, (1, 7, 20)),
     ("rmsnorm_linear", {"hidden": 64, "out": 40}, (5,)),
+    ("fused_add_rmsnorm_linear", {"hidden": 96, "out": 48}, (1, 7, 20)),
+    ("fused_add_rmsnorm_linear", {"hidden": 64, "out": 40}, (5,)),
     ("swiglu", {"hidden": 64, "intermediate": 96}, (1, 7, 20)),
     ("swiglu", {"hidden": 48, "intermediate": 32}, (3,)),
     ("rmsnorm_mlp", {"hidden": 64, "intermediate": 32}, (1, 7, 20)),

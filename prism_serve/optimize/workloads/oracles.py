@@ -21,8 +21,8 @@ def load(name: str, tensor: str, imap: tuple, fmap: int | None = None) -> Node:
     return node(name, "load", tensor=tensor, imap=tuple(imap), fmap=fmap)
 
 
-def store(name: str, value: str, tensor: str, omap: tuple) -> Node:
-    return node(name, "store", value, tensor=tensor, omap=tuple(omap))
+def store(name: str, value: str, tensor: str, omap: tuple, fmap: int | None = None) -> Node:
+    return node(name, "store", value, tensor=tensor, omap=tuple(omap), **({} if fmap is None else {"fmap": fmap}))
 
 
 def accum(name: str, value: str, kind: str, rescale_by: str | None = None) -> Node:
@@ -78,6 +78,23 @@ def rmsnorm_linear(prog: Program) -> SGraph:
              node("y", "mul", "acc_p", "r"), store("out", "y", "y", (0, 1))]
     k = BlockKernel("rmsnorm_linear", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
     return SGraph("rmsnorm_linear_oracle", prog, (), (k,))
+
+
+def fused_add_rmsnorm_linear(prog: Program) -> SGraph:
+    """rmsnorm_linear's one loop over hidden, on r = x + residual, which each iteration also writes
+    (every output-column block writes the same r tile: replicated, so identical values)."""
+    hidden = prog.by_name["x"].attr("shape")[1]
+    nodes = [load("x", "x", (0, None), fmap=1), load("res", "residual", (0, None), fmap=1),
+             load("g", "g", (None, None), fmap=0), load("w", "w", (None, 0), fmap=1),
+             node("r", "add", "x", "res"), store("st_r", "r", "r", (0, None), fmap=1),
+             node("rg", "mul", "r", "g"), node("p", "matmul", "rg", "w", transpose_b=True),
+             node("sq", "square", "r"), node("ss", "sum", "sq", dim=-1, keepdim=True),
+             accum("acc_p", "p", "sum"), accum("acc_ss", "ss", "sum"),
+             node("inv_d", "const", value=1.0 / hidden), node("ms", "mul", "acc_ss", "inv_d"),
+             node("eps", "const", value=_eps(prog)), node("var", "add", "ms", "eps"), node("rs", "rsqrt", "var"),
+             node("y", "mul", "acc_p", "rs"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel("fused_add_rmsnorm_linear", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
+    return SGraph("fused_add_rmsnorm_linear_oracle", prog, (), (k,))
 
 
 def swiglu(prog: Program) -> SGraph:
@@ -172,7 +189,8 @@ def _split_kv(prog: Program, name: str, q_side: list[Node], k_side: list[Node], 
 
 ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
-    "rmsnorm_linear": rmsnorm_linear, "swiglu": swiglu, "rmsnorm_mlp": rmsnorm_mlp, "rmsnorm_swiglu": rmsnorm_swiglu,
+    "rmsnorm_linear": rmsnorm_linear, "fused_add_rmsnorm_linear": fused_add_rmsnorm_linear, "swiglu": swiglu,
+    "rmsnorm_mlp": rmsnorm_mlp, "rmsnorm_swiglu": rmsnorm_swiglu,
     "attention": attention,
     "qk_norm_attention": qk_norm_attention,
 }

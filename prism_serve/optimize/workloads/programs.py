@@ -57,6 +57,22 @@ def rmsnorm_linear(hidden: int = 4096, out: int | None = None, dtype: str = "flo
     ), ("y",))
 
 
+def fused_add_rmsnorm_linear(hidden: int = 4096, out: int | None = None, dtype: str = "float16",
+                             eps: float = EPS) -> Program:
+    """vLLM's decoder input: r = x + residual; y = rms_norm(r, g) @ W^T. Outputs (y, r): the sum
+    is the next layer's residual, so a fused kernel must also write it."""
+    out = out or hidden
+    return Program("fused_add_rmsnorm_linear", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("residual", "input", shape=(N, hidden), dtype=dtype),
+        node("g", "input", shape=(hidden,), dtype=dtype),
+        node("w", "input", shape=(out, hidden), dtype=dtype),
+        node("r", "add", "x", "residual"),
+        node("xn", "rms_norm", "r", "g", eps=eps),
+        node("y", "matmul", "xn", "w", transpose_b=True),
+    ), ("y", "r"))
+
+
 def swiglu(hidden: int = 4096, intermediate: int | None = None, dtype: str = "float16") -> Program:
     inter = intermediate or hidden
     return Program("swiglu", (
@@ -169,6 +185,7 @@ _ATTN_SHAPES = tuple(dict(zip(("batch", "heads", "q_len", "kv_len", "head_dim"),
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rmsnorm_linear", rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("rmsnorm_mlp", rmsnorm_mlp, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("fused_add_rmsnorm_linear", fused_add_rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("swiglu", swiglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("rmsnorm_swiglu", rmsnorm_swiglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("attention", attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
