@@ -206,6 +206,30 @@ def _key(g: SGraph, iterations: int) -> str:
     return json.dumps(g.to_json(), sort_keys=True, default=str) + f"#{iterations}"
 
 
+def _saturated(g: SGraph, iterations: int, probes: bool = False):
+    """The e-graph of both sides after the bounded schedule: (egraph, ctx, want and got handles
+    per output, probe handles per accumulator / intermediate). Raises Unsupported."""
+    ctx = _Ctx(tuple(g.symbols))
+    want = program_terms(g, ctx)
+    env = sgraph_terms(g, ctx, everything=True)
+    egraph = EGraph()
+    wants = {o: egraph.let(f"want_{o}", want[o]) for o in g.program.outputs}
+    gots = {o: egraph.let(f"got_{o}", env[o]) for o in g.program.outputs}
+    terms = (dict(ctx.accums) | {t.name: env[t.name] for t in g.intermediates}) if probes else {}
+    handles = {name: egraph.let(f"probe_{i}", term) for i, (name, term) in enumerate(terms.items())}
+    egraph.register(*ctx.facts)
+    egraph.run(A.schedule(iterations))
+    return egraph, ctx, wants, gots, handles
+
+
+def _holds(egraph: EGraph, fact) -> bool:
+    try:
+        egraph.check(fact)
+    except EggSmolError:  # the fact does not hold in the e-graph
+        return False
+    return True
+
+
 def check_subterms(g: SGraph, *, iterations: int = ITERATIONS) -> SubtermResult:
     """Search's abstract-expression rule: every accumulator and every intermediate tensor of `g`
     must be a subexpression of (an equivalent form of) one of its Program's outputs (cached)."""
@@ -213,28 +237,14 @@ def check_subterms(g: SGraph, *, iterations: int = ITERATIONS) -> SubtermResult:
     if key in _SUB_CACHE:
         return _SUB_CACHE[key]
     start = time.perf_counter()
-    ctx = _Ctx(tuple(g.symbols))
     try:
-        want = program_terms(g, ctx)
-        env = sgraph_terms(g, ctx, everything=True)
+        egraph, _, wants, _, handles = _saturated(g, iterations, probes=True)
     except Unsupported as exc:
         return SubtermResult(False, (f"unsupported: {exc}",), time.perf_counter() - start)
-    probes = dict(ctx.accums) | {t.name: env[t.name] for t in g.intermediates}
-    egraph = EGraph()
-    for o in g.program.outputs:
-        egraph.register(A.within(egraph.let(f"want_{o}", want[o])))
-        egraph.let(f"got_{o}", env[o])
-    handles = {name: egraph.let(f"probe_{i}", term) for i, (name, term) in enumerate(probes.items())}
-    egraph.register(*ctx.facts)
-    egraph.run(A.schedule(iterations))
+    egraph.register(*(A.within(h) for h in wants.values()))
     egraph.run(A.subterms.saturate())
-    failed = []
-    for name, h in handles.items():
-        try:
-            egraph.check(A.within(h))
-        except EggSmolError:
-            failed.append(name)
-    result = SubtermResult(not failed, tuple(failed), time.perf_counter() - start)
+    failed = tuple(name for name, h in handles.items() if not _holds(egraph, A.within(h)))
+    result = SubtermResult(not failed, failed, time.perf_counter() - start)
     _SUB_CACHE[key] = result
     return result
 
@@ -245,25 +255,11 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
     if key in _CACHE:
         return _CACHE[key]
     start = time.perf_counter()
-    ctx = _Ctx(tuple(g.symbols))
     try:
-        want = program_terms(g, ctx)
-        got = sgraph_terms(g, ctx)
+        egraph, ctx, wants, gots, _ = _saturated(g, iterations)
     except Unsupported as exc:
         return ProofResult(False, f"unsupported: {exc}", time.perf_counter() - start)
-    egraph = EGraph()
-    pairs = []
-    for o in g.program.outputs:
-        a, b = egraph.let(f"want_{o}", want[o]), egraph.let(f"got_{o}", got[o])
-        pairs.append((o, a, b))
-    egraph.register(*ctx.facts)
-    egraph.run(A.schedule(iterations))
-    failed = []
-    for o, a, b in pairs:
-        try:
-            egraph.check(eq(a).to(b))
-        except EggSmolError:  # the check does not hold in the e-graph
-            failed.append(o)
+    failed = [o for o in g.program.outputs if not _holds(egraph, eq(wants[o]).to(gots[o]))]
     size = sum(n for _, n in egraph.all_function_sizes())
     seconds = time.perf_counter() - start
     reason = "proven" if not failed else f"outputs {failed} not proven equal within {iterations} iterations"
