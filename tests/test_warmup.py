@@ -122,5 +122,7 @@ def test_vllm_serves_the_same_tokens_on_the_warmed_kernels(warmed, tmp_path):
     assert prism["plugin"]["state"] == "patched", prism["plugin"]
     run = prism["runs"]["eager"]
     assert run["tokens"] == stock["runs"]["eager"]["tokens"]
-    # warmup stored swiglu kernels, so the plugin runs each MLP's gate_up + SiLU*mul as one region
-    assert all(run["kernel"][op] > 0 for op in ("rms_norm", "fused_add_rms_norm", "swiglu")), run
+    # warmup stored region kernels too: each MLP's gate_up + SiLU*mul and each layer's input norm +
+    # qkv projection run as one kernel; the other norms stay ops
+    assert all(run["kernel"][op] > 0 for op in ("fused_add_rms_norm", "swiglu", "rmsnorm_linear")), run
+    assert run["kernel"]["silu_and_mul"] == 0 and not any(run["fallback"].values())

@@ -14,6 +14,10 @@ import os
 import re
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported inside the functions, after vLLM's environment is set
+    import torch
 from pathlib import Path
 
 RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89]  # 7 tokens: its prefill and one decode forward are recorded
@@ -53,7 +57,7 @@ def _check_architecture(config: dict) -> str | None:
     return f"architecture {unknown[0]!r} is not one vLLM knows" if unknown else None
 
 
-def _weights(llm, regions: list[dict]) -> dict[str, "torch.Tensor"]:
+def _weights(llm, regions: list[dict]) -> dict[str, torch.Tensor]:
     """Each projection's weight (out, in), read back through the layer itself.
 
     vLLM's CPU linear packs weights for oneDNN and leaves `weight` empty, so the

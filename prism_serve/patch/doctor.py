@@ -17,6 +17,7 @@ from prism_serve.patch.table import OPS, TORCH_DTYPES
 # decoder-only models whose layers vLLM builds from RMSNorm and SiluAndMul
 ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
 QK_NORM = {"Qwen3ForCausalLM"}
+NORM_LINEAR = {"LlamaForCausalLM", "Qwen3ForCausalLM"}  # decoder layers whose input norm + qkv_proj fuse
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,15 @@ def sites(cfg: dict) -> list[Site]:
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    qkv = (heads + 2 * kv_heads) * head_dim
     out = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out.append(Site(p + "input_layernorm", "rms_norm" if i == 0 else "fused_add_rms_norm", hidden, eps))
+        if arch in NORM_LINEAR:
+            out.append(Site(p + "self_attn", "rmsnorm_linear", (hidden, qkv), eps,
+                            "input_layernorm + qkv_proj as one region"))
         if arch in QK_NORM:
             out += [Site(p + "self_attn.q_norm", "rms_norm", head_dim, eps, "rows are tokens x heads"),
                     Site(p + "self_attn.k_norm", "rms_norm", head_dim, eps, "rows are tokens x kv heads")]
@@ -71,14 +77,14 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
         report["message"] = f"architecture {arch!r} is not one whose layers prism knows ({', '.join(sorted(ARCHITECTURES))})"
         return report
     rows = [_explain(s, dtype, p, url, device) for s in sites(cfg)]
-    regions = {r["layer"] for r in rows if r["op"] == "swiglu" and r["patched"]}
+    regions = {r["layer"] for r in rows if r["op"] in ("swiglu", "rmsnorm_linear") and r["patched"]}
     for r in rows:
-        if r["op"] == "silu_and_mul" and r["layer"].removesuffix(".act_fn") in regions:
-            r.update(patched=True, why="runs inside its MLP's swiglu region kernel")
+        inside = {"silu_and_mul": (".act_fn", ""), "rms_norm": (".input_layernorm", ".self_attn"),
+                  "fused_add_rms_norm": (".input_layernorm", ".self_attn")}.get(r["op"])
+        if inside and r["layer"].endswith(inside[0]) and r["layer"].removesuffix(inside[0]) + inside[1] in regions:
+            r.update(patched=True, why="runs inside its layer's region kernel")
             r.pop("buckets", None)
-    report["layers"] = rows + [{"layer": "model.layers.*.input_layernorm + self_attn.qkv_proj",
-                                "op": "rmsnorm_linear", "patched": False,
-                                "why": "the RMSNorm + projection region replacement is not built yet"}]
+    report["layers"] = rows
     return report
 
 

@@ -7,7 +7,8 @@
 - `CustomOp.register_oot` replacement of `SiluAndMul`, whose every forward runs `prism::silu_and_mul`.
 - Whole regions: the decoder MLP classes of Llama and Qwen2/3 (looked up by name in their model
   modules when a model is built) replaced by subclasses whose gate_up projection and activation
-  run as one `prism::swiglu` kernel where the table has one for that layer.
+  run as one `prism::swiglu` kernel where the table has one for that layer; and in Llama and
+  Qwen3 decoder layers, the input RMSNorm and qkv projection run as one `prism::rmsnorm_linear`.
 
 Each provider's `supports_args` accepts only calls the table has kernels for (dtype, size,
 epsilon, device); inside the op a num_tokens miss runs the next provider in vLLM's priority.
@@ -185,18 +186,17 @@ def _swiglu_served(mlp) -> bool:
     return table is not None and table.entry("swiglu", g.weight.dtype, key, None) is not None
 
 
-def _keep_weight(mlp) -> None:
-    """Hold gate_up's weight as a buffer once loaded: on the CPU vLLM packs it for its own GEMM
-    and drops the plain tensor (elsewhere the buffer is the same storage, no extra memory)."""
-    g = mlp.gate_up_proj
-    qm = g.quant_method
+def _keep_weight(owner, linear, attr: str) -> None:
+    """Hold `linear`'s weight as buffer `attr` of `owner` once loaded: on the CPU vLLM packs it for
+    its own GEMM and drops the plain tensor (elsewhere the buffer is the same storage, no extra memory)."""
+    qm = linear.quant_method
     inner = qm.process_weights_after_loading
 
     def process_weights_after_loading(layer):
-        plain = layer.weight.detach() if layer is g else None
+        plain = layer.weight.detach() if layer is linear else None
         inner(layer)
-        if layer is g:
-            mlp._prism_weight = layer.weight.detach() if layer.weight.numel() else plain
+        if layer is linear:
+            setattr(owner, attr, layer.weight.detach() if layer.weight.numel() else plain)
 
     qm.process_weights_after_loading = process_weights_after_loading
 
@@ -220,7 +220,7 @@ def _region_class(base):
             if served:
                 self._prism_site = len(SITES)
                 SITES.append(weakref.ref(self))
-                _keep_weight(self)
+                _keep_weight(self, self.gate_up_proj, "_prism_weight")
 
         def forward(self, x):
             if self._prism_weight is None or type(self.gate_up_proj) is not self._prism_gate_up_cls:
@@ -262,7 +262,100 @@ def _install_regions(table: Table, done: Installed) -> None:
         done.names.append(f"{cls_name} (swiglu region)")
 
 
-HOOKS = (_install_ir, _install_silu, _install_regions)
+# --- whole region: a decoder's input RMSNorm + qkv projection as one prism::rmsnorm_linear ----
+#
+# The layer's input_layernorm is left to add the residual only, and its qkv_proj normalizes and
+# projects in one kernel. Both are switched per instance, together, and only where the layer's
+# forward sends the norm's output to self_attn alone (Llama, Qwen3), so the pair stays exact.
+
+NORM_LINEAR_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
+                      ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
+NORM_SITES: list = []  # weak references to the patched decoder layers, by their `site`
+
+
+def _norm_linear_served(layer) -> bool:
+    """An unquantized, unsharded, bias-free qkv projection after a weighted RMSNorm the table has a kernel for."""
+    norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
+    if type(qkv.quant_method).__name__ != "UnquantizedLinearMethod" or getattr(qkv, "bias", None) is not None:
+        return False
+    if getattr(qkv, "tp_size", 1) != 1 or qkv.weight.dim() != 2:
+        return False
+    if not getattr(norm, "has_weight", False) or getattr(norm, "variance_size_override", None) is not None:
+        return False
+    table = ops.STATE.table
+    key = (qkv.weight.shape[1], qkv.weight.shape[0])
+    return table is not None and table.entry("rmsnorm_linear", qkv.weight.dtype, key, norm.variance_epsilon) is not None
+
+
+def _attach_norm_linear(layer) -> None:
+    if not _norm_linear_served(layer):
+        return
+    norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
+    qkv_cls, eps, site = type(qkv), norm.variance_epsilon, len(NORM_SITES)
+    NORM_SITES.append(weakref.ref(layer))
+    layer.register_buffer("_prism_qkv_weight", None, persistent=False)
+    _keep_weight(layer, qkv, "_prism_qkv_weight")
+    norm_forward, qkv_forward = norm.forward, qkv.forward
+    layer._prism_originals = (norm_forward, qkv_forward)
+
+    def active() -> bool:  # weights loaded, and no LoRA layer swapped in since
+        return layer._prism_qkv_weight is not None and type(layer.self_attn.qkv_proj) is qkv_cls
+
+    def residual_only(x, residual=None):
+        if not active():
+            return norm_forward(x) if residual is None else norm_forward(x, residual)
+        if residual is None:
+            return x
+        s = x + residual
+        return s, s
+
+    def norm_and_project(x):
+        if not active():
+            return qkv_forward(x)
+        return torch.ops.prism.rmsnorm_linear(x, norm.weight, layer._prism_qkv_weight, eps, site), None
+
+    norm.forward, qkv.forward = residual_only, norm_and_project
+
+
+def _vllm_norm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
+    """vLLM's own path for a patched layer: its input norm, then its qkv projection."""
+    layer = NORM_SITES[site]() if 0 <= site < len(NORM_SITES) else None
+    if layer is None:
+        return ops.ref_rmsnorm_linear(x, norm_weight, weight, epsilon, site)
+    norm_forward, qkv_forward = layer._prism_originals
+    return qkv_forward(norm_forward(x))[0]
+
+
+def _install_norm_linear(table: Table, done: Installed) -> None:
+    import importlib
+
+    if not table.ops.get("rmsnorm_linear"):
+        return
+    ops.FALLBACKS["rmsnorm_linear"] = _vllm_norm_linear
+    done.undo.append(lambda: ops.FALLBACKS.__setitem__("rmsnorm_linear", ops.ref_rmsnorm_linear))
+    for module_name, cls_name in NORM_LINEAR_LAYERS:
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name, None)
+        except ImportError:
+            continue
+        if cls is None or "_prism_init" in cls.__dict__:
+            continue
+        original = cls.__init__
+
+        def __init__(self, *args, _original=original, **kwargs):
+            _original(self, *args, **kwargs)
+            try:
+                _attach_norm_linear(self)
+            except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
+                pass
+
+        # patched in place: models take their layer class as a default argument bound at import
+        cls.__init__, cls._prism_init = __init__, original
+        done.undo.append(lambda c=cls, o=original: (setattr(c, "__init__", o), delattr(c, "_prism_init")))
+        done.names.append(f"{cls_name} (rmsnorm_linear region)")
+
+
+HOOKS = (_install_ir, _install_silu, _install_regions, _install_norm_linear)
 
 
 def install(table: Table) -> Installed:

@@ -1,6 +1,6 @@
 """The prism torch custom ops (`prism::rms_norm`, `prism::fused_add_rms_norm`,
-`prism::silu_and_mul`, and the whole-region `prism::swiglu`): opaque to torch.compile, with fake
-impls, dispatching by num_tokens.
+`prism::silu_and_mul`, and the whole-region `prism::swiglu` and `prism::rmsnorm_linear`): opaque
+to torch.compile, with fake impls, dispatching by num_tokens.
 
 Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
 startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
@@ -26,7 +26,7 @@ from prism_serve.patch.table import Table
 
 log = logging.getLogger(__name__)
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu")
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear")
 
 
 class _State:
@@ -67,8 +67,14 @@ def ref_swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
     return ref_silu_and_mul(torch.nn.functional.linear(x, w_gate_up))
 
 
+def ref_rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
+    """rms_norm(x) * g @ W^T: a decoder's input norm feeding its qkv projection."""
+    return torch.nn.functional.linear(ref_rms_norm(x, norm_weight, epsilon), weight)
+
+
 FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm": ref_fused_add_rms_norm,
-                                  "silu_and_mul": ref_silu_and_mul, "swiglu": ref_swiglu}
+                                  "silu_and_mul": ref_silu_and_mul, "swiglu": ref_swiglu,
+                                  "rmsnorm_linear": ref_rmsnorm_linear}
 
 
 # --- dispatch --------------------------------------------------------------------------
@@ -154,6 +160,19 @@ def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
     return FALLBACKS["swiglu"](x, w_gate_up, site)
 
 
+def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
+    hidden, out = x.shape[-1], weight.shape[0]
+    launcher = pick("rmsnorm_linear", x, (hidden, out), epsilon)
+    if launcher is not None:
+        try:
+            (y,) = launcher.run(_rows(x, hidden), norm_weight, weight)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
+        except Exception as exc:  # noqa: BLE001
+            _failed("rmsnorm_linear", launcher, exc)
+    MISSES["rmsnorm_linear"] += 1
+    return FALLBACKS["rmsnorm_linear"](x, norm_weight, weight, epsilon, site)
+
+
 # --- torch custom ops: opaque to Dynamo, with fake impls for torch.compile -------------------
 
 def _define() -> dict[str, object]:
@@ -191,8 +210,16 @@ def _define() -> dict[str, object]:
     def _(x, w_gate_up, site):
         return x.new_empty((*x.shape[:-1], w_gate_up.shape[0] // 2))
 
+    @torch.library.custom_op("prism::rmsnorm_linear", mutates_args=())
+    def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
+        return rmsnorm_linear_impl(x, norm_weight, weight, epsilon, site)
+
+    @rmsnorm_linear.register_fake
+    def _(x, norm_weight, weight, epsilon, site):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
     defined.update(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, silu_and_mul=silu_and_mul,
-                   swiglu=swiglu)
+                   swiglu=swiglu, rmsnorm_linear=rmsnorm_linear)
     return defined
 
 

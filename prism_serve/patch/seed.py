@@ -22,7 +22,8 @@ BUCKETS = (((1, 8), 4), ((9, 8192), 16))
 
 def model_programs(config_path, dtype: str = "float32", regions: bool = False) -> list:
     """The patchable vLLM ops of a Hugging Face Llama / Qwen3 config: norms, residual norms,
-    q/k norms (head_dim rows) and SiluAndMul; with `regions`, the SwiGLU MLP region too."""
+    q/k norms (head_dim rows) and SiluAndMul; with `regions`, the SwiGLU MLP and the input-norm +
+    qkv projection regions too."""
     cfg = json.loads(Path(config_path).read_text())
     hidden, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], float(cfg.get("rms_norm_eps", 1e-6))
     progs = [programs.rms_norm(hidden, dtype, eps), programs.fused_add_rms_norm(hidden, dtype, eps),
@@ -31,7 +32,10 @@ def model_programs(config_path, dtype: str = "float32", regions: bool = False) -
         head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
         progs.append(programs.rms_norm(head_dim, dtype, eps))
     if regions:
-        progs.append(programs.swiglu(hidden, inter, dtype))
+        heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        progs += [programs.swiglu(hidden, inter, dtype),
+                  programs.rmsnorm_linear(hidden, (heads + 2 * kv_heads) * head_dim, dtype, eps)]
     return progs
 
 

@@ -64,6 +64,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("silu_and_mul", "gate", lambda d, dt, eps: programs.silu_and_mul(d, dt)),
     # whole region: a SwiGLU MLP's gate_up projection and activation in one kernel
     OpSpec("swiglu", "x", lambda d, dt, eps: programs.swiglu(d[0], d[1], dt), region="w_gate"),
+    # whole region: a decoder's input RMSNorm and qkv projection in one kernel
+    OpSpec("rmsnorm_linear", "x", lambda d, dt, eps: programs.rmsnorm_linear(d[0], d[1], dt, eps), region="w"),
 )}
 
 

@@ -76,7 +76,7 @@ def test_overlapping_buckets_take_the_fastest(table):
 
 def test_unpatchable_and_broken_kernels_are_skipped_with_reasons(tmp_path):
     device = current_device(use_vllm=False)[0]
-    linear = seed.results([programs.rmsnorm_linear(64, 64, "float32")], device, buckets=(((1, 16), 16),))
+    linear = seed.results([programs.rmsnorm_mlp(64, 32, "float32")], device, buckets=(((1, 16), 16),))
     silu = seed.results([programs.silu_and_mul(256, "float32")], device, buckets=(((1, 16), 16),))[0]
     bad = type(silu)(**{**silu.__dict__, "params": {"BT": 16, "G": 3}})  # 256 columns do not split in 3
     url = fill(tmp_path / "r.db", linear + [bad])
@@ -84,7 +84,7 @@ def test_unpatchable_and_broken_kernels_are_skipped_with_reasons(tmp_path):
     assert not table.ops
     reasons = sorted(why for _, why in table.skipped)
     assert reasons[0].startswith("failed to compile: RegistryError") and "cannot instantiate" in reasons[0]
-    assert reasons[1] == "program 'rmsnorm_linear' is not one prism can patch into vLLM"
+    assert reasons[1] == "program 'rmsnorm_mlp' is not one prism can patch into vLLM"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 37])
@@ -104,7 +104,28 @@ def test_ops_match_vllm_semantics(live, rows):
     qw = 1 + 0.1 * torch.randn(32, generator=gen)
     torch.testing.assert_close(torch.ops.prism.rms_norm(q, qw, EPS), ops.ref_rms_norm(q, qw, EPS))
     assert {k: ops.COUNTS[k] - before[k] for k in before} == {"rms_norm": 2, "fused_add_rms_norm": 1,
-                                                              "silu_and_mul": 1, "swiglu": 0}
+                                                              "silu_and_mul": 1, "swiglu": 0, "rmsnorm_linear": 0}
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_norm_and_projection_region_matches_vllm_semantics(tmp_path, rows):
+    device = current_device(use_vllm=False)[0]
+    url = fill(tmp_path / "r.db", seed.results([programs.rmsnorm_linear(128, 96, "float32")], device))
+    ops.define_ops()
+    previous, ops.STATE.table = ops.STATE.table, _table(url)
+    try:
+        gen = torch.Generator().manual_seed(rows)
+        x, g, w = torch.randn(rows, 128, generator=gen), 1 + 0.1 * torch.randn(128, generator=gen), \
+            torch.randn(96, 128, generator=gen) / 128 ** 0.5
+        before = ops.COUNTS["rmsnorm_linear"]
+        got = torch.ops.prism.rmsnorm_linear(x, g, w, EPS, -1)
+        torch.testing.assert_close(got, ops.ref_rmsnorm_linear(x, g, w, EPS, -1))
+        assert ops.COUNTS["rmsnorm_linear"] == before + 1
+        misses = ops.MISSES["rmsnorm_linear"]
+        torch.ops.prism.rmsnorm_linear(x, g, w[:64], EPS, -1)  # another projection size: vLLM's path
+        assert ops.MISSES["rmsnorm_linear"] == misses + 1
+    finally:
+        ops.STATE.table = previous
 
 
 def test_a_miss_falls_back_to_vllms_path(live):

@@ -15,14 +15,20 @@ def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
     assert {row["op"] for row in ops if "q_norm" in row["layer"]} == {"rms_norm"}
     mlp = next(row for row in r["layers"] if row["layer"] == "model.layers.0.mlp")
     assert not mlp["patched"] and "no kernel in the registry for swiglu (128, 256, float32)" in mlp["why"]
-    assert not r["layers"][-1]["patched"] and "not built yet" in r["layers"][-1]["why"]
+    attn = next(row for row in r["layers"] if row["layer"] == "model.layers.0.self_attn")
+    assert not attn["patched"] and "no kernel in the registry for rmsnorm_linear (128, 256" in attn["why"]
 
 
 def test_swiglu_region_takes_the_activation_with_it(regions_registry):
     r = patch_report("tiny-llama", regions_registry, force=True)
     by = {row["layer"]: row for row in r["layers"]}
     assert by["model.layers.1.mlp"]["patched"] and by["model.layers.1.mlp"]["buckets"]
-    assert by["model.layers.1.mlp.act_fn"]["patched"] and "inside its MLP" in by["model.layers.1.mlp.act_fn"]["why"]
+    assert by["model.layers.1.mlp.act_fn"]["patched"] and "inside its layer's region" in by["model.layers.1.mlp.act_fn"]["why"]
+    # the input norm + qkv projection region takes the input norms in
+    assert by["model.layers.1.self_attn"]["patched"] and by["model.layers.1.self_attn"]["buckets"]
+    for norm in ("model.layers.0.input_layernorm", "model.layers.1.input_layernorm"):
+        assert by[norm]["patched"] and "inside its layer's region" in by[norm]["why"]
+    assert "buckets" in by["model.layers.1.post_attention_layernorm"]  # still its own kernel
 
 
 def test_reasons_when_nothing_would_be_patched(kernels_registry, tmp_path):

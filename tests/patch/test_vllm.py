@@ -75,7 +75,7 @@ def test_same_tokens_as_stock_and_every_op_ran(runs, model, mode):
     stock, prism = runs[model, "stock"], runs[model, "prism"]
     assert prism["runs"][mode]["tokens"] == stock["runs"][mode]["tokens"]
     assert all(prism["runs"][mode]["kernel"][op] > 0 for op in OPS), prism["runs"][mode]
-    assert prism["runs"][mode]["kernel"]["swiglu"] == 0  # no region kernels in this registry
+    assert prism["runs"][mode]["kernel"]["swiglu"] == prism["runs"][mode]["kernel"]["rmsnorm_linear"] == 0  # no regions
     assert not any(prism["runs"][mode]["fallback"].values())
     assert not any(stock["runs"][mode]["kernel"].values())
 
@@ -87,10 +87,26 @@ def test_swiglu_region_replaces_projection_and_activation_with_stock_tokens(runs
     assert prism["tokens"] == stock["tokens"]
     assert prism["kernel"]["swiglu"] > 0 and prism["kernel"]["silu_and_mul"] == 0  # the region took the MLPs
     assert prism["kernel"]["swiglu"] == runs[model, "prism"]["runs"][mode]["kernel"]["silu_and_mul"]
-    assert prism["kernel"]["rms_norm"] > 0 and prism["kernel"]["fused_add_rms_norm"] > 0
+    assert prism["kernel"]["fused_add_rms_norm"] > 0
     assert not any(prism["fallback"].values())
     line = runs[model, "regions"]["log_lines"]
     assert len(line) == 1 and "LlamaMLP (swiglu region)" in line[0] and "Qwen2MLP (swiglu region)" in line[0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_input_norm_and_qkv_projection_run_as_one_kernel_with_stock_tokens(runs, model, mode):
+    stock, prism = runs[model, "stock"]["runs"][mode], runs[model, "regions"]["runs"][mode]
+    ops_only = runs[model, "prism"]["runs"][mode]["kernel"]
+    assert prism["tokens"] == stock["tokens"]
+    # one region call per layer and forward, taking every input norm in (rms_norm in layer 0, fused_add after)
+    layers = 2
+    forwards = ops_only["silu_and_mul"] // layers
+    assert prism["kernel"]["rmsnorm_linear"] == layers * forwards > 0
+    assert prism["kernel"]["rms_norm"] == ops_only["rms_norm"] - forwards
+    assert prism["kernel"]["fused_add_rms_norm"] == ops_only["fused_add_rms_norm"] - (layers - 1) * forwards
+    line = runs[model, "regions"]["log_lines"]
+    assert "LlamaDecoderLayer (rmsnorm_linear region)" in line[0] and "Qwen3DecoderLayer" in line[0]
 
 
 @pytest.mark.parametrize("model", MODELS)
