@@ -5,7 +5,7 @@ reuse the stored verified plans of its Program when the registry has any (shape-
 generic: a plan of the same Program family is re-instantiated, not searched again),
 else search; instantiate the best design for this device and each num_tokens bucket;
 check it on the layer's real weights and the inputs vLLM saw against vLLM's own
-outputs; on a GPU, time it against the eager torch path; store every kernel with
+outputs; on a GPU, time it against vLLM's own path (`baseline`); store every kernel with
 its proof, checks and timings. A kernel is `enabled` only when it measured faster;
 on the CPU nothing is measured, so kernels stay `verified` (PRISM_SERVE_FORCE=1 uses them).
 
@@ -231,19 +231,20 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
         return out
     unfused = sum(result.unfused_us.values())
     out.modeled_speedup = unfused / sum(c.modeled_us for c in best.kernels)
-    timings = _time_against_torch(prog, kernels) if device_type == "cuda" else {}
+    against, timings = _time_against_vllm(prog, kernels) if device_type == "cuda" else (None, {})
+    path = "vLLM's own path" if against == "vllm" else "torch eager"
     results = []
     for rng, c in kernels.items():
         measured, baseline = timings.get(rng, (None, None))
         faster = measured is not None and measured < baseline
         status = "enabled" if faster else "verified"
-        reason = ("measured faster than torch eager" if faster else
-                  "measured slower than torch eager" if measured is not None else
+        reason = (f"measured faster than {path}" if faster else
+                  f"measured slower than {path}" if measured is not None else
                   "not measured: no GPU here (modeled only)")
         results.append(KernelResult(
             program=prog, sgraph=best.sgraph, device=device, dtype=dtype, bucket=rng, params=c.assignment,
             versions=env, status=status, reason=reason, modeled_us=c.modeled_us, measured_us=measured,
-            baseline="torch-eager" if baseline is not None else None, baseline_us=baseline,
+            baseline=against if baseline is not None else None, baseline_us=baseline,
             proof={"ok": best.proof.ok, "reason": best.proof.reason, "seconds": best.proof.seconds,
                    "plan": best.plan.to_json()},
             tests={"small_instance_max_rel_error": best.numeric_error,
@@ -288,16 +289,18 @@ def _check_against_vllm(prog, kernels: dict, captured, device_type: str) -> floa
     return worst
 
 
-def _time_against_torch(prog, kernels: dict) -> dict:
-    """On the GPU: median time of each range's kernel and of the eager torch path at its tuned size."""
+def _time_against_vllm(prog, kernels: dict) -> tuple[str, dict]:
+    """On the GPU: median time of each range's kernel and of vLLM's own path (or eager torch where
+    vLLM's ops do not fit the Program, see `baseline`) at the range's tuned size."""
+    from prism_serve.baseline import baseline
     from prism_serve.optimize.codegen import compile_instance
-    from prism_serve.optimize.reference import as_torch_function, random_inputs
+    from prism_serve.optimize.reference import random_inputs
     from prism_serve.optimize.timing import median_us
 
-    eager = as_torch_function(prog)
+    name, reference = baseline(prog)
     out = {}
     for rng, c in kernels.items():
         sets = [random_inputs(prog, c.num_tokens, seed=i, device="cuda") for i in range(4)]
         run = compile_instance(c.instance)
-        out[rng] = (median_us(run, sets), median_us(eager, sets))
-    return out
+        out[rng] = (median_us(run, sets), median_us(reference, sets))
+    return name, out
