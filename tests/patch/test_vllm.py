@@ -25,7 +25,7 @@ from prism_serve.patch import seed
 from prism_serve.patch.device import current_device
 from prism_serve.registry.store import DeviceInfo, Versions, current_versions
 
-from .checkpoints import write_checkpoint
+from ..checkpoints import write_checkpoint
 from .conftest import MODELS, fill, model_results
 from .vllm_child import MAX_TOKENS, PROMPTS
 
@@ -53,7 +53,9 @@ def run_vllm(model: Path, registry: str | None, tmp: Path, *modes: str, **env) -
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {m: write_checkpoint(m, root / m) for m in MODELS}
+    for m in MODELS:
+        write_checkpoint(m, root / m)
+    return {m: root / m for m in MODELS}
 
 
 @pytest.fixture(scope="module")

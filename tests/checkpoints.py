@@ -11,7 +11,8 @@ import torch
 from prism_serve.capture.embedded import embedded_path
 
 
-def write_checkpoint(model: str, path: Path, seed: int = 0) -> Path:
+def write_checkpoint(model: str, path: Path, seed: int = 0, embed_scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """Write `model`'s config and random weights to `path`; return the weights written."""
     cfg = json.loads((embedded_path(model) / "config.json").read_text())
     h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     heads, kv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
@@ -23,7 +24,7 @@ def write_checkpoint(model: str, path: Path, seed: int = 0) -> Path:
     def norm(n):
         return 1 + rand(n, scale=0.1)
 
-    tensors = {"model.embed_tokens.weight": rand(vocab, h, scale=0.2), "model.norm.weight": norm(h)}
+    tensors = {"model.embed_tokens.weight": rand(vocab, h, scale=embed_scale), "model.norm.weight": norm(h)}
     if not cfg.get("tie_word_embeddings"):
         tensors["lm_head.weight"] = rand(vocab, h)
     for i in range(cfg["num_hidden_layers"]):
@@ -39,4 +40,4 @@ def write_checkpoint(model: str, path: Path, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(path / "model.safetensors"))
-    return path
+    return tensors
