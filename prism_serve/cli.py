@@ -16,7 +16,7 @@ from rich.table import Table
 from prism_serve import __version__
 from prism_serve.capture.cli import capture_command
 from prism_serve.errors import PrismError
-from prism_serve.optimize.cli import optimize_command
+from prism_serve.optimize.cli import interpret_unless_gpu, optimize_command
 from prism_serve.registry.cli import registry_app
 
 app = typer.Typer(help="Superoptimized, verified Triton kernels for vLLM endpoints.", no_args_is_help=True,
@@ -107,7 +107,7 @@ def warmup(
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the warmup report here"),
 ) -> None:
     """Capture a model under vLLM, superoptimize its hot regions, check them against vLLM, store them."""
-    os.environ.setdefault("TRITON_INTERPRET", "0" if _has_gpu() else "1")
+    interpret_unless_gpu()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from prism_serve.warmup import warmup as run_warmup
@@ -137,12 +137,6 @@ def warmup(
         json_file.write_text(json.dumps(report.to_json(), indent=1))
     if any(r.status == "failed" for r in report.regions):
         raise typer.Exit(1)
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 @app.command()

@@ -95,7 +95,7 @@ def optimize_command(
     max_kernels: int = typer.Option(3, "--max-kernels", help="most segments (kernels before splits) per design"),
 ) -> None:
     """Superoptimize a Program: symbolic search, egglog proofs, numeric checks, tuned instances."""
-    os.environ.setdefault("TRITON_INTERPRET", "0" if _has_gpu() else "1")
+    interpret_unless_gpu()
     from prism_serve.optimize.search import optimize
 
     console = Console(stderr=True)
@@ -128,7 +128,9 @@ def optimize_command(
         raise typer.Exit(1)
 
 
-def _has_gpu() -> bool:
+def interpret_unless_gpu() -> None:
+    """Run generated kernels through Triton's CPU interpreter when there is no GPU (unless the user
+    chose); must happen before triton is first imported."""
     import torch
 
-    return torch.cuda.is_available()
+    os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")

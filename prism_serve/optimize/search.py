@@ -374,7 +374,6 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
         search = _Search(prog, spec, buckets, max_segments, start + budget_s, progress)
         plans = search.run(top)
         stats = search.stats
-    stats.search_s = time.perf_counter() - start
     found = []
     for plan in plans:
         f = _finish(prog, plan, spec, buckets, stats, timer, measure_top)
