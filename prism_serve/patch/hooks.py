@@ -242,20 +242,27 @@ def _vllm_swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
     return mlp.act_fn(gate_up)
 
 
-def _install_regions(table: Table, done: Installed) -> None:
+def _model_classes(names):
+    """(module, class name, class) for each (module name, class name) this vLLM has."""
     import importlib
 
-    if not table.ops.get("swiglu"):
-        return
-    ops.FALLBACKS["swiglu"] = _vllm_swiglu
-    done.undo.append(lambda: ops.FALLBACKS.__setitem__("swiglu", ops.ref_swiglu))
-    for module_name, cls_name in REGIONS:
+    for module_name, cls_name in names:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        base = getattr(module, cls_name, None)
-        if base is None or getattr(base, "_prism", False):
+        cls = getattr(module, cls_name, None)
+        if cls is not None:
+            yield module, cls_name, cls
+
+
+def _install_regions(table: Table, done: Installed) -> None:
+    if not table.ops.get("swiglu"):
+        return
+    ops.FALLBACKS["swiglu"] = _vllm_swiglu
+    done.undo.append(lambda: ops.FALLBACKS.__setitem__("swiglu", ops.ref_swiglu))
+    for module, cls_name, base in _model_classes(REGIONS):
+        if getattr(base, "_prism", False):
             continue
         setattr(module, cls_name, _region_class(base))
         done.undo.append(lambda m=module, n=cls_name, b=base: setattr(m, n, b))
@@ -327,18 +334,12 @@ def _vllm_norm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: f
 
 
 def _install_norm_linear(table: Table, done: Installed) -> None:
-    import importlib
-
     if not table.ops.get("rmsnorm_linear"):
         return
     ops.FALLBACKS["rmsnorm_linear"] = _vllm_norm_linear
     done.undo.append(lambda: ops.FALLBACKS.__setitem__("rmsnorm_linear", ops.ref_rmsnorm_linear))
-    for module_name, cls_name in NORM_LINEAR_LAYERS:
-        try:
-            cls = getattr(importlib.import_module(module_name), cls_name, None)
-        except ImportError:
-            continue
-        if cls is None or "_prism_init" in cls.__dict__:
+    for _, cls_name, cls in _model_classes(NORM_LINEAR_LAYERS):
+        if "_prism_init" in cls.__dict__:
             continue
         original = cls.__init__
 
