@@ -36,6 +36,12 @@ def _rms_nodes(x: str, eps: float, prefix: str = "") -> list[Node]:
             node(prefix + "r", "rsqrt", prefix + "var")]
 
 
+def _rstd_of_sum(sum_sq: str, size: int, eps: float, out: str = "r") -> list[Node]:
+    """out = rsqrt(sum_sq / size + eps): the rms of a row whose squares a loop has summed."""
+    return [node("inv_d", "const", value=1.0 / size), node("ms", "mul", sum_sq, "inv_d"),
+            node("eps", "const", value=eps), node("var", "add", "ms", "eps"), node(out, "rsqrt", "var")]
+
+
 def _eps(prog: Program) -> float:
     return next(n.attr("eps") for n in prog.nodes if n.op == "rms_norm")
 
@@ -73,8 +79,7 @@ def rmsnorm_linear(prog: Program) -> SGraph:
              node("xg", "mul", "x", "g"), node("p", "matmul", "xg", "w", transpose_b=True),
              node("sq", "square", "x"), node("ss", "sum", "sq", dim=-1, keepdim=True),
              accum("acc_p", "p", "sum"), accum("acc_ss", "ss", "sum"),
-             node("inv_d", "const", value=1.0 / hidden), node("ms", "mul", "acc_ss", "inv_d"),
-             node("eps", "const", value=_eps(prog)), node("var", "add", "ms", "eps"), node("r", "rsqrt", "var"),
+             *_rstd_of_sum("acc_ss", hidden, _eps(prog)),
              node("y", "mul", "acc_p", "r"), store("out", "y", "y", (0, 1))]
     k = BlockKernel("rmsnorm_linear", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
     return SGraph("rmsnorm_linear_oracle", prog, (), (k,))
@@ -90,8 +95,7 @@ def fused_add_rmsnorm_linear(prog: Program) -> SGraph:
              node("rg", "mul", "r", "g"), node("p", "matmul", "rg", "w", transpose_b=True),
              node("sq", "square", "r"), node("ss", "sum", "sq", dim=-1, keepdim=True),
              accum("acc_p", "p", "sum"), accum("acc_ss", "ss", "sum"),
-             node("inv_d", "const", value=1.0 / hidden), node("ms", "mul", "acc_ss", "inv_d"),
-             node("eps", "const", value=_eps(prog)), node("var", "add", "ms", "eps"), node("rs", "rsqrt", "var"),
+             *_rstd_of_sum("acc_ss", hidden, _eps(prog), "rs"),
              node("y", "mul", "acc_p", "rs"), store("out", "y", "y", (0, 1))]
     k = BlockKernel("fused_add_rmsnorm_linear", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
     return SGraph("fused_add_rmsnorm_linear_oracle", prog, (), (k,))
@@ -117,8 +121,7 @@ def rmsnorm_mlp(prog: Program) -> SGraph:
              node("u", "matmul", "xg", "wu", transpose_b=True), node("v", "matmul", "xg", "wv", transpose_b=True),
              node("sq", "square", "x"), node("ss", "sum", "sq", dim=-1, keepdim=True),
              accum("acc_u", "u", "sum"), accum("acc_v", "v", "sum"), accum("acc_ss", "ss", "sum"),
-             node("inv_d", "const", value=1.0 / hidden), node("ms", "mul", "acc_ss", "inv_d"),
-             node("eps", "const", value=_eps(prog)), node("var", "add", "ms", "eps"), node("r", "rsqrt", "var"),
+             *_rstd_of_sum("acc_ss", hidden, _eps(prog)),
              node("ur", "mul", "acc_u", "r"), node("vr", "mul", "acc_v", "r"), node("y", "mul", "ur", "vr"),
              store("out", "y", "y", (0, 1))]
     k = BlockKernel("rmsnorm_mlp", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
@@ -134,8 +137,7 @@ def rmsnorm_swiglu(prog: Program) -> SGraph:
              node("a", "matmul", "xg", "wg", transpose_b=True), node("b", "matmul", "xg", "wu", transpose_b=True),
              node("sq", "square", "x"), node("ss", "sum", "sq", dim=-1, keepdim=True),
              accum("acc_a", "a", "sum"), accum("acc_b", "b", "sum"), accum("acc_ss", "ss", "sum"),
-             node("inv_d", "const", value=1.0 / hidden), node("ms", "mul", "acc_ss", "inv_d"),
-             node("eps", "const", value=_eps(prog)), node("var", "add", "ms", "eps"), node("r", "rsqrt", "var"),
+             *_rstd_of_sum("acc_ss", hidden, _eps(prog)),
              node("ar", "mul", "acc_a", "r"), node("br", "mul", "acc_b", "r"), node("sa", "silu", "ar"),
              node("y", "mul", "sa", "br"), store("out", "y", "y", (0, 1))]
     k = BlockKernel("rmsnorm_swiglu", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
