@@ -1,14 +1,21 @@
-"""The numeric second line of verification: run generated Triton on fresh random inputs
-against the torch reference, at a small instantiation of the same plan."""
+"""The numeric second line of verification: run generated Triton against the torch reference at
+a small instantiation, on fresh random inputs and on adversarial ones in the kernel's dtype
+(`check_numerics`): a design that is exact in real arithmetic can still overflow in fp16."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
+
+import numpy
 import torch
 
+from prism_serve.errors import SGraphError
 from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.ir import Node, Program, node
-from prism_serve.optimize.reference import TORCH_DTYPES, evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import Instance
+from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, node
+from prism_serve.optimize.reference import TOLERANCE, TORCH_DTYPES, evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.sgraph import Instance, SGraph, instantiate
 
 SMALL_DIM = 48  # not a power of two, so padding and masks are exercised
 
@@ -24,14 +31,187 @@ def small_program(prog: Program, limit: int = SMALL_DIM) -> Program:
     return Program(prog.name, tuple(nodes), prog.outputs)
 
 
-def numeric_errors(inst: Instance, num_tokens: int, *, seed: int | None = None) -> list[float]:
-    """Max error relative to max |reference| per output. Outputs are NaN-poisoned first, so an
-    element the kernels leave unwritten shows up as an infinite error."""
+# --- adversarial inputs in the kernel's dtype ----------------------------------------------------
+
+OUTLIER = 1e4  # activations of real LLMs carry a few channels in the thousands
+OUTLIER_CHANNELS = 2
+CHECK_TOKENS = (1, 7)  # one token, and an awkward count
+SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run of the kernels: what the inputs were, the error against the exact reference, and
+    why the case fails (None when it passes)."""
+
+    name: str
+    num_tokens: int
+    error: float  # max |got - exact| / max |exact| over the outputs (inf: overflow or NaN)
+    failure: str | None
+    judged: bool = True  # False: the reference itself failed on every output, so nothing was judged
+
+
+@dataclass(frozen=True)
+class NumericVerdict:
+    """The numeric check of an instance in one dtype: every case it ran."""
+
+    dtype: str
+    cases: tuple[Case, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.failure is None for c in self.cases)
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        return tuple(c.failure for c in self.cases if c.failure)
+
+    @property
+    def worst_error(self) -> float:
+        return max((c.error for c in self.cases if c.judged), default=0.0)
+
+
+def check_numerics(inst: Instance, dtype: str | None = None, *, tokens: tuple[int, ...] = CHECK_TOKENS,
+                   seed: int | None = None) -> NumericVerdict:
+    """Run `inst`'s kernels through Triton with inputs in `dtype` (the program's by default):
+    fresh random inputs at each of `tokens`; rows of zeros; a few outlier channels at 1e4 and at
+    the largest magnitude the reference survives. A case fails when an output overflows (inf) or
+    turns NaN where the reference's output, in `dtype`, stays finite, or misses the dtype's
+    tolerance against the exact (float64) reference where the float32 reference does not."""
+    inst = _retyped(inst, dtype) if dtype else inst
     prog = inst.sgraph.program
-    run = compile_instance(inst)
-    inputs = random_inputs(prog, num_tokens, seed=seed)
-    ref = evaluate(prog, inputs)
+    dtype = prog.inputs[0].attr("dtype")
+    has_tokens = any(NUM_TOKENS in n.attr("shape") for n in prog.inputs)
+    tokens = tokens if has_tokens else tokens[:1]
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+    fresh = lambda: int(torch.randint(2**62, (1,), generator=gen))  # noqa: E731
+    big = tokens[-1]
+    cases = [_run(inst, f"random inputs, {nt} token{'s' * (nt > 1)}", nt, random_inputs(prog, nt, seed=fresh()))
+             for nt in tokens]
+    zeroed = _zero_rows(prog, random_inputs(prog, big, seed=fresh()))
+    cases.append(_run(inst, f"zero rows, {big} tokens", big, zeroed))
+    base = random_inputs(prog, big, seed=fresh())
+    largest = _largest_surviving(prog, base, dtype)
+    magnitudes = [] if largest is None else [OUTLIER, largest] if largest > OUTLIER else [largest]
+    for magnitude in magnitudes:
+        what = "" if magnitude == OUTLIER else " (the largest the reference survives)"
+        cases.append(_run(inst, f"outlier {magnitude:.3g}{what}", big, _outliers(prog, base, magnitude)))
+    return NumericVerdict(dtype, tuple(cases))
+
+
+def _run(inst: Instance, name: str, num_tokens: int, inputs: list[torch.Tensor]) -> Case:
+    prog = inst.sgraph.program
+    dtype = prog.inputs[0].attr("dtype")
+    ref, exact = _references(prog, inputs)
     out = [torch.full(r.shape, float("nan"), dtype=TORCH_DTYPES[prog.types[o].dtype])
            for r, o in zip(ref, prog.outputs)]
-    got = run(*inputs, out=out)
-    return [float("inf") if torch.isnan(g).any() else max_rel_error(g, r) for g, r in zip(got, ref)]
+    with numpy.errstate(all="ignore"):  # padded rows of a masked tile may divide by zero
+        got = compile_instance(inst)(*inputs, out=out)
+    worst, failure, judged = 0.0, None, False
+    for o, g, r, x in zip(prog.outputs, got, ref, exact):
+        if not _survived(prog, o, r, x):  # the reference fails here too: nothing to judge
+            continue
+        judged = True
+        at = f"in output '{o}' at {name} ({SHORT[dtype]})"
+        if torch.isinf(g).any():
+            worst, failure = math.inf, failure or f"overflow: inf {at}"
+        elif torch.isnan(g).any():
+            worst, failure = math.inf, failure or f"NaN {at}"
+        else:
+            err = max_rel_error(g, x)
+            worst = max(worst, err)
+            if err > TOLERANCE[dtype]:
+                failure = failure or f"error {err:.3g} over the tolerance {TOLERANCE[dtype]:g} {at}"
+    return Case(name, num_tokens, worst, failure, judged)
+
+
+def _references(prog: Program, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The float32 reference (what a kernel is held to) and the exact one (float64)."""
+    return evaluate(prog, inputs), evaluate(prog, inputs, precision=torch.float64)
+
+
+def _survived(prog: Program, output: str, ref: torch.Tensor, exact: torch.Tensor) -> bool:
+    """The float32 reference survives a case when its output stays finite in the output's dtype and
+    within that dtype's tolerance of the exact result (overflowing intermediates can leave a finite
+    but wrong output, e.g. rsqrt(inf) = 0)."""
+    dtype = prog.types[output].dtype
+    return bool(torch.isfinite(ref.to(TORCH_DTYPES[dtype])).all()) and max_rel_error(ref, exact) <= TOLERANCE[dtype]
+
+
+def _activations(prog: Program) -> list[int]:
+    """Positions of the inputs that carry activations: those with a num_tokens dim, else (attention)
+    those of the largest rank."""
+    ins = prog.inputs
+    tok = [i for i, n in enumerate(ins) if NUM_TOKENS in n.attr("shape")]
+    if tok:
+        return tok
+    rank = max(len(n.attr("shape")) for n in ins)
+    return [i for i, n in enumerate(ins) if len(n.attr("shape")) == rank]
+
+
+def _zero_rows(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rows (dim -2) 0 and half-way of every activation set to zero."""
+    out = list(inputs)
+    for i in _activations(prog):
+        if out[i].dim() >= 2:
+            t = out[i].clone()
+            t[..., sorted({0, t.shape[-2] // 2}), :] = 0
+            out[i] = t
+    return out
+
+
+def _outlier_channels(prog: Program, inputs: list[torch.Tensor], size: int) -> list[int]:
+    """The channels (last dim) where outliers hurt most: where the 1-D inputs of that size (norm
+    weights, which multiply the channel) are largest; the first ones when there are none."""
+    count = min(OUTLIER_CHANNELS, size)
+    vectors = [t.float().abs() for n, t in zip(prog.inputs, inputs) if tuple(n.attr("shape")) == (size,)]
+    if not vectors:
+        return list(range(count))
+    return torch.stack(vectors).amax(0).topk(count).indices.tolist()
+
+
+def _outliers(prog: Program, inputs: list[torch.Tensor], magnitude: float) -> list[torch.Tensor]:
+    """Every activation with its outlier channels at +magnitude and -magnitude, alternately."""
+    out = list(inputs)
+    for i in _activations(prog):
+        t = out[i].clone()
+        for j, c in enumerate(_outlier_channels(prog, inputs, t.shape[-1])):
+            t[..., c] = magnitude if j % 2 == 0 else -magnitude
+        out[i] = t
+    return out
+
+
+def _survives(prog: Program, inputs: list[torch.Tensor]) -> bool:
+    return all(_survived(prog, o, r, x) for o, r, x in zip(prog.outputs, *_references(prog, inputs)))
+
+
+def _largest_surviving(prog: Program, base: list[torch.Tensor], dtype: str, steps: int = 40) -> float | None:
+    """The largest outlier magnitude (representable in `dtype`) at which the reference survives:
+    the dtype's maximum if it survives that, else found by bisection on the exponent and halved,
+    so that a kernel's other summation order near a limit is not mistaken for a fault. None when
+    the reference fails already at magnitude 1."""
+    top = torch.finfo(TORCH_DTYPES[dtype]).max
+    if _survives(prog, _outliers(prog, base, top)):
+        return top
+    if not _survives(prog, _outliers(prog, base, 1.0)):
+        return None
+    lo, hi = 0.0, math.log2(top)
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _survives(prog, _outliers(prog, base, 2.0 ** mid)) else (lo, mid)
+    return max(1.0, 2.0 ** lo / 2)
+
+
+def _retyped(inst: Instance, dtype: str) -> Instance:
+    """`inst` with the Program's inputs (and intermediates of their dtype) in `dtype`."""
+    g = inst.sgraph
+    old = g.program.inputs[0].attr("dtype")
+    if dtype == old:
+        return inst
+    if dtype not in TORCH_DTYPES:
+        raise SGraphError(f"numeric check: dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+    nodes = tuple(node(n.name, "input", shape=n.attr("shape"), dtype=dtype) if n.op == "input" else n
+                  for n in g.program.nodes)
+    inter = tuple(replace(t, dtype=dtype) if t.dtype == old else t for t in g.intermediates)
+    program = Program(g.program.name, nodes, g.program.outputs)
+    return instantiate(SGraph(g.name, program, inter, g.kernels), inst.values, get_gpu(inst.gpu))

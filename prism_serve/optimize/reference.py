@@ -41,10 +41,10 @@ def expand_composites(prog: Program) -> Program:
     return Program(prog.name, tuple(nodes), prog.outputs)
 
 
-def _apply(n: Node, args: list[torch.Tensor]) -> torch.Tensor:
+def _apply(n: Node, args: list[torch.Tensor], precision: torch.dtype = torch.float32) -> torch.Tensor:
     op = n.op
     if op == "const":
-        return torch.tensor(n.attr("value"), dtype=torch.float32)
+        return torch.tensor(n.attr("value"), dtype=precision)
     if op == "add":
         return args[0] + args[1]
     if op == "sub":
@@ -72,8 +72,10 @@ def _apply(n: Node, args: list[torch.Tensor]) -> torch.Tensor:
     raise AssertionError(op)
 
 
-def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Run `prog` on concrete tensors (in signature order, or by name); float32 results.
+def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *,
+             precision: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Run `prog` on concrete tensors (in signature order, or by name); results in `precision`
+    (float32; float64 tells how far the float32 reference itself is from exact).
 
     The symbol num_tokens must take one value across all inputs.
     """
@@ -98,10 +100,10 @@ def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.
                     raise ProgramError(f"input '{n.name}': num_tokens is {got} here but {num_tokens} elsewhere")
             elif want != got:
                 raise ProgramError(f"input '{n.name}': expected shape {shape}, got {tuple(t.shape)}")
-        env[n.name] = t.to(torch.float32)
+        env[n.name] = t.to(precision)
     for n in expand_composites(prog).nodes:
         if n.op != "input":
-            env[n.name] = _apply(n, [env[s] for s in n.inputs])
+            env[n.name] = _apply(n, [env[s] for s in n.inputs], precision)
     return [env[o] for o in prog.outputs]
 
 

@@ -65,6 +65,18 @@ def _names_in(text: str) -> set[str]:
     return set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
 
 
+MAX_GRID_AXES = 6  # logical grid axes of a block kernel; Triton launches at most 3 (`launch_dims`)
+
+
+def launch_dims(axes: int) -> tuple[tuple[int, ...], ...]:
+    """The logical grid axes each of Triton's launch dims carries. Up to 3 axes map one to one;
+    beyond, axes 1 .. n-2 are folded row-major into launch dim 1, so axis 0 (the token axis, whose
+    extent is only known at launch) keeps the largest launch dim and the last axis its own."""
+    if axes <= 3:
+        return tuple((a,) for a in range(axes))
+    return (0,), tuple(range(1, axes - 1)), (axes - 1,)
+
+
 @dataclass(frozen=True)
 class GridAxis:
     """One grid dim. `symbol` is its extent, or for a token axis the tokens per block."""
@@ -258,8 +270,12 @@ def _check_sgraph(g: SGraph) -> tuple[dict[str, TensorDecl], dict[str, dict[str,
 
 def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, written: set) -> dict[str, TensorType]:
     where = f"sGraph '{gname}' kernel '{k.name}'"
-    if not 1 <= len(k.grid) <= 3:
-        raise _fail(where, f"grid must have 1 to 3 dims, has {len(k.grid)}")
+    if not 1 <= len(k.grid) <= MAX_GRID_AXES:
+        raise _fail(where, f"grid must have 1 to {MAX_GRID_AXES} dims, has {len(k.grid)}")
+    folded = [k.grid[a].symbol for dims in launch_dims(len(k.grid)) if len(dims) > 1 for a in dims
+              if k.grid[a].over_tokens]
+    if folded:
+        raise _fail(where, f"token axis {folded[0]} must be grid axis 0 or the last when the grid has over 3 dims")
     if len({a.symbol for a in k.grid} | ({k.forloop} if k.forloop else set())) != len(k.grid) + bool(k.forloop):
         raise _fail(where, "grid and for-loop symbols must be distinct")
     types: dict[str, TensorType] = {}
@@ -418,10 +434,11 @@ def instantiate(g: SGraph, assignment: Mapping[str, int], gpu: GpuSpec) -> Insta
         if not isinstance(k, BlockKernel):
             continue
         _check_block_limits(g, k, values, gpu)
-        for i, axis in enumerate(k.grid):
-            if not axis.over_tokens and assignment[axis.symbol] > gpu.max_grid[i]:
+        for i, dims in enumerate(launch_dims(len(k.grid))):
+            extent = math.prod(assignment[k.grid[a].symbol] for a in dims if not k.grid[a].over_tokens)
+            if extent > gpu.max_grid[i]:
                 raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': grid dim {i} = "
-                                  f"{assignment[axis.symbol]} exceeds {gpu.name}'s limit {gpu.max_grid[i]}")
+                                  f"{extent} exceeds {gpu.name}'s limit {gpu.max_grid[i]}")
     return Instance(g, tuple(sorted(values.items())), gpu.name)
 
 
