@@ -128,3 +128,20 @@ def test_big_tiles_launch_more_warps_and_the_codegen_says_so():
     small, big = instantiate(narrow, {"BT": 1}, H100), instantiate(g, {"BT": 4}, H100)
     assert small.warps(narrow.kernels[0]) == 4 < big.warps(k) <= H100.max_threads_per_block // 32
     assert f"num_warps={big.warps(k)})" in render(big)
+
+
+def test_more_than_three_grid_axes_fold_onto_launch_dim_1():
+    from prism_serve.optimize.sgraph import launch_dims
+    assert launch_dims(3) == ((0,), (1,), (2,))
+    assert launch_dims(5) == ((0,), (1, 2, 3), (4,))
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=64)
+    nodes = (load("gate", "gate", (1, None, 0, None)), node("y", "silu", "gate"), store("out", "y", "y", (1, None, 0, None)))
+    with pytest.raises(SGraphError, match="token axis BT must be grid axis 0 or the last"):
+        SGraph("folded", prog, (), (BlockKernel("k", (GridAxis("G"), GridAxis("BT", True), GridAxis("X"),
+                                                       GridAxis("Y")), None, nodes),))
+    ok = (load("gate", "gate", (0, 1, None, None)), node("y", "silu", "gate"), store("out", "y", "y", (0, 1, None, None)))
+    g = SGraph("folded", prog, (), (BlockKernel("k", (GridAxis("BT", True), GridAxis("G"), GridAxis("X"),
+                                                     GridAxis("Y")), None, ok),))
+    instantiate(g, {"BT": 4, "G": 64, "X": 1023, "Y": 1}, H100)
+    with pytest.raises(SGraphError, match="grid dim 1 = 65536 exceeds h100's limit 65535"):
+        instantiate(g, {"BT": 4, "G": 64, "X": 1024, "Y": 1}, H100)  # G and X share launch dim 1
