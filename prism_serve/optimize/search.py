@@ -8,7 +8,7 @@ in order, each counted in `SearchStats.pruned`:
 - ``canonical``: one grid-axis order per set of labels, and no unhoisted twin when
   hoisting changes nothing, so symmetric duplicates are built once;
 - ``shape``: symbolic shape compatibility: tiles must be bounded (a token dim is
-  always split by the grid), matmul batch dims map to the grid, at most 3 grid dims,
+  always split by the grid), matmul batch dims map to the grid, at most 6 grid dims,
   and the sGraph's sympy shape checks must hold;
 - ``schedule``: the block graph must respect the loop (no loop value stored);
 - ``hardware``: the finest tiles must fit the GPU's shared memory, registers and tile
@@ -57,7 +57,7 @@ from prism_serve.optimize.lower import (
 )
 from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.rewrite import loop_form
-from prism_serve.optimize.sgraph import BYTES, SGraph, instantiate
+from prism_serve.optimize.sgraph import BYTES, MAX_GRID_AXES, SGraph, instantiate
 from prism_serve.optimize.timing import Timer, cuda_timer
 from prism_serve.optimize.tune import Candidate, best_modeled, enumerate_instances, measure, rank
 from prism_serve.optimize.verify import ProofResult, prove_equivalent
@@ -216,7 +216,7 @@ class _Search:
                 loop_form(seg, choice.loop, labels, hoist=True):
             return "canonical"
         has_tokens = any(NUM_TOKENS in labels.dims[n.name] for n in seg.nodes)
-        if has_tokens and NUM_TOKENS not in choice.grid or len(choice.grid) + choice.split > 3:
+        if has_tokens and NUM_TOKENS not in choice.grid or len(choice.grid) + choice.split > MAX_GRID_AXES:
             return "shape"
         batch = {lb for n in seg.nodes if n.op == "matmul" for lb in labels.dims[n.name][:-2] if lb}
         return "shape" if batch - set(choice.grid) else None
