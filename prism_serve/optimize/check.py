@@ -86,16 +86,16 @@ def check_numerics(inst: Instance, dtype: str | None = None, *, tokens: tuple[in
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
     fresh = lambda: int(torch.randint(2**62, (1,), generator=gen))  # noqa: E731
     big = tokens[-1]
-    cases = [_run(inst, f"random inputs, {nt} token{'s' * (nt > 1)}", nt, random_inputs(prog, nt, seed=fresh()))
-             for nt in tokens]
+    at = lambda nt: f", {nt} token{'s' * (nt > 1)}" if has_tokens else ""  # noqa: E731
+    cases = [_run(inst, f"random inputs{at(nt)}", nt, random_inputs(prog, nt, seed=fresh())) for nt in tokens]
     zeroed = _zero_rows(prog, random_inputs(prog, big, seed=fresh()))
-    cases.append(_run(inst, f"zero rows, {big} tokens", big, zeroed))
+    cases.append(_run(inst, f"zero rows{at(big)}", big, zeroed))
     base = random_inputs(prog, big, seed=fresh())
     largest = _largest_surviving(prog, base, dtype)
     magnitudes = [] if largest is None else [OUTLIER, largest] if largest > OUTLIER else [largest]
     for magnitude in magnitudes:
         what = "" if magnitude == OUTLIER else " (the largest the reference survives)"
-        cases.append(_run(inst, f"outlier {magnitude:.3g}{what}", big, _outliers(prog, base, magnitude)))
+        cases.append(_run(inst, f"outlier {magnitude:.3g}{what}{at(big)}", big, _outliers(prog, base, magnitude)))
     return NumericVerdict(dtype, tuple(cases))
 
 

@@ -48,7 +48,8 @@ def test_normalised_operand_before_the_dot_passes_in_fp16():
     inst = instantiate(rms_then_projection(prog), ASSIGN | {"BR": 4, "FR": 2}, H100)
     verdict = check_numerics(inst, seed=0)
     assert verdict.ok, verdict.reasons
-    assert {c.name.split(" (")[0] for c in verdict.cases} >= {"zero rows, 7 tokens", "outlier 1e+04", "outlier 6.55e+04"}
+    assert {c.name.split(" (")[0] for c in verdict.cases} >= {"zero rows, 7 tokens", "outlier 1e+04, 7 tokens",
+                                                            "outlier 6.55e+04"}
     assert all(c.judged for c in verdict.cases) and verdict.worst_error < 2e-3
 
 
