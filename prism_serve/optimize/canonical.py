@@ -20,18 +20,18 @@ twice: first with every symbol anonymous, then with each symbol named by the mul
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import defaultdict
 from typing import Callable
 
 import sympy
 
 from prism_serve.optimize.ir import NUM_TOKENS, Node
-from prism_serve.optimize.sgraph import BlockKernel, SGraph, TensorDecl
+from prism_serve.optimize.sgraph import BlockKernel, SGraph, TensorDecl, to_expr
 
 
 def _digest(payload) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+    """Payloads are nested lists of str, int, float, bool and None: their repr is canonical."""
+    return hashlib.sha256(repr(payload).encode()).hexdigest()
 
 
 def canonical_hash(g: SGraph) -> str:
@@ -50,15 +50,16 @@ def _keys(g: SGraph, symbol_name: Callable[[str], str]) -> tuple[str, dict[str, 
     subs = {sympy.Symbol(s, positive=True, integer=True): sympy.Symbol(f"s_{symbol_name(s)}", positive=True,
                                                                        integer=True) for s in g.symbols}
 
-    def dims(shape) -> list[str]:
-        return [sympy.srepr(sympy.sympify(d).xreplace(subs)) for d in shape]
+    targets: dict[str, list] = {}
 
     def target(name: str) -> list:
         """What a store or library op writes: a Program output by position, else the declaration."""
         if name in outputs:
             return ["output", outputs[name]]
-        decl: TensorDecl = decls[name]
-        return ["intermediate", dims(decl.shape), decl.dtype]
+        if name not in targets:
+            decl: TensorDecl = decls[name]
+            targets[name] = ["intermediate", [sympy.srepr(to_expr(d).xreplace(subs)) for d in decl.shape], decl.dtype]
+        return targets[name]
 
     tensors: dict[str, list[str]] = {}  # tensor -> keys of the writes so far, in order
     for i, n in enumerate(g.program.inputs):
@@ -84,7 +85,7 @@ def _keys(g: SGraph, symbol_name: Callable[[str], str]) -> tuple[str, dict[str, 
         kernel_keys.append(key)
     for t in g.intermediates:
         for d, dim in enumerate(t.shape):
-            for s in sympy.sympify(dim).free_symbols:
+            for s in to_expr(dim).free_symbols:
                 if str(s) != NUM_TOKENS:
                     places[str(s)].append(["shape", tensor_key(t.name) if t.name in tensors else "unwritten", d])
     whole = _digest([g.program.canonical_hash, sorted(kernel_keys),
