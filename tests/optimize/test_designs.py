@@ -62,6 +62,12 @@ def test_gqa_decode_runs_four_logical_axes_with_kv_loaded_once_per_group():
     assert check_numerics(inst, "float32", tokens=(1,), seed=1).ok
 
 
+def test_the_design_table_builds_each_for_its_workload():
+    for name, (workload, build) in D.DESIGNS.items():
+        prog = _attn() if workload == "attention" else _norm(workload, intermediate=40)
+        assert build(prog).program == prog, name
+
+
 def test_designs_are_distinct_from_each_other_and_the_oracles():
     from prism_serve.optimize.workloads.oracles import oracle
     hashes = {name: canonical_hash(build()) for name, (build, _) in CASES.items()}

@@ -14,6 +14,9 @@ graph, kernel split or grid for a workload the oracles already cover.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.ir import Node, Program, node
 from prism_serve.optimize.sgraph import TOKENS, BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
@@ -129,3 +132,13 @@ def attention_whole_row(prog: Program, *, divide_first: bool) -> SGraph:
     nodes.append(store("st", "o", "o", (0, 1)))
     k = BlockKernel("attention", (GridAxis("B"), GridAxis("H")), None, tuple(nodes))
     return SGraph(f"attention_divide_{'before' if divide_first else 'after'}_pv", prog, (), (k,))
+
+
+# issue 11's designs outside the old plan space: name -> (the workload it implements, builder)
+DESIGNS: dict[str, tuple[str, Callable[[Program], SGraph]]] = {
+    "a_gqa_decode": ("attention", gqa_decode),
+    "b_rms_then_projection": ("rmsnorm_mlp", rms_then_projection),
+    "c_rms_recomputed": ("rmsnorm_mlp", rms_recomputed),
+    "d_divide_before_pv": ("attention", partial(attention_whole_row, divide_first=True)),
+    "d_divide_after_pv": ("attention", partial(attention_whole_row, divide_first=False)),
+}
