@@ -4,8 +4,9 @@ graph, kernel split or grid for a workload the oracles already cover.
 - `rms_then_projection` (b): a small kernel computes 1/rms per row once; the projection kernel
   consumes the normalised operand x * r * g before the dot (safe in fp16: the dot never sees the
   unnormalised x * g, whose outlier channels overflow).
-- `rms_recomputed` (c): no rms kernel; each of the two projection kernels recomputes 1/rms from
-  the whole row before its loop, and the second multiplies in the first's output.
+- `rms_recomputed` (c): no rms kernel; each projection kernel recomputes 1/rms from the whole
+  row before its loop (for rmsnorm_mlp two kernels, the second multiplying in the first's output;
+  for rmsnorm_linear one kernel, the fp16-safe counterpart of the oracle).
 - `gqa_decode` (a): split-KV attention over 4 logical grid axes (batch x kv head x q block x KV
   split): one block takes every q head of its kv head, so K/V tiles are loaded once per group.
 - `attention_whole_row` (d): one block per (batch, kv head) holds the whole KV row and divides by
@@ -62,10 +63,10 @@ def rms_then_projection(prog: Program) -> SGraph:
 
 
 def rms_recomputed(prog: Program) -> SGraph:
-    """(c) rmsnorm_mlp as two projection kernels, each recomputing 1/rms from the whole row before
-    its loop; the second multiplies the first's output (`u`) into its own in the epilogue."""
-    if prog.name != "rmsnorm_mlp":
-        raise SGraphError(f"design rms_recomputed is for rmsnorm_mlp, not {prog.name!r}")
+    """(c) 1/rms recomputed from the whole row before the loop of every projection kernel, whose
+    dot then takes the normalised operand: for rmsnorm_mlp two kernels, the second multiplying the
+    first's output (`u`) into its own in the epilogue; for rmsnorm_linear one kernel."""
+    weights = _weights(prog)
     eps = _eps(prog)
 
     def kernel(name: str, weight: str, epilogue: list[Node]) -> BlockKernel:
@@ -74,11 +75,13 @@ def rms_recomputed(prog: Program) -> SGraph:
                  node("xr", "mul", "x", "r"), node("xn", "mul", "xr", "g"), *_project((weight,), "xn"), *epilogue]
         return BlockKernel(name, (GridAxis("BT", True), GridAxis("G")), "F", tuple(nodes))
 
+    if len(weights) == 1:
+        return SGraph(f"{prog.name}_rms_recomputed", prog, (), (kernel("projection", weights[0], _epilogue(weights)),))
     up = kernel("up", "w_up", [store("st_u", "acc0", "u", (0, 1))])
     gate = kernel("gate", "w_gate", [load("u", "u", (0, 1)), node("y", "mul", "u", "acc0"),
                                      store("out", "y", "y", (0, 1))])
     inter = prog.by_name["w_up"].attr("shape")[0]
-    return SGraph("rmsnorm_mlp_rms_recomputed", prog, (TensorDecl("u", (TOKENS, to_expr(inter)), "float32"),),
+    return SGraph(f"{prog.name}_rms_recomputed", prog, (TensorDecl("u", (TOKENS, to_expr(inter)), "float32"),),
                   (up, gate))
 
 
