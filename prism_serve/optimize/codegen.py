@@ -22,7 +22,7 @@ from prism_serve.errors import CodegenError
 from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node
 from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, launch_dims, tile_shape
 
-CODEGEN_VERSION = 2
+CODEGEN_VERSION = 3
 BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 UNARY = {"exp": "tl.exp({})", "silu": "{0} * tl.sigmoid({0})", "square": "{0} * {0}",
          "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})"}
