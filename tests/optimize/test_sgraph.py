@@ -135,11 +135,13 @@ def test_more_than_three_grid_axes_fold_onto_launch_dim_1():
     assert launch_dims(3) == ((0,), (1,), (2,))
     assert launch_dims(5) == ((0,), (1, 2, 3), (4,))
     prog = WORKLOADS["silu_and_mul"].program(intermediate=64)
-    nodes = (load("gate", "gate", (1, None, 0, None)), node("y", "silu", "gate"), store("out", "y", "y", (1, None, 0, None)))
+    nodes = (load("gate", "gate", (1, None, 0, None)), node("y", "silu", "gate"),
+             store("out", "y", "y", (1, None, 0, None)))
     with pytest.raises(SGraphError, match="token axis BT must be grid axis 0 or the last"):
         SGraph("folded", prog, (), (BlockKernel("k", (GridAxis("G"), GridAxis("BT", True), GridAxis("X"),
                                                        GridAxis("Y")), None, nodes),))
-    ok = (load("gate", "gate", (0, 1, None, None)), node("y", "silu", "gate"), store("out", "y", "y", (0, 1, None, None)))
+    ok = (load("gate", "gate", (0, 1, None, None)), node("y", "silu", "gate"),
+          store("out", "y", "y", (0, 1, None, None)))
     g = SGraph("folded", prog, (), (BlockKernel("k", (GridAxis("BT", True), GridAxis("G"), GridAxis("X"),
                                                      GridAxis("Y")), None, ok),))
     instantiate(g, {"BT": 4, "G": 64, "X": 1023, "Y": 1}, H100)

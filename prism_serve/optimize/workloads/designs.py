@@ -101,7 +101,8 @@ def gqa_decode(prog: Program) -> SGraph:
     partial = [
         load("q", "q", (0, 1, 2, None)), load("k", "k", (0, 1, None, 2), fmap=2),
         load("v", "v", (0, 1, None, 2), fmap=2),
-        node("s", "matmul", "q", "k", transpose_b=True), node("scale", "const", value=prog.by_name["scale"].attr("value")),
+        node("s", "matmul", "q", "k", transpose_b=True),
+        node("scale", "const", value=prog.by_name["scale"].attr("value")),
         node("ss", "mul", "s", "scale"), node("rowmax", "max", "ss", dim=-1, keepdim=True),
         accum("m", "rowmax", "max"), node("z", "sub", "ss", "m"), node("e", "exp", "z"),
         node("rowsum", "sum", "e", dim=-1, keepdim=True), accum("l", "rowsum", "rescaled_sum", "m"),
