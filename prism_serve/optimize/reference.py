@@ -73,9 +73,10 @@ def _apply(n: Node, args: list[torch.Tensor], precision: torch.dtype = torch.flo
 
 
 def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *,
-             precision: torch.dtype = torch.float32) -> list[torch.Tensor]:
+             precision: torch.dtype = torch.float32, values: dict | None = None) -> list[torch.Tensor]:
     """Run `prog` on concrete tensors (in signature order, or by name); results in `precision`
-    (float32; float64 tells how far the float32 reference itself is from exact).
+    (float32; float64 tells how far the float32 reference itself is from exact). `values`, if
+    given, receives every node's value (of the expanded program), e.g. to see where it overflows.
 
     The symbol num_tokens must take one value across all inputs.
     """
@@ -104,6 +105,8 @@ def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.
     for n in expand_composites(prog).nodes:
         if n.op != "input":
             env[n.name] = _apply(n, [env[s] for s in n.inputs], precision)
+    if values is not None:
+        values.update(env)
     return [env[o] for o in prog.outputs]
 
 

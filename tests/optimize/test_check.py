@@ -77,3 +77,11 @@ def test_largest_surviving_magnitude():
     assert 1.0 < m < 1e4
     assert _survives(plain, _outliers(plain, base, m)) and not _survives(plain, _outliers(plain, base, 2.5 * m))
     assert not _survives(plain, _outliers(plain, base, 1e4))
+
+
+def test_largest_surviving_magnitude_stops_where_the_reference_output_overflows():
+    """x and residual carry the same outlier channels: their sum, an output, leaves fp16 once
+    2m > 65504, so the magnitude used is 90% of 65504 / 2 (to fp16 rounding of the sum)."""
+    prog = WORKLOADS["fused_add_rmsnorm_linear"].program(hidden=48, out=40, dtype="float16")
+    m = _largest_surviving(prog, random_inputs(prog, 7, seed=0), "float16")
+    assert 0.89 * 32752 < m < 0.91 * 32752
