@@ -81,7 +81,7 @@ def loads(text: str | bytes, error: type[PrismError] = SGraphError, what: str = 
     except RecursionError:
         raise error(f"{what} is nested too deeply (limit {MAX_JSON_DEPTH})") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise error(f"{what} does not parse: {str(exc).splitlines()[0][:200]}") from None
+        raise error(f"{what} does not parse (not JSON): {str(exc).splitlines()[0][:200]}") from None
     check_depth(data, error, what)
     return data
 

@@ -105,11 +105,18 @@ def export_cmd(path: Path, registry: RegistryOpt = None, device: Annotated[str |
 
 @registry_app.command("import")
 def import_cmd(path: Path, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
-    """Validate every record of an export, then import them all in one transaction (or none)."""
-    with _opened(registry) as reg:
-        results = exchange.read_export(path)
-        with reg.write() as s:
-            n = exchange.import_results(s, results)
+    """Validate every record of an export, re-verify each here (egglog proof and numeric check), then
+    import them all in one transaction (or none). Imported kernels are `verified`, never `enabled`."""
+    from prism_serve.optimize.cli import interpret_unless_gpu
+    from prism_serve.registry.gate import admit
+    interpret_unless_gpu()
+    try:  # everything is checked before the registry is even opened
+        results = admit(exchange.read_export(path), imported=True)
+    except PrismError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    with _opened(registry) as reg, reg.write() as s:
+        n = exchange.import_results(s, results)
     typer.echo(json.dumps({"imported": n}) if as_json else f"imported {n} kernels from {path}")
 
 
