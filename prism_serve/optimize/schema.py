@@ -80,8 +80,10 @@ def loads(text: str | bytes, error: type[PrismError] = SGraphError, what: str = 
                           parse_constant=_constant)
     except RecursionError:
         raise error(f"{what} is nested too deeply (limit {MAX_JSON_DEPTH})") from None
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{what} does not parse (not JSON): {str(exc).splitlines()[0][:200]}") from None
+    except ValueError as exc:  # one of the hooks above refused a value
+        raise error(f"{what} is refused: {str(exc).splitlines()[0][:200]}") from None
     check_depth(data, error, what)
     return data
 

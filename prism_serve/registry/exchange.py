@@ -168,12 +168,13 @@ def parse_export(data: Any) -> list[KernelResult]:
 def kernel_record(k) -> dict[str, Any]:
     sources = [[s.model, s.layer_path] for s in k.program.sources]
     d = k.device
+    stored = lambda text: T.loads(text, E, f"kernel {k.id}: stored JSON")  # noqa: E731
     return {
-        "program": {"hash": k.program.hash, "ir": json.loads(k.program.ir_json), "sources": sources},
-        "sgraph": {"json": json.loads(k.sgraph.sgraph_json), "proof": k.sgraph.proof, "tests": k.sgraph.tests},
+        "program": {"hash": k.program.hash, "ir": stored(k.program.ir_json), "sources": sources},
+        "sgraph": {"json": stored(k.sgraph.sgraph_json), "proof": k.sgraph.proof, "tests": k.sgraph.tests},
         "device": {"kind": d.kind, "name": d.name, "compute_capability": d.compute_capability,
                    "sm_count": d.sm_count, "memory_bytes": d.memory_bytes},
-        "dtype": k.dtype, "bucket": [k.bucket_lo, k.bucket_hi], "params": json.loads(k.params_json),
+        "dtype": k.dtype, "bucket": [k.bucket_lo, k.bucket_hi], "params": stored(k.params_json),
         "versions": {"torch": k.torch_version, "triton": k.triton_version, "vllm": k.vllm_version,
                      "prism": k.prism_version, "codegen": k.codegen_version},
         "status": k.status, "reason": k.reason, "modeled_us": k.modeled_us, "measured_us": k.measured_us,
