@@ -133,7 +133,8 @@ def _check_stored(db: Path, injected: list[str]) -> None:
     reg.close()
 
 
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 30)), deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 30)), deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(example=mutated())
 def test_mutated_exports_are_refused_in_one_line_or_stored_verified(example):
     text, injected = example
