@@ -41,7 +41,7 @@ MAX_NODES = 1024
 MAX_KERNELS = 64
 MAX_INPUTS = 4
 MAX_JSON_DEPTH = 48
-MAX_INT_DIGITS = 19
+MAX_INT_DIGITS = 100  # larger ints reach the typed checks, which name the field
 
 
 # --- strict JSON -------------------------------------------------------------------
@@ -74,7 +74,7 @@ def _constant(text: str) -> float:
 
 def loads(text: str | bytes, error: type[PrismError] = SGraphError, what: str = "JSON") -> Any:
     """Parse untrusted JSON strictly: duplicate keys, NaN / Infinity, integers of more than
-    19 digits and nesting deeper than MAX_JSON_DEPTH are refused with `error` (one line)."""
+    100 digits and nesting deeper than MAX_JSON_DEPTH are refused with `error` (one line)."""
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_int, parse_float=_float,
                           parse_constant=_constant)
