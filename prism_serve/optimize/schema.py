@@ -333,6 +333,30 @@ def dim(value: Any, allowed: Collection[str], where: str):
         raise SGraphError(f"{where}: {exc}") from None
 
 
+# --- plans ----------------------------------------------------------------------------
+
+def plan_from_json(data: Any):
+    """A stored search plan (warmup re-instantiates it; what it builds is then proven and checked)."""
+    from prism_serve.optimize.lower import PLAN_VERSION, BlockChoice, Plan, SegmentPlan
+    E = SGraphError
+    fields(data, ("plan_version", "segments"), (), "plan JSON", E)
+    if data["plan_version"] != PLAN_VERSION or type(data["plan_version"]) is not int:
+        raise E(f"plan JSON has version {_show(data['plan_version'])}, expected {PLAN_VERSION}")
+    segments = []
+    for s in listed(data["segments"], 1, MAX_NODES, "plan JSON: 'segments'", E):
+        fields(s, ("start", "stop", "choice"), (), "plan segment", E)
+        choice = s["choice"]
+        if choice is not None:
+            fields(choice, ("grid", "loop", "split", "hoist"), (), "plan choice", E)
+            grid = tuple(name(g, "plan grid label", E) for g in listed(choice["grid"], 1, 3, "plan grid", E))
+            choice = BlockChoice(grid,
+                                 None if choice["loop"] is None else name(choice["loop"], "plan loop label", E),
+                                 boolean(choice["split"], "plan split", E), boolean(choice["hoist"], "plan hoist", E))
+        segments.append(SegmentPlan(int_in(s["start"], 0, MAX_NODES, "plan start", E),
+                                    int_in(s["stop"], 0, MAX_NODES, "plan stop", E), choice))
+    return Plan(tuple(segments))
+
+
 # --- kernel instances -------------------------------------------------------------------
 
 MAX_PARAM = 2**20
