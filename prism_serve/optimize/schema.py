@@ -159,8 +159,9 @@ def one_of(value: Any, allowed: Collection[str], where: str, error: type[PrismEr
     return value
 
 
-def listed(value: Any, lo: int, hi: int, where: str, error: type[PrismError]) -> list:
-    if type(value) is not list or not lo <= len(value) <= hi:
+def listed(value: Any, lo: int, hi: int, where: str, error: type[PrismError]) -> list | tuple:
+    """A JSON array (or, from memory, a tuple) of `lo` to `hi` items."""
+    if type(value) not in (list, tuple) or not lo <= len(value) <= hi:
         raise error(f"{where} must be a list of {lo} to {hi} items, got {_show(value)}")
     return value
 
