@@ -73,13 +73,14 @@ class NumericVerdict:
 
 
 def check_numerics(inst: Instance, dtype: str | None = None, *, tokens: tuple[int, ...] = CHECK_TOKENS,
-                   seed: int | None = None) -> NumericVerdict:
+                   seed: int | None = None, device: str = "cpu") -> NumericVerdict:
     """Run `inst`'s kernels through Triton with inputs in `dtype` (the program's by default):
     fresh random inputs at each of `tokens`, the last with two rows of zeros; then a few outlier
     channels at 1e4 and at the largest magnitude the reference survives. A case fails when an
     output overflows (inf) or turns NaN where the reference's output, in `dtype`, stays finite, or
     misses the dtype's tolerance against the exact (float64) reference where the float32 reference
-    does not. The check stops at the first failing case (each case is a run of the interpreter)."""
+    does not. The check stops at the first failing case (each case is a run of the interpreter).
+    The references run on the CPU; the kernels on `device` ("cpu": Triton's interpreter)."""
     inst = _retyped(inst, dtype) if dtype else inst
     prog = inst.sgraph.program
     dtype = prog.inputs[0].attr("dtype")
@@ -105,20 +106,20 @@ def check_numerics(inst: Instance, dtype: str | None = None, *, tokens: tuple[in
 
     cases: list[Case] = []
     for name, nt, inputs in plans():
-        cases.append(_run(inst, name, nt, inputs))
+        cases.append(_run(inst, name, nt, inputs, device))
         if cases[-1].failure:
             break
     return NumericVerdict(dtype, tuple(cases))
 
 
-def _run(inst: Instance, name: str, num_tokens: int, inputs: list[torch.Tensor]) -> Case:
+def _run(inst: Instance, name: str, num_tokens: int, inputs: list[torch.Tensor], device: str = "cpu") -> Case:
     prog = inst.sgraph.program
     dtype = prog.inputs[0].attr("dtype")
     ref, exact, overflowed = _references(prog, inputs)
-    out = [torch.full(r.shape, float("nan"), dtype=TORCH_DTYPES[prog.types[o].dtype])
+    out = [torch.full(r.shape, float("nan"), dtype=TORCH_DTYPES[prog.types[o].dtype], device=device)
            for r, o in zip(ref, prog.outputs)]
     with numpy.errstate(all="ignore"):  # padded rows of a masked tile may divide by zero
-        got = compile_instance(inst)(*inputs, out=out)
+        got = [g.cpu() for g in compile_instance(inst)(*(t.to(device) for t in inputs), out=out)]
     worst, failure, judged = 0.0, None, False
     for o, g, r, x in zip(prog.outputs, got, ref, exact):
         if overflowed or not _survived(prog, o, r, x):  # the reference fails here too: nothing to judge
