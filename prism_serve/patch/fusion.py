@@ -51,7 +51,7 @@ from prism_serve.patch import ops, patterns
 from prism_serve.patch.table import Table
 
 log = logging.getLogger("vllm.prism_serve")
-NAME = "fusion pass"
+NAME = "fusion pass (compiled mode)"
 
 # per process: graphs the pass ran on, and regions it replaced by kind (for tests and the doctor)
 RUNS: Counter = Counter()
@@ -157,7 +157,7 @@ class PrismFusionPass(_Base):
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return
         REPLACED.update(done)
-        log.info("prism-serve: fusion pass replaced %s", dict(done) or "no region")
+        log.debug("fusion pass replaced %s", dict(done) or "no region")  # the plugin's one line is said already
 
     def uuid(self) -> str:
         return hashlib.sha256(f"{_source_hash()}|{_signature(ops.STATE.table)}".encode()).hexdigest()

@@ -49,7 +49,7 @@ def test_the_pass_replaces_regions_inside_vllm_with_stock_tokens(runs):
     assert fused["tokens"] == stock["tokens"]
     # vLLM's CPU build compiles with Inductor in mode 2 and ran the pass the hook put in its config
     assert (fused["mode"], fused["backend"], fused["config_pass"]) == (2, "inductor", "PrismFusionPass")
-    assert stock["config_pass"] == "NoneType" and fused["installed"] == ["fusion pass"]
+    assert stock["config_pass"] == "NoneType" and fused["installed"] == ["fusion pass (compiled mode)"]
     assert fused["graphs"] >= 1
     # per graph: the first input norm, every later norm with its residual add, each MLP's activation
     assert fused["replaced"] == {"rms_norm": 1, "fused_add_rms_norm": 2 * layers, "silu_and_mul": layers}
