@@ -48,6 +48,7 @@ the process's dispatch table (`ops.STATE.table`) when it runs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -136,6 +137,7 @@ def rewrite(graph: fx.Graph, table: Table) -> Counter:
     return Counter({k: after[k] - before[k] for k in after if after[k] > before[k]})
 
 
+@functools.cache
 def _source_hash() -> str:
     h = hashlib.sha256()
     for mod in (patterns, ops):

@@ -226,6 +226,18 @@ def test_uuid_follows_the_table_keys_and_changes_vllms_compile_hash(monkeypatch)
     assert config_hash(a)[0] != config_hash(other)[0] and config_hash(a)[1] != config_hash(other)[1]
 
 
+def test_the_pass_travels_to_vllms_workers_and_copies():
+    # vLLM pickles its config to the engine and worker processes; VllmBackend deep-copies the pass
+    import copy
+    import pickle
+
+    from vllm.compilation.passes.inductor_pass import InductorPass
+    p = fusion.PrismFusionPass()
+    assert isinstance(p, InductorPass)  # vLLM's pass manager accepts only InductorPass
+    for q in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p)):
+        assert isinstance(q, fusion.PrismFusionPass) and q.uuid() == p.uuid()
+
+
 def test_the_pass_goes_where_inductor_compiles_and_leaves_a_users_pass_alone():
     from vllm.compilation.passes.inductor_pass import CallableInductorPass
     from vllm.config import CompilationConfig
