@@ -10,6 +10,9 @@
   run as one `prism::swiglu` kernel where the table has one for that layer; and in Llama and
   Qwen3 decoder layers, the input RMSNorm and qkv projection run as one `prism::rmsnorm_linear`.
 
+- In compiled mode, the fusion pass (`fusion.py`), which vLLM's config carries into Inductor:
+  regions matched by FX pattern and replaced by `prism::` ops where the table has a kernel.
+
 Each provider's `supports_args` accepts only calls the table has kernels for (dtype, size,
 epsilon, device); inside the op a num_tokens miss runs the next provider in vLLM's priority.
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from prism_serve.patch import ops
+from prism_serve.patch import fusion, ops
 from prism_serve.patch.table import Table
 
 PROVIDER = "prism"
@@ -356,7 +359,7 @@ def _install_norm_linear(table: Table, done: Installed) -> None:
         done.names.append(f"{cls_name} (rmsnorm_linear region)")
 
 
-HOOKS = (_install_ir, _install_silu, _install_regions, _install_norm_linear)
+HOOKS = (_install_ir, _install_silu, _install_regions, _install_norm_linear, fusion.install)
 
 
 def install(table: Table) -> Installed:

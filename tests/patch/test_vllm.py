@@ -115,7 +115,8 @@ def test_input_norm_and_qkv_projection_run_as_one_kernel_with_stock_tokens(runs,
 def test_one_log_line_says_what_was_patched(runs, model):
     prism, stock = runs[model, "prism"], runs[model, "stock"]
     assert prism["plugin"]["state"] == "patched"
-    assert prism["plugin"]["patched"] == ["vllm.ir.rms_norm", "vllm.ir.fused_add_rms_norm", "SiluAndMul"]
+    assert prism["plugin"]["patched"] == ["vllm.ir.rms_norm", "vllm.ir.fused_add_rms_norm", "SiluAndMul",
+                                          "fusion pass (compiled mode)"]
     assert len(prism["log_lines"]) == 1 and "patched vllm.ir.rms_norm" in prism["log_lines"][0]
     assert "8 enabled or verified (forced) kernels" in prism["log_lines"][0]
     assert len(stock["log_lines"]) == 1 and "disabled by PRISM_SERVE_DISABLE=1" in stock["log_lines"][0]
@@ -175,7 +176,8 @@ def test_faults_serve_stock_output_with_one_clear_line(fault_runs, runs, fault):
     assert len(result["log_lines"]) == 1, result["log_lines"]
     assert text in result["log_lines"][0], result["log_lines"][0]
     if fault == "kernel fails to compile":  # the norms still run; SiluAndMul stays vLLM's
-        assert result["plugin"]["patched"] == ["vllm.ir.rms_norm", "vllm.ir.fused_add_rms_norm"]
+        assert result["plugin"]["patched"] == ["vllm.ir.rms_norm", "vllm.ir.fused_add_rms_norm",
+                                               "fusion pass (compiled mode)"]
         assert result["runs"]["eager"]["kernel"]["silu_and_mul"] == 0
         assert result["runs"]["eager"]["kernel"]["rms_norm"] > 0
     else:
