@@ -103,7 +103,7 @@ def plan(url: str | None = None, device=None, device_type: str | None = None, fo
     from prism_serve.registry.errors import MissingRegistry, RegistryError
     from prism_serve.registry.store import explain, load_device
 
-    url = url or resolve_url()
+    url = resolve_url(url)
     where = describe(url)
     if device is None:
         from prism_serve.patch.device import current_device
@@ -114,8 +114,8 @@ def plan(url: str | None = None, device=None, device_type: str | None = None, fo
     statuses = ("enabled", "verified") if force else ("enabled",)
     try:
         reg = open_registry(url, readonly=True)
-    except MissingRegistry:
-        out.message = f"prism-serve: nothing patched: no registry at {describe(url)} (run `prism-serve warmup`)"
+    except MissingRegistry as exc:  # "no registry at PATH": the plugin never creates one
+        out.message = f"prism-serve: nothing patched: {_line(exc)} (run `prism-serve warmup`)"
         return out
     except RegistryError as exc:  # its message names the registry
         out.state, out.message = "error", f"prism-serve: nothing patched: cannot open the registry: {_line(exc)}"
