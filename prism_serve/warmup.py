@@ -211,6 +211,7 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
     from prism_serve.optimize.gpus import get_gpu
     from prism_serve.optimize.search import optimize
     from prism_serve.patch.table import CPU_BOUNDS_GPU
+    from prism_serve.registry.gate import admit
     from prism_serve.registry.store import KernelResult, add_kernels
 
     prog = region.program
@@ -266,6 +267,11 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
             tests={"small_instance_max_rel_error": best.numeric_error,
                    "vllm_max_rel_error": out.vllm_max_rel_error},
             sources=tuple((model, m) for m in region.modules), warmup_run_id=run_id))
+    try:
+        results = admit(results)  # the registry's gate: proven and checked at the stored instantiation
+    except PrismError as exc:
+        out.status, out.reason, out.verified = "failed", str(exc), False
+        return out
     with reg.write() as s:
         add_kernels(s, results)
     if timings:

@@ -24,14 +24,14 @@ def small_program(prog: Program, limit: int = SMALL_DIM) -> Program:
     return Program(prog.name, tuple(nodes), prog.outputs)
 
 
-def numeric_errors(inst: Instance, num_tokens: int, *, seed: int | None = None) -> list[float]:
+def numeric_errors(inst: Instance, num_tokens: int, *, seed: int | None = None, device: str = "cpu") -> list[float]:
     """Max error relative to max |reference| per output. Outputs are NaN-poisoned first, so an
     element the kernels leave unwritten shows up as an infinite error."""
     prog = inst.sgraph.program
     run = compile_instance(inst)
-    inputs = random_inputs(prog, num_tokens, seed=seed)
+    inputs = random_inputs(prog, num_tokens, seed=seed, device=device)
     ref = evaluate(prog, inputs)
-    out = [torch.full(r.shape, float("nan"), dtype=TORCH_DTYPES[prog.types[o].dtype])
+    out = [torch.full(r.shape, float("nan"), dtype=TORCH_DTYPES[prog.types[o].dtype], device=device)
            for r, o in zip(ref, prog.outputs)]
     got = run(*inputs, out=out)
     return [float("inf") if torch.isnan(g).any() else max_rel_error(g, r) for g, r in zip(got, ref)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from types import ModuleType
 
 from prism_serve.errors import CodegenError
 from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node
+from prism_serve.optimize.schema import NAME
 from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, tile_shape
 
 CODEGEN_VERSION = 2
@@ -36,7 +38,36 @@ def pow2(n: int) -> int:
 
 
 def ident(name: str) -> str:
-    return "v_" + re.sub(r"\W", "_", name)
+    """The generated variable of an IR name: ``v_`` and the name with each non-word character replaced."""
+    return "v_" + re.sub(r"\W", "_", label(name), flags=re.ASCII)
+
+
+# Generated source holds only these renderings of IR values: no string from an sGraph, its
+# Program or a registry row is pasted into it unless it passed the loader's name grammar.
+def typed(value, *types: type):
+    """`value` if its type is exactly one of `types` (floats finite), else CodegenError."""
+    if type(value) in types and not (type(value) is float and not math.isfinite(value)):
+        return value
+    raise CodegenError(f"refusing to render {type(value).__name__} {value!r:.40} into generated source "
+                       f"(expected {' or '.join(t.__name__ for t in types)})")
+
+
+def lit(value) -> str:
+    """The literal of an int, bool or finite float attribute."""
+    return repr(typed(value, int, bool, float))
+
+
+def label(name) -> str:
+    """A name (node, tensor, kernel, symbol) as it may appear in comments and messages."""
+    if type(name) is not str or not NAME.fullmatch(name):
+        raise CodegenError(f"refusing to render name {name!r:.40} into generated source")
+    return name
+
+
+def torch_dtype(dtype) -> str:
+    if dtype not in TL_DTYPES:
+        raise CodegenError(f"refusing to render dtype {dtype!r:.40} into generated source")
+    return f"torch.{dtype}"
 
 
 def interpreting() -> bool:
@@ -174,7 +205,7 @@ class _KernelWriter:
         var, op = ident(n.name), n.op
         srcs = [self.values[s] for s in n.inputs]
         if op == "const":
-            self.values[n.name] = Value(repr(n.attr("value")), (), ())
+            self.values[n.name] = Value(lit(typed(n.attr("value"), float)), (), ())
             return
         if op in ELEMENTWISE_BINARY:
             rank = max(len(s.dims) for s in srcs)
@@ -191,7 +222,7 @@ class _KernelWriter:
             self.emit(f"{var} = {UNARY[op].format(srcs[0].var)}", depth)
             self.values[n.name] = Value(var, srcs[0].dims, srcs[0].masks)
         elif op in ("sum", "mean", "max"):
-            v, dim, keep = srcs[0], n.attr("dim") % len(srcs[0].dims), n.attr("keepdim")
+            v, dim, keep = srcs[0], typed(n.attr("dim"), int) % len(srcs[0].dims), lit(typed(n.attr("keepdim"), bool))
             x = self._masked(v, dim, 'float("-inf")' if op == "max" else "0.0")
             fn = "tl.max" if op == "max" else "tl.sum"
             scale = f" * {1.0 / v.dims[dim]!r}" if op == "mean" else ""
@@ -205,7 +236,7 @@ class _KernelWriter:
             raise CodegenError(f"kernel '{self.k.name}': op {op!r} has no Triton rendering")
 
     def matmul(self, n: Node, a: Value, b: Value, depth: int) -> None:
-        var, tb = ident(n.name), n.attr("transpose_b")
+        var, tb = ident(n.name), typed(n.attr("transpose_b"), bool)
         if any(d != 1 for d in a.dims[:-2] + b.dims[:-2]):
             raise CodegenError(f"kernel '{self.k.name}' node '{n.name}': batched tiles are not supported; "
                                f"map the batch dims to the grid")
@@ -264,7 +295,7 @@ class _KernelWriter:
                 for n in k.nodes:
                     if n.op == "accum":
                         self.accum_init(n, 1)
-                self.emit(f"for it in range(0, {self.inst.values[k.forloop]}):", 1)
+                self.emit(f"for it in range(0, {lit(self.inst.values[k.forloop])}):", 1)
             for n in k.nodes:
                 stage = stages[n.name]
                 if n.op == "accum":
@@ -283,8 +314,8 @@ class _KernelWriter:
                     self.compute(n, depth)
         masks = [f"    {var} = {expr}" for expr, var in self.masks.items()]
         body = self.lines[body_start:]
-        grid = ", ".join(f"{a.symbol}={self.inst.values[a.symbol]}" for a in k.grid)
-        loop = f", loop {k.forloop}={self.inst.values[k.forloop]}" if k.forloop else ""
+        grid = ", ".join(f"{label(a.symbol)}={lit(self.inst.values[a.symbol])}" for a in k.grid)
+        loop = f", loop {label(k.forloop)}={lit(self.inst.values[k.forloop])}" if k.forloop else ""
         header = ["@triton.jit", f"def {self.kname}({', '.join(self.params())}):",
                   f"    # grid ({grid}){loop}"]
         return header + body[:len(k.grid)] + masks + body[len(k.grid):]
@@ -303,13 +334,14 @@ def _library_line(op: Node) -> str:
         return f"{out} = {TORCH_UNARY[op.op].format(x[0])}"
     if op.op in ("sum", "mean", "max"):
         fn = {"sum": "torch.sum", "mean": "torch.mean", "max": "torch.amax"}[op.op]
-        return f"{out} = {fn}({x[0]}, dim={op.attr('dim')}, keepdim={op.attr('keepdim')})"
+        return f"{out} = {fn}({x[0]}, dim={lit(typed(op.attr('dim'), int))}, " \
+               f"keepdim={lit(typed(op.attr('keepdim'), bool))})"
     if op.op == "matmul":
-        b = f"{x[1]}.transpose(-1, -2)" if op.attr("transpose_b") else x[1]
+        b = f"{x[1]}.transpose(-1, -2)" if typed(op.attr("transpose_b"), bool) else x[1]
         return f"{out} = torch.matmul({x[0]}, {b})"
     if op.op == "rms_norm":
         w = x[1] if len(x) > 1 else "None"
-        return f"{out} = torch.nn.functional.rms_norm({x[0]}, ({x[0]}.shape[-1],), {w}, {op.attr('eps')!r})"
+        return f"{out} = torch.nn.functional.rms_norm({x[0]}, ({x[0]}.shape[-1],), {w}, {lit(typed(op.attr('eps'), float))})"
     raise CodegenError(f"library op {op.op!r} has no torch rendering")
 
 
@@ -322,8 +354,8 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
     half = next((d for d in ("float16", "bfloat16") if d in dtypes), None)
     # The interpreter multiplies bf16 operands of tl.dot wrongly: keep dot operands fp32 there.
     dot_dtype = TL_DTYPES[half] if half and not interpret else "tl.float32"
-    values = ", ".join(f"{k}={v}" for k, v in inst.assignment)
-    out = [f'"""Generated by prism-serve codegen v{CODEGEN_VERSION} for sGraph {g.name!r} '
+    values = ", ".join(f"{label(k)}={lit(v)}" for k, v in inst.assignment)
+    out = [f'"""Generated by prism-serve codegen v{CODEGEN_VERSION} for sGraph {label(g.name)!r} '
            f'(program {prog.canonical_hash}) on {inst.gpu}: {values}."""',
            "import torch", "import triton", "import triton.language as tl", ""]
     writers = {}
@@ -335,28 +367,29 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
     token_inputs = [(n.name, n.attr("shape").index(NUM_TOKENS)) for n in prog.inputs if NUM_TOKENS in n.attr("shape")]
     args = ", ".join(ident(n.name) for n in prog.inputs)
     out.append(f"def run({args}, *, out=None):")
-    out.append(f'    """Compute {", ".join(prog.outputs)} of {prog.name!r}; `out` may give preallocated outputs."""')
+    out.append(f'    """Compute {", ".join(map(label, prog.outputs))} of {label(prog.name)!r}; '
+               f'`out` may give preallocated outputs."""')
     if token_inputs:
         name, dim = token_inputs[0]
         out.append(f"    n_tokens = {ident(name)}.shape[{dim}]")
     else:
         out.append("    n_tokens = 0")
     for n in prog.inputs:
-        shape = ", ".join("n_tokens" if d == NUM_TOKENS else str(d) for d in n.attr("shape"))
+        shape = ", ".join("n_tokens" if d == NUM_TOKENS else lit(typed(d, int)) for d in n.attr("shape"))
         out.append(f"    if tuple({ident(n.name)}.shape) != ({shape},):")
-        out.append(f"        raise ValueError(f\"input {n.name!r}: expected shape ({shape},), "
+        out.append(f"        raise ValueError(f\"input {label(n.name)!r}: expected shape ({shape},), "
                    f"got {{tuple({ident(n.name)}.shape)}}\")")
     device = ident(prog.inputs[0].name) + ".device"
     for i, o in enumerate(prog.outputs):
         shape = _shape_code(inst, o)
-        dt = f"torch.{g.tensors[o].dtype}"
+        dt = torch_dtype(g.tensors[o].dtype)
         if any(isinstance(k, BlockKernel) and o in (s.attr("tensor") for s in k.stores) for k in g.kernels):
             out.append(f"    {ident(o)} = out[{i}] if out is not None else torch.empty({shape}, dtype={dt}, "
                        f"device={device})")
     for t in g.intermediates:
         if any(isinstance(k, BlockKernel) and t.name in (s.attr("tensor") for s in k.stores) for k in g.kernels):
             out.append(f"    {ident(t.name)} = torch.empty({_shape_code(inst, t.name)}, "
-                       f"dtype=torch.{t.dtype}, device={device})")
+                       f"dtype={torch_dtype(t.dtype)}, device={device})")
     for k in g.kernels:
         if isinstance(k, LibraryKernel):
             out.append("    " + _library_line(k.op))
@@ -366,8 +399,8 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
                 out.append(f"        {ident(k.op.name)} = out[{i}].copy_({ident(k.op.name)})")
             continue
         w = writers[k.name]
-        grid = ", ".join(f"triton.cdiv(n_tokens, {inst.values[a.symbol]})" if a.over_tokens
-                         else str(inst.values[a.symbol]) for a in k.grid)
+        grid = ", ".join(f"triton.cdiv(n_tokens, {lit(inst.values[a.symbol])})" if a.over_tokens
+                         else lit(inst.values[a.symbol]) for a in k.grid)
         call = []
         for t in w.tensors:
             call.append(ident(t))

@@ -227,37 +227,9 @@ class Program:
 
     @staticmethod
     def from_json(data: Any) -> "Program":
-        """Parse a program; any malformation raises ProgramError with a precise reason."""
-        if isinstance(data, (str, bytes)):
-            try:
-                data = json.loads(data)
-            except json.JSONDecodeError as exc:
-                raise ProgramError(f"program JSON does not parse: {exc}") from None
-        if not isinstance(data, dict):
-            raise ProgramError("program JSON must be an object")
-        missing = {"ir_version", "name", "nodes", "outputs"} - set(data)
-        if missing:
-            raise ProgramError(f"program JSON lacks fields: {sorted(missing)}")
-        if data["ir_version"] != IR_VERSION:
-            raise ProgramError(f"program JSON has ir_version {data['ir_version']!r}, expected {IR_VERSION}")
-        if not isinstance(data["nodes"], list) or not isinstance(data["outputs"], list):
-            raise ProgramError("program JSON: 'nodes' and 'outputs' must be lists")
-        nodes = []
-        for i, raw in enumerate(data["nodes"]):
-            if not isinstance(raw, dict) or not {"name", "op"} <= set(raw):
-                raise ProgramError(f"program JSON: node #{i} must be an object with 'name' and 'op'")
-            inputs, attrs = raw.get("inputs", []), raw.get("attrs", {})
-            if not isinstance(inputs, list) or not all(isinstance(s, str) for s in inputs):
-                raise ProgramError(f"node '{raw['name']}': 'inputs' must be a list of names")
-            if not isinstance(attrs, dict):
-                raise ProgramError(f"node '{raw['name']}': 'attrs' must be an object")
-            attrs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in attrs.items()}
-            if isinstance(attrs.get("eps"), int) and not isinstance(attrs.get("eps"), bool):
-                attrs["eps"] = float(attrs["eps"])
-            if isinstance(attrs.get("value"), int) and not isinstance(attrs.get("value"), bool):
-                attrs["value"] = float(attrs["value"])
-            nodes.append(Node(str(raw["name"]), str(raw["op"]), tuple(inputs), tuple(sorted(attrs.items()))))
-        return Program(str(data["name"]), tuple(nodes), tuple(map(str, data["outputs"])))
+        """Parse untrusted JSON against the schema (`optimize.schema`); errors name the field."""
+        from prism_serve.optimize.schema import program_from_json
+        return program_from_json(data)
 
 
 def bind_shape(shape: Shape, num_tokens: int) -> tuple[int, ...]:

@@ -26,9 +26,7 @@ and the last block is masked. Every other division must be exact.
 from __future__ import annotations
 
 import functools
-import json
 import math
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
@@ -37,8 +35,9 @@ from typing import Any, Callable, Mapping
 import sympy
 
 from prism_serve.errors import ProgramError, SGraphError
+from prism_serve.optimize.dims import parse_dim, render
 from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, TensorType, infer_type, node
+from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, TensorType, infer_type
 
 SGRAPH_VERSION = 1
 TOKENS = sympy.Symbol(NUM_TOKENS, positive=True, integer=True)
@@ -56,13 +55,9 @@ def to_expr(dim: Any) -> Expr:
         return dim
     if isinstance(dim, int):
         return sympy.Integer(dim)
-    if isinstance(dim, str):
-        return sympy.sympify(dim, locals={s: sym(s) for s in _names_in(dim)})
+    if isinstance(dim, str):  # parsed by the dim grammar, never evaluated
+        return parse_dim(dim, sym)
     raise SGraphError(f"invalid dim {dim!r}")
-
-
-def _names_in(text: str) -> set[str]:
-    return set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
 
 
 @dataclass(frozen=True)
@@ -175,43 +170,20 @@ class SGraph:
                     "grid": [{"symbol": a.symbol, "over_tokens": a.over_tokens} for a in k.grid],
                     "nodes": [_node_json(n) for n in k.nodes]}
         return {"sgraph_version": SGRAPH_VERSION, "name": self.name, "program": self.program.to_json(),
-                "intermediates": [{"name": t.name, "shape": [str(d) for d in t.shape], "dtype": t.dtype}
+                "intermediates": [{"name": t.name, "shape": [render(d) for d in t.shape], "dtype": t.dtype}
                                   for t in self.intermediates],
                 "kernels": [kernel_json(k) for k in self.kernels]}
 
     @staticmethod
     def from_json(data: Any) -> "SGraph":
-        if isinstance(data, (str, bytes)):
-            try:
-                data = json.loads(data)
-            except json.JSONDecodeError as exc:
-                raise SGraphError(f"sGraph JSON does not parse: {exc}") from None
-        try:
-            if data["sgraph_version"] != SGRAPH_VERSION:
-                raise SGraphError(f"sGraph JSON has version {data['sgraph_version']!r}, expected {SGRAPH_VERSION}")
-            kernels: list[Kernel] = []
-            for k in data["kernels"]:
-                if k["kind"] == "library":
-                    kernels.append(LibraryKernel(_node_from_json(k["op"])))
-                else:
-                    grid = tuple(GridAxis(a["symbol"], bool(a["over_tokens"])) for a in k["grid"])
-                    kernels.append(BlockKernel(k["name"], grid, k["forloop"],
-                                               tuple(_node_from_json(n) for n in k["nodes"])))
-            inter = tuple(TensorDecl(t["name"], tuple(to_expr(d) for d in t["shape"]), t["dtype"])
-                          for t in data["intermediates"])
-            return SGraph(data["name"], Program.from_json(data["program"]), inter, tuple(kernels))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise SGraphError(f"malformed sGraph JSON: {type(exc).__name__}: {exc}") from None
+        """Parse untrusted JSON against the schema (`optimize.schema`); errors name the field."""
+        from prism_serve.optimize.schema import sgraph_from_json
+        return sgraph_from_json(data)
 
 
 def _node_json(n: Node) -> dict:
     return {"name": n.name, "op": n.op, "inputs": list(n.inputs),
             "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in n.attrs}}
-
-
-def _node_from_json(d: dict) -> Node:
-    attrs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.get("attrs", {}).items()}
-    return node(d["name"], d["op"], *d.get("inputs", []), **attrs)
 
 
 def _fail(where: str, msg: str) -> SGraphError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -11,6 +12,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from prism_serve.errors import PrismError
 from prism_serve.registry import exchange, store
@@ -51,10 +53,29 @@ def _opened(location: str | None, readonly: bool = False) -> Iterator[Registry]:
         reg.close()
 
 
+def _escaped(c: str) -> str:
+    if c == " " or unicodedata.category(c)[0] not in "CZ":  # control, format, separator
+        return c
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
+
+
+def shown(value: object) -> Text:
+    """A table cell: stored text with control and format characters escaped (a reason from a
+    registry or an export may carry terminal escape sequences) and never read as rich markup."""
+    return Text("".join(map(_escaped, value if isinstance(value, str) else json.dumps(value))))
+
+
+def _params(k) -> dict | str:
+    try:
+        return store.decode_params(k)
+    except PrismError as exc:
+        return f"invalid: {exc}"
+
+
 def _row(k) -> dict:
     return {"id": k.id, "program": k.program.name, "program_hash": k.program.hash, "sgraph": k.sgraph.name,
             "device": k.device.fingerprint, "dtype": k.dtype, "bucket": [k.bucket_lo, k.bucket_hi],
-            "params": store.decode_params(k), "measured_us": k.measured_us, "modeled_us": k.modeled_us,
+            "params": _params(k), "measured_us": k.measured_us, "modeled_us": k.modeled_us,
             "baseline": k.baseline, "baseline_us": k.baseline_us, "speedup": k.speedup, "status": k.status,
             "reason": k.reason, "codegen_version": k.codegen_version}
 
@@ -78,9 +99,9 @@ def list_cmd(registry: RegistryOpt = None, device: Annotated[str | None, typer.O
     for col in ("id", "program", "hash", "device", "dtype", "tokens", "us", "speedup", "status", "reason"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["id"]), r["program"], r["program_hash"][:10], r["device"], r["dtype"],
-                      f"{r['bucket'][0]}-{r['bucket'][1]}", _fmt(r["measured_us"] or r["modeled_us"]),
-                      _fmt(r["speedup"]) + ("x" if r["speedup"] else ""), r["status"], r["reason"])
+        table.add_row(*map(shown, (str(r["id"]), r["program"], r["program_hash"][:10], r["device"], r["dtype"],
+                                   f"{r['bucket'][0]}-{r['bucket'][1]}", _fmt(r["measured_us"] or r["modeled_us"]),
+                                   _fmt(r["speedup"]) + ("x" if r["speedup"] else ""), r["status"], r["reason"])))
     _console().print(table)
 
 
@@ -99,7 +120,7 @@ def show(kernel_id: int, registry: RegistryOpt = None, as_json: JsonOpt = False)
         return
     table = Table(title=f"kernel {kernel_id}", show_header=False)
     for key, value in row.items():
-        table.add_row(key, value if isinstance(value, str) else json.dumps(value))
+        table.add_row(key, shown(value))
     _console().print(table)
 
 
@@ -114,11 +135,18 @@ def export_cmd(path: Path, registry: RegistryOpt = None, device: Annotated[str |
 
 @registry_app.command("import")
 def import_cmd(path: Path, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
-    """Validate every record of an export, then import them all in one transaction (or none)."""
-    with _opened(registry) as reg:
-        results = exchange.read_export(path)
-        with reg.write() as s:
-            n = exchange.import_results(s, results)
+    """Validate every record of an export, re-verify each here (egglog proof and numeric check), then
+    import them all in one transaction (or none). Imported kernels are `verified`, never `enabled`."""
+    from prism_serve.optimize.cli import interpret_unless_gpu
+    from prism_serve.registry.gate import admit
+    interpret_unless_gpu()
+    try:  # everything is checked before the registry is even opened
+        results = admit(exchange.read_export(path), imported=True)
+    except PrismError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    with _opened(registry) as reg, reg.write() as s:
+        n = exchange.import_results(s, results)
     typer.echo(json.dumps({"imported": n}) if as_json else f"imported {n} kernels from {path}")
 
 
@@ -178,5 +206,5 @@ def doctor(registry: RegistryOpt = None, device: Annotated[str | None, typer.Opt
         return
     table = Table(title="prism-serve registry doctor", show_header=False)
     for key, value in report.items():
-        table.add_row(key, value if isinstance(value, str) else json.dumps(value))
+        table.add_row(key, shown(value))
     _console().print(table)

@@ -1,10 +1,11 @@
 """Portable JSON export and validated, atomic import.
 
-An export is data only. Every record is checked before anything is written: its
-fields and their types, the program hash against its IR, the sGraph against the
-program, and every string of the IR and sGraph against a strict alphabet, so a
-field carrying Python source (which sympy or the code generator might otherwise
-evaluate or render) is refused. The import then runs as one transaction.
+An export is untrusted data. Every record is parsed into typed values before anything is
+written (`optimize.schema` for the IR and the sGraph, the field table below for the rest):
+strict JSON (no duplicate keys, no NaN / Infinity, bounded integers and nesting), no unknown
+fields, ints within the columns' ranges, names and versions from small grammars, text without
+control characters, the program hash checked against its IR, and no record twice. Import then
+re-verifies what it brings in (`registry.gate`) and writes it all in one transaction, or none.
 """
 
 from __future__ import annotations
@@ -17,150 +18,163 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from prism_serve.errors import PrismError
-from prism_serve.optimize.ir import Program
+from prism_serve.optimize import schema as T
+from prism_serve.optimize.ir import DTYPES, Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.registry.errors import RegistryError
-from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, add_kernel, canonical_json, list_kernels
+from prism_serve.registry.models import DEVICE_KINDS, STATUSES
+from prism_serve.registry.store import (
+    DeviceInfo,
+    KernelResult,
+    Versions,
+    add_kernel,
+    canonical_json,
+    check_result,
+    list_kernels,
+)
 
 FORMAT = "prism-serve-registry"
 EXPORT_VERSION = 1
-# Names and dims in IR / sGraph JSON: identifiers, numbers and arithmetic, nothing else.
-SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.+\-*/() ]{0,200}")
-SAFE_TEXT = re.compile(r"[^\n\r\x00]{0,1000}")
-CODE_HINTS = ("__", "import ", "lambda", "exec(", "eval(", "compile(", "open(", "getattr(")
-NUMBER = (int, float)
+MAX_EXPORT_BYTES = 1 << 28
+MAX_RECORDS = 100_000
+MAX_TOKENS = 2**31 - 1  # the bucket columns are 32-bit
+MAX_US = 1e12
+HASH = re.compile(r"[0-9a-f]{16,64}")
+DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
+CAPABILITY = re.compile(r"[0-9]{1,2}\.[0-9]{1,2}")
+VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]{0,39}")
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069]")
+E = RegistryError
 
-RECORD_FIELDS: dict[str, tuple[type, ...]] = {
-    "program": (dict,), "sgraph": (dict,), "device": (dict,), "dtype": (str,), "bucket": (list,),
-    "params": (dict,), "versions": (dict,), "status": (str,), "reason": (str,),
-}
-OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {
-    "modeled_us": NUMBER, "measured_us": NUMBER, "baseline": (str,), "baseline_us": NUMBER,
-}
-PROGRAM_FIELDS = {"hash": (str,), "ir": (dict,), "sources": (list,)}
-SGRAPH_FIELDS = {"json": (dict,), "proof": (dict,), "tests": (dict,)}
-DEVICE_FIELDS = {"kind": (str,), "name": (str,)}
-DEVICE_OPTIONAL = {"compute_capability": (str,), "sm_count": (int,), "memory_bytes": (int,)}
-VERSION_FIELDS = {"torch": (str,), "triton": (str,), "prism": (str,), "codegen": (int,)}
-VERSION_OPTIONAL = {"vllm": (str,)}
+RECORD_FIELDS = ("program", "sgraph", "device", "dtype", "bucket", "params", "versions", "status", "reason")
+OPTIONAL_FIELDS = ("modeled_us", "measured_us", "baseline", "baseline_us")
 
 
-def _looks_like_code(text: str) -> bool:
-    return any(h in text for h in CODE_HINTS)
+def free_text(value: Any, limit: int, where: str) -> str:
+    """Free text (a reason, a model or layer path): a string without control characters."""
+    if type(value) is not str or len(value) > limit or CONTROL.search(value):
+        raise E(f"{where} must be text of at most {limit} characters without control characters, "
+                f"got {value!r:.60}")
+    return value
 
 
-def _fields(obj: dict, required: dict, optional: dict, where: str) -> None:
-    for key, types in required.items():
-        if key not in obj:
-            raise RegistryError(f"{where}: missing field {key!r}")
-    for key, types in (required | optional).items():
-        value = obj.get(key)
-        if key not in required and value is None:
-            continue
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            names = " or ".join(t.__name__ for t in types)
-            raise RegistryError(f"{where}: field {key!r} must be {names}, got {type(value).__name__} {value!r:.60}")
-    extra = set(obj) - set(required) - set(optional)
-    if extra:
-        raise RegistryError(f"{where}: unknown fields {sorted(extra)}")
+def matching(value: Any, pattern: re.Pattern, where: str) -> str:
+    if type(value) is not str or not pattern.fullmatch(value):
+        raise E(f"{where} must match {pattern.pattern}, got {value!r:.60}")
+    return value
 
 
-def check_strings(data: Any, where: str, pattern: re.Pattern = SAFE_TOKEN) -> None:
-    """Every string (keys included) under `data` must match `pattern` and not look like code."""
-    if isinstance(data, str):
-        if not pattern.fullmatch(data) or _looks_like_code(data):
-            raise RegistryError(f"{where}: refusing string {data!r:.80}: only names, numbers and arithmetic "
-                                f"are allowed here (the registry holds data, never code)")
-    elif isinstance(data, dict):
-        for key, value in data.items():
-            check_strings(key, where, pattern)
-            check_strings(value, where, pattern)
-    elif isinstance(data, list):
-        for value in data:
-            check_strings(value, where, pattern)
-    elif data is not None and not isinstance(data, (int, float, bool)):
-        raise RegistryError(f"{where}: unexpected value of type {type(data).__name__}")
+def _optional(value: Any, check, *args) -> Any:
+    return None if value is None else check(value, *args)
 
 
-def check_sgraph_json(data: Any, where: str) -> None:
-    if not isinstance(data, dict):
-        raise RegistryError(f"{where}: sGraph JSON must be an object")
-    check_strings(data, f"{where}: sGraph")
+def _device(d: Any, where: str) -> DeviceInfo:
+    T.fields(d, ("kind", "name"), ("compute_capability", "sm_count", "memory_bytes"), where, E)
+    return DeviceInfo(T.one_of(d["kind"], DEVICE_KINDS, f"{where}.kind", E),
+                      matching(d["name"], DEVICE_NAME, f"{where}.name"),
+                      _optional(d.get("compute_capability"), matching, CAPABILITY, f"{where}.compute_capability"),
+                      _optional(d.get("sm_count"), T.int_in, 1, 100_000, f"{where}.sm_count", E),
+                      _optional(d.get("memory_bytes"), T.int_in, 0, 2**50, f"{where}.memory_bytes", E))
+
+
+def _versions(v: Any, where: str) -> Versions:
+    T.fields(v, ("torch", "triton", "prism", "codegen"), ("vllm",), where, E)
+    return Versions(*(matching(v[k], VERSION, f"{where}.{k}") for k in ("torch", "triton")),
+                    _optional(v.get("vllm"), matching, VERSION, f"{where}.vllm"),
+                    matching(v["prism"], VERSION, f"{where}.prism"),
+                    T.int_in(v["codegen"], 0, 10**6, f"{where}.codegen", E))
+
+
+def _sources(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for s in T.listed(value, 0, 10_000, where, E):
+        if type(s) is not list or len(s) != 2:
+            raise E(f"{where}: must be a list of [model, layer path] pairs, got {s!r:.60}")
+        out.append((free_text(s[0], 300, f"{where} model"), free_text(s[1], 300, f"{where} layer path")))
+    return tuple(dict.fromkeys(out))
 
 
 def record_to_result(rec: Any, where: str) -> KernelResult:
-    """Validate one export record completely and turn it into a KernelResult."""
-    if not isinstance(rec, dict):
-        raise RegistryError(f"{where}: must be an object, got {type(rec).__name__}")
-    _fields(rec, RECORD_FIELDS, OPTIONAL_FIELDS, where)
-    prog, sg, dev, ver = rec["program"], rec["sgraph"], rec["device"], rec["versions"]
-    _fields(prog, PROGRAM_FIELDS, {}, f"{where}.program")
-    _fields(sg, SGRAPH_FIELDS, {}, f"{where}.sgraph")
-    _fields(dev, DEVICE_FIELDS, DEVICE_OPTIONAL, f"{where}.device")
-    _fields(ver, VERSION_FIELDS, VERSION_OPTIONAL, f"{where}.versions")
-    check_strings(prog["ir"], f"{where}.program.ir")
-    check_sgraph_json(sg["json"], f"{where}.sgraph.json")
-    check_strings(rec["params"], f"{where}.params")
-    for key in ("dtype", "status", "baseline"):
-        check_strings(rec.get(key), f"{where}.{key}")
-    check_strings([dev, ver], f"{where}.device/versions")
-    for key, text in (("reason", rec["reason"]), ("sources", prog["sources"])):
-        check_strings(text, f"{where}.{key}", SAFE_TEXT)
-    if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(x, str) for x in s) for s in prog["sources"]):
-        raise RegistryError(f"{where}.program.sources: must be a list of [model, layer path] pairs")
-    bucket = rec["bucket"]
-    if len(bucket) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in bucket):
-        raise RegistryError(f"{where}.bucket: must be [lo, hi] ints, got {bucket!r}")
+    """Parse one export record into typed values and a KernelResult (as claimed: the gate then
+    re-verifies it and decides its status)."""
+    T.fields(rec, RECORD_FIELDS, OPTIONAL_FIELDS, where, E)
+    prog, sg = rec["program"], rec["sgraph"]
+    T.fields(prog, ("hash", "ir", "sources"), (), f"{where}.program", E)
+    T.fields(sg, ("json", "proof", "tests"), (), f"{where}.sgraph", E)
+    for key in ("proof", "tests"):  # claims: replaced by the gate's own findings
+        if not isinstance(sg[key], dict):
+            raise E(f"{where}.sgraph.{key} must be an object")
+    bucket = T.listed(rec["bucket"], 2, 2, f"{where}.bucket", E)
+    lo, hi = (T.int_in(b, 1, MAX_TOKENS, f"{where}.bucket", E) for b in bucket)
+    if lo > hi:
+        raise E(f"{where}.bucket: [{lo}, {hi}] must have lo <= hi")
+    for key in ("modeled_us", "measured_us", "baseline_us"):
+        _optional(rec.get(key), T.float_in, 0.0, MAX_US, f"{where}.{key}", E)
     try:
         program = Program.from_json(prog["ir"])
         sgraph = SGraph.from_json(sg["json"])
     except PrismError as exc:
-        raise RegistryError(f"{where}: {exc}") from None
-    if program.canonical_hash != prog["hash"]:
-        raise RegistryError(f"{where}.program.hash: {prog['hash']!r} is not the hash of its IR "
-                            f"({program.canonical_hash})")
+        raise E(f"{where}: {exc}") from None
+    stated = matching(prog["hash"], HASH, f"{where}.program.hash")
+    if program.canonical_hash != stated:
+        raise E(f"{where}.program.hash: {stated!r} is not the hash of its IR ({program.canonical_hash})")
     result = KernelResult(
-        program=program, sgraph=sgraph, device=DeviceInfo(**dev), dtype=rec["dtype"], bucket=(bucket[0], bucket[1]),
-        params=rec["params"], versions=Versions(**({"vllm": None} | ver)), status=rec["status"],
-        reason=rec["reason"], modeled_us=rec.get("modeled_us"), measured_us=rec.get("measured_us"),
-        baseline=rec.get("baseline"), baseline_us=rec.get("baseline_us"), proof=sg["proof"], tests=sg["tests"],
-        sources=tuple((a, b) for a, b in prog["sources"]))
-    from prism_serve.registry.store import check_result
+        program=program, sgraph=sgraph, device=_device(rec["device"], f"{where}.device"),
+        dtype=T.one_of(rec["dtype"], DTYPES, f"{where}.dtype", E), bucket=(lo, hi),
+        params=T.params_from_json(rec["params"], f"{where}.params", E),
+        versions=_versions(rec["versions"], f"{where}.versions"),
+        status=T.one_of(rec["status"], STATUSES, f"{where}.status", E), reason=free_text(rec["reason"], 1000, f"{where}.reason"),
+        modeled_us=rec.get("modeled_us"), measured_us=rec.get("measured_us"),
+        baseline=_optional(rec.get("baseline"), T.name, f"{where}.baseline", E), baseline_us=rec.get("baseline_us"),
+        proof=sg["proof"], tests=sg["tests"], sources=_sources(prog["sources"], f"{where}.program.sources"))
     try:
         check_result(result)
     except RegistryError as exc:
-        raise RegistryError(f"{where}: {exc}") from None
+        raise E(f"{where}: {exc}") from None
     return result
 
 
+def record_key(r: KernelResult) -> tuple:
+    """What makes two records the same kernel (the registry's unique key)."""
+    return (r.program.canonical_hash, canonical_json(r.sgraph.to_json()), r.device.fingerprint, r.dtype, r.bucket,
+            canonical_json(r.params))
+
+
 def parse_export(data: Any) -> list[KernelResult]:
-    """Validate a whole export document; raises on the first bad record, naming it."""
+    """Validate a whole export document (text or parsed); raises on the first bad record, naming it."""
     if isinstance(data, (str, bytes)):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise RegistryError(f"export file is not JSON: {exc}") from None
+        data = T.loads(data, RegistryError, "export file")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise RegistryError(f"not a prism-serve registry export (expected \"format\": {FORMAT!r})")
+        raise E(f"not a prism-serve registry export (expected \"format\": {FORMAT!r})")
     version = data.get("export_version")
-    if version != EXPORT_VERSION:
-        raise RegistryError(f"export has export_version {version!r}; this prism-serve reads version "
-                            f"{EXPORT_VERSION}")
-    records = data.get("records")
-    if not isinstance(records, list):
-        raise RegistryError("export: 'records' must be a list")
-    return [record_to_result(rec, f"record #{i}") for i, rec in enumerate(records)]
+    if version != EXPORT_VERSION or type(version) is not int:
+        raise E(f"export has export_version {version!r:.40}; this prism-serve reads version {EXPORT_VERSION}")
+    T.fields(data, ("format", "export_version", "records"), ("schema_revision",), "export", E)
+    if not isinstance(data["records"], list):
+        raise E("export: 'records' must be a list")
+    records = T.listed(data["records"], 0, MAX_RECORDS, "export: 'records'", E)
+    results, seen = [], {}
+    for i, rec in enumerate(records):
+        r = record_to_result(rec, f"record #{i}")
+        key = record_key(r)
+        if key in seen:
+            raise E(f"record #{i} repeats record #{seen[key]} (same program, sGraph, device, dtype, bucket and "
+                    f"params)")
+        seen[key] = i
+        results.append(r)
+    return results
 
 
 def kernel_record(k) -> dict[str, Any]:
     sources = [[s.model, s.layer_path] for s in k.program.sources]
     d = k.device
+    stored = lambda text: T.loads(text, E, f"kernel {k.id}: stored JSON")  # noqa: E731
     return {
-        "program": {"hash": k.program.hash, "ir": json.loads(k.program.ir_json), "sources": sources},
-        "sgraph": {"json": json.loads(k.sgraph.sgraph_json), "proof": k.sgraph.proof, "tests": k.sgraph.tests},
+        "program": {"hash": k.program.hash, "ir": stored(k.program.ir_json), "sources": sources},
+        "sgraph": {"json": stored(k.sgraph.sgraph_json), "proof": k.sgraph.proof, "tests": k.sgraph.tests},
         "device": {"kind": d.kind, "name": d.name, "compute_capability": d.compute_capability,
                    "sm_count": d.sm_count, "memory_bytes": d.memory_bytes},
-        "dtype": k.dtype, "bucket": [k.bucket_lo, k.bucket_hi], "params": json.loads(k.params_json),
+        "dtype": k.dtype, "bucket": [k.bucket_lo, k.bucket_hi], "params": stored(k.params_json),
         "versions": {"torch": k.torch_version, "triton": k.triton_version, "vllm": k.vllm_version,
                      "prism": k.prism_version, "codegen": k.codegen_version},
         "status": k.status, "reason": k.reason, "modeled_us": k.modeled_us, "measured_us": k.measured_us,
@@ -190,10 +204,13 @@ def import_results(session: Session, results: list[KernelResult]) -> int:
 
 def read_export(path: str | Path) -> list[KernelResult]:
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RegistryError(f"cannot read export {path}: {exc}") from None
-    return parse_export(text)
+        size = Path(path).stat().st_size
+        if size > MAX_EXPORT_BYTES:
+            raise E(f"export {path} is {size} bytes, over the {MAX_EXPORT_BYTES} this prism-serve reads")
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise E(f"cannot read export {path}: {exc}") from None
+    return parse_export(data)
 
 
 __all__ = [

@@ -407,17 +407,17 @@ def finish_warmup(session: Session, run_id: int, status: str, summary: dict[str,
 
 
 def decode_params(k: Kernel) -> dict[str, int]:
-    return json.loads(k.params_json)
+    """The stored instantiation, parsed as typed values (`optimize.schema`)."""
+    from prism_serve.optimize.schema import params_from_json
+    return params_from_json(k.params_json, f"kernel {k.id}", RegistryError)
 
 
 def decode_sgraph(k: Kernel) -> SGraph:
-    """Rebuild the stored sGraph; Triton source is then regenerated from it (never read from the store)."""
-    from prism_serve.registry.exchange import check_sgraph_json
+    """Rebuild the stored sGraph through the typed loader; Triton source is then regenerated from
+    it (never read from the store)."""
     try:
-        data = json.loads(k.sgraph.sgraph_json)
-        check_sgraph_json(data, f"kernel {k.id}")
-        return SGraph.from_json(data)
-    except (PrismError, ValueError) as exc:
+        return SGraph.from_json(k.sgraph.sgraph_json)
+    except PrismError as exc:
         raise RegistryError(f"kernel {k.id}: stored sGraph is invalid: {exc}") from None
 
 

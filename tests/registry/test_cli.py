@@ -59,11 +59,12 @@ def test_bad_import_is_one_line_and_exit_1(tmp_path):
     _seed(db)
     _invoke("export", str(out), "--registry", db)
     doc = json.loads(out.read_text())
-    doc["records"][2]["reason"] = "__import__('os').system('id')"
+    doc["records"][2]["sgraph"]["json"]["program"]["nodes"][0]["attrs"]["shape"][1] = "__import__('os').system('id')"
     out.write_text(json.dumps(doc))
     other = str(tmp_path / "o.db")
     got = _invoke("import", str(out), "--registry", other)
-    assert got.exit_code == 1 and "record #2" in got.output and "never code" in got.output
+    assert got.exit_code == 1 and got.output.count("\n") == 1 and got.output.startswith("error: record #2")
+    assert "attribute 'shape' dim must be int" in got.output
     assert json.loads(_invoke("list", "--registry", other, "--json").output) == []
 
 
