@@ -24,7 +24,7 @@ from torch import Tensor
 
 from prism_serve.patch.table import Table
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like the plugin's (see plugin.py)
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear")
 

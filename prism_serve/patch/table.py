@@ -202,11 +202,16 @@ class KernelRefused(Exception):
 
 def _prepare(k, spec) -> dict:
     """In the child: the kernel's op key and its rendered source, imported once; or why it is not
-    a kernel for vLLM. Returns JSON data only."""
+    a kernel for vLLM. Returns JSON data only. The proof is not re-run here (importing egglog alone
+    takes seconds at every vLLM start): every write path re-proves through `registry.gate`, and a
+    row whose own record says its proof failed is refused."""
     from prism_serve.optimize.codegen import load, render
+    from prism_serve.registry.errors import RegistryError
     from prism_serve.registry.store import kernel_instance
 
     inst = kernel_instance(k, spec)
+    if not (isinstance(k.sgraph.proof, dict) and k.sgraph.proof.get("ok") is True):
+        raise RegistryError(f"kernel {k.id}: its sGraph's stored proof does not hold")
     prog = inst.sgraph.program
     op = OPS.get(prog.name)
     key = op.key_of(prog) if op else None

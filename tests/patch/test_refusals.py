@@ -88,7 +88,7 @@ def test_a_kernel_that_raises_system_exit_when_called_falls_back_for_good(kernel
     ops.STATE.table = t
     x = torch.randn(4, 512)
     before = (ops.COUNTS["silu_and_mul"], ops.MISSES["silu_and_mul"])
-    with caplog.at_level(logging.WARNING, logger="prism_serve.patch.ops"):
+    with caplog.at_level(logging.WARNING, logger="vllm.prism_serve.ops"):
         for _ in range(3):
             torch.testing.assert_close(torch.ops.prism.silu_and_mul(x), ops.ref_silu_and_mul(x))
     assert (ops.COUNTS["silu_and_mul"] - before[0], ops.MISSES["silu_and_mul"] - before[1]) == (0, 3)
