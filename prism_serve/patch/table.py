@@ -169,12 +169,14 @@ def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TI
     found: dict[str, dict[tuple, list[Launcher]]] = {}
     for ks, outcome in zip(groups.values(), outcomes):
         got = outcome.value
-        if outcome.error is None and "skip" in got:
-            table.skipped += [(k.id, got["skip"]) for k in ks]
-            continue
         try:
             if outcome.error is not None:
                 raise KernelRefused(outcome.error)
+            if not isinstance(got, dict):
+                raise KernelRefused("its load answered something that is not an object")
+            if "skip" in got:
+                table.skipped += [(k.id, str(got["skip"])) for k in ks]
+                continue
             run = _import(got)
             key = (TORCH_DTYPES[got["dtype"]], _dim(got["dim"]), got["eps"])
         except KeyboardInterrupt:

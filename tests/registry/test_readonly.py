@@ -18,7 +18,7 @@ from prism_serve.optimize.workloads import programs
 from prism_serve.patch import seed
 from prism_serve.patch.device import current_device
 from prism_serve.patch.plugin import plan
-from prism_serve.registry import add_kernel, open_registry
+from prism_serve.registry import RegistryError, add_kernel, open_registry
 from prism_serve.registry.cli import registry_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +85,10 @@ def test_seal_folds_the_wal_and_reading_a_sealed_registry_writes_nothing(tmp_pat
     p = plan(url, current_device(use_vllm=False)[0], "cpu", force=True)
     assert len(rows) == 2 and doctor["counts"]["kernels"] == 2 and doctor["journal_mode"] == "delete"
     assert p.state == "ready" and p.table.kernels() == 2
+    reader = open_registry(url, readonly=True)
+    with pytest.raises(RegistryError, match="opened read-only"), reader.write():
+        pass
+    reader.close()
     assert _snapshot(tmp_path) == before  # same files, same bytes, same times
     reg = open_registry(url)  # a writer switches WAL back on
     reg.close()
