@@ -130,7 +130,10 @@ def _decode(line: bytes) -> Outcome:
 
 
 def _status(pid: int) -> str:
-    _, status = os.waitpid(pid, 0)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:  # SIGCHLD ignored in this process: the child was reaped already
+        return "status unknown"
     if os.WIFSIGNALED(status):
         return f"killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
     return f"exit status {os.WEXITSTATUS(status)}"
@@ -139,9 +142,9 @@ def _status(pid: int) -> str:
 def _reap(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):  # gone already, or reaped for us (SIGCHLD ignored)
         pass
-    os.waitpid(pid, 0)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -43,3 +43,14 @@ def test_each_bad_item_gets_its_reason_and_the_others_their_values():
 
 def test_nothing_to_run_forks_nothing():
     assert run_each(_misbehave, [], timeout_s=1.0) == []
+
+
+def test_a_process_that_ignores_sigchld_still_gets_every_outcome():
+    import signal
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    try:
+        got = run_each(_misbehave, [("ok", 2), ("os._exit", 4), ("ok", 3)], timeout_s=5.0)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert got[0].value == {"square": 4} and got[2].value == {"square": 9}
+    assert got[1].error.startswith("ended the loading process")
