@@ -103,8 +103,9 @@ def make_engine(url: str, readonly: bool = False) -> Engine:
         engine = create_engine(parsed, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
         _sqlite_events(engine)
         return engine
+    options = {"postgresql_readonly": True} if readonly and parsed.get_backend_name() == "postgresql" else {}
     try:
-        return create_engine(parsed, pool_pre_ping=True)
+        return create_engine(parsed, pool_pre_ping=True, execution_options=options)
     except (ImportError, SQLAlchemyError) as exc:
         raise RegistryError(f"cannot use registry {describe(url)}: {exc}") from None
 

@@ -188,3 +188,17 @@ def test_list_doctor_and_the_plugin_read_a_registry_on_a_read_only_volume(tmp_pa
         assert got[url]["doctor"]["counts"]["kernels"] == 2 and got[url]["doctor"]["integrity"] == "ok"
         assert got[url]["plugin"][0] == "ready" and got[url]["plugin"][2] == 2, got[url]
     assert _snapshot(volume) == before
+
+
+def test_a_reader_cannot_write_even_by_hand(registry_url):
+    """SQLite opened `mode=ro`, PostgreSQL in read-only transactions: the database refuses."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    open_registry(registry_url).close()
+    reader = open_registry(registry_url, readonly=True)
+    try:
+        with pytest.raises(DBAPIError, match="read-?only"), reader.engine.begin() as conn:
+            conn.execute(text("CREATE TABLE intruder (x INTEGER)"))
+    finally:
+        reader.close()
