@@ -5,7 +5,7 @@ sympy objects (never `sympify`, which evaluates Python):
 
     expr  := term (("+" | "-") term)*
     term  := atom (("*" | "//") atom)*
-    atom  := INT | NAME | "(" expr ")" | "cdiv" "(" expr "," expr ")"
+    atom  := INT | NAME | "-" atom | "(" expr ")" | "cdiv" "(" expr "," expr ")"
 
 INT is a decimal literal of at most `MAX_INT`; NAME an identifier the caller allows (the
 sGraph's own symbols and ``num_tokens``); ``a // b`` is floor division, ``cdiv(a, b)`` ceiling
@@ -127,6 +127,8 @@ class _Parser:
             if self.allowed is not None and value not in self.allowed:
                 raise self.fail(f"symbol {value!r} is not one of this sGraph's symbols {sorted(self.allowed)}")
             return self.symbol(value)
+        if value == "-":
+            return -self.atom(depth + 1)
         if value == "(":
             inner = self.expr(depth + 1)
             if not self.take(")"):
@@ -178,9 +180,10 @@ def render(expr: sympy.Expr | int) -> str:
         return out
     if expr.is_Mul:
         coeff, factors = expr.as_coeff_mul()
-        if not coeff.is_Integer or coeff < 1:
+        if not coeff.is_Integer:
             raise SGraphError(f"dim {expr} has a coefficient {coeff}; it cannot be stored")
-        return " * ".join(([] if coeff == 1 else [str(int(coeff))]) + [_factor(f) for f in factors])
+        sign = "-" if coeff < 0 else ""
+        return sign + " * ".join(([] if abs(coeff) == 1 else [str(abs(int(coeff)))]) + [_factor(f) for f in factors])
     if expr.is_Pow and expr.exp.is_Integer and 1 < int(expr.exp) <= 8:
         return " * ".join([_factor(expr.base)] * int(expr.exp))
     raise SGraphError(f"dim {expr} is outside the storable dim grammar")

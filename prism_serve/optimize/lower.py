@@ -21,6 +21,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, node
@@ -71,16 +72,10 @@ class Plan:
         return {"plan_version": PLAN_VERSION, "segments": [asdict(s) for s in self.segments]}
 
     @staticmethod
-    def from_json(data: dict) -> "Plan":
-        try:
-            if data["plan_version"] != PLAN_VERSION:
-                raise SGraphError(f"plan JSON has version {data['plan_version']!r}, expected {PLAN_VERSION}")
-            return Plan(tuple(SegmentPlan(int(s["start"]), int(s["stop"]), None if s["choice"] is None else
-                                          BlockChoice(tuple(s["choice"]["grid"]), s["choice"]["loop"],
-                                                      bool(s["choice"]["split"]), bool(s["choice"]["hoist"])))
-                              for s in data["segments"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SGraphError(f"malformed plan JSON: {type(exc).__name__}: {exc}") from None
+    def from_json(data: Any) -> "Plan":
+        """Parse stored JSON against the schema (`optimize.schema`); errors name the field."""
+        from prism_serve.optimize.schema import plan_from_json
+        return plan_from_json(data)
 
 
 def op_order(flat: Program) -> tuple[str, ...]:

@@ -41,7 +41,7 @@ MAX_NODES = 1024
 MAX_KERNELS = 64
 MAX_INPUTS = 4
 MAX_JSON_DEPTH = 48
-MAX_INT_DIGITS = 19
+MAX_INT_DIGITS = 100  # larger ints reach the typed checks, which name the field
 
 
 # --- strict JSON -------------------------------------------------------------------
@@ -74,7 +74,7 @@ def _constant(text: str) -> float:
 
 def loads(text: str | bytes, error: type[PrismError] = SGraphError, what: str = "JSON") -> Any:
     """Parse untrusted JSON strictly: duplicate keys, NaN / Infinity, integers of more than
-    19 digits and nesting deeper than MAX_JSON_DEPTH are refused with `error` (one line)."""
+    100 digits and nesting deeper than MAX_JSON_DEPTH are refused with `error` (one line)."""
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_int, parse_float=_float,
                           parse_constant=_constant)
@@ -159,8 +159,9 @@ def one_of(value: Any, allowed: Collection[str], where: str, error: type[PrismEr
     return value
 
 
-def listed(value: Any, lo: int, hi: int, where: str, error: type[PrismError]) -> list:
-    if type(value) is not list or not lo <= len(value) <= hi:
+def listed(value: Any, lo: int, hi: int, where: str, error: type[PrismError]) -> list | tuple:
+    """A JSON array (or, from memory, a tuple) of `lo` to `hi` items."""
+    if type(value) not in (list, tuple) or not lo <= len(value) <= hi:
         raise error(f"{where} must be a list of {lo} to {hi} items, got {_show(value)}")
     return value
 
@@ -331,6 +332,30 @@ def dim(value: Any, allowed: Collection[str], where: str):
         return D.parse_dim(value, sym, allowed)
     except SGraphError as exc:
         raise SGraphError(f"{where}: {exc}") from None
+
+
+# --- plans ----------------------------------------------------------------------------
+
+def plan_from_json(data: Any):
+    """A stored search plan (warmup re-instantiates it; what it builds is then proven and checked)."""
+    from prism_serve.optimize.lower import PLAN_VERSION, BlockChoice, Plan, SegmentPlan
+    E = SGraphError
+    fields(data, ("plan_version", "segments"), (), "plan JSON", E)
+    if data["plan_version"] != PLAN_VERSION or type(data["plan_version"]) is not int:
+        raise E(f"plan JSON has version {_show(data['plan_version'])}, expected {PLAN_VERSION}")
+    segments = []
+    for s in listed(data["segments"], 1, MAX_NODES, "plan JSON: 'segments'", E):
+        fields(s, ("start", "stop", "choice"), (), "plan segment", E)
+        choice = s["choice"]
+        if choice is not None:
+            fields(choice, ("grid", "loop", "split", "hoist"), (), "plan choice", E)
+            grid = tuple(name(g, "plan grid label", E) for g in listed(choice["grid"], 1, 3, "plan grid", E))
+            choice = BlockChoice(grid,
+                                 None if choice["loop"] is None else name(choice["loop"], "plan loop label", E),
+                                 boolean(choice["split"], "plan split", E), boolean(choice["hoist"], "plan hoist", E))
+        segments.append(SegmentPlan(int_in(s["start"], 0, MAX_NODES, "plan start", E),
+                                    int_in(s["stop"], 0, MAX_NODES, "plan stop", E), choice))
+    return Plan(tuple(segments))
 
 
 # --- kernel instances -------------------------------------------------------------------

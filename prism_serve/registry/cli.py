@@ -143,11 +143,12 @@ def import_cmd(path: Path, registry: RegistryOpt = None, as_json: JsonOpt = Fals
     try:  # everything is checked before the registry is even opened
         results = admit(exchange.read_export(path), imported=True)
     except PrismError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {' '.join(str(exc).split())}", err=True)  # one line, whatever the cause said
         raise typer.Exit(1) from None
     with _opened(registry) as reg, reg.write() as s:
         n = exchange.import_results(s, results)
-    typer.echo(json.dumps({"imported": n}) if as_json else f"imported {n} kernels from {path}")
+    kept = f" ({len(results) - n} already here, left as they were)" if len(results) > n else ""
+    typer.echo(json.dumps({"imported": n}) if as_json else f"imported {n} kernels from {path}{kept}")
 
 
 @registry_app.command()

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from prism_serve.errors import PrismError
@@ -22,7 +23,7 @@ from prism_serve.optimize import schema as T
 from prism_serve.optimize.ir import DTYPES, Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.registry.errors import RegistryError
-from prism_serve.registry.models import DEVICE_KINDS, STATUSES
+from prism_serve.registry.models import DEVICE_KINDS, STATUSES, Device, Kernel, ProgramRecord, SGraphRecord
 from prism_serve.registry.store import (
     DeviceInfo,
     KernelResult,
@@ -31,6 +32,7 @@ from prism_serve.registry.store import (
     canonical_json,
     check_result,
     list_kernels,
+    sgraph_hash,
 )
 
 FORMAT = "prism-serve-registry"
@@ -123,7 +125,8 @@ def record_to_result(rec: Any, where: str) -> KernelResult:
         dtype=T.one_of(rec["dtype"], DTYPES, f"{where}.dtype", E), bucket=(lo, hi),
         params=T.params_from_json(rec["params"], f"{where}.params", E),
         versions=_versions(rec["versions"], f"{where}.versions"),
-        status=T.one_of(rec["status"], STATUSES, f"{where}.status", E), reason=free_text(rec["reason"], 1000, f"{where}.reason"),
+        status=T.one_of(rec["status"], STATUSES, f"{where}.status", E),
+        reason=free_text(rec["reason"], 1000, f"{where}.reason"),
         modeled_us=rec.get("modeled_us"), measured_us=rec.get("measured_us"),
         baseline=_optional(rec.get("baseline"), T.name, f"{where}.baseline", E), baseline_us=rec.get("baseline_us"),
         proof=sg["proof"], tests=sg["tests"], sources=_sources(prog["sources"], f"{where}.program.sources"))
@@ -194,12 +197,28 @@ def export_file(session: Session, path: str | Path, **filters) -> int:
     return len(doc["records"])
 
 
+def _present(session: Session, r: KernelResult) -> bool:
+    """Whether the registry already holds this kernel (its unique key)."""
+    found = session.execute(
+        select(Kernel.id).join(Kernel.program).join(Kernel.sgraph).join(Kernel.device)
+        .where(ProgramRecord.hash == r.program.canonical_hash, Device.fingerprint == r.device.fingerprint,
+               SGraphRecord.hash == sgraph_hash(canonical_json(r.sgraph.to_json())), Kernel.dtype == r.dtype,
+               Kernel.bucket_lo == r.bucket[0], Kernel.bucket_hi == r.bucket[1],
+               Kernel.params_json == canonical_json(r.params))).first()
+    return found is not None
+
+
 def import_results(session: Session, results: list[KernelResult]) -> int:
-    """Write validated results within the caller's transaction."""
+    """Write validated results within the caller's transaction; a kernel the registry already holds
+    is left as it is (an import never overwrites this device's own status or timings). Returns the
+    number of kernels added."""
     ids: dict = {}
+    added = 0
     for r in results:
-        add_kernel(session, r, ids)
-    return len(results)
+        if not _present(session, r):
+            add_kernel(session, r, ids)
+            added += 1
+    return added
 
 
 def read_export(path: str | Path) -> list[KernelResult]:

@@ -30,6 +30,10 @@ CHECK_TOKENS = (1, 7)  # num_tokens of the numeric check: one token and an awkwa
 IMPORTED_REASON = "imported: proof and numeric check re-run here; not measured on this device"
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
 def sgraph_key(r: KernelResult) -> str:
     """Canonical hash of the sGraph JSON (what the proof depends on)."""
     return hashlib.sha256(canonical_json(r.sgraph.to_json()).encode()).hexdigest()
@@ -59,7 +63,11 @@ class Gate:
     def proof(self, r: KernelResult, key: str) -> dict:
         if key not in self.proofs:
             from prism_serve.optimize.verify import prove_equivalent
-            p = prove_equivalent(r.sgraph)
+            try:
+                p = prove_equivalent(r.sgraph)
+            except Exception as exc:  # noqa: BLE001 - an sGraph from elsewhere the prover chokes on is refused
+                raise RegistryError(f"the egglog proof could not run: {type(exc).__name__}: "
+                                    f"{_first_line(exc)}") from None
             if not p.ok:
                 raise RegistryError(f"the egglog proof does not hold here: {p.reason}")
             self.proofs[key] = {"ok": True, "reason": p.reason, "seconds": round(p.seconds, 4)}
@@ -76,7 +84,8 @@ class Gate:
             except PrismError as exc:
                 self.checks[ckey] = f"{exc}"
             except Exception as exc:  # noqa: BLE001 - a kernel from elsewhere that cannot run is refused
-                self.checks[ckey] = f"the numeric check could not run the kernel: {type(exc).__name__}: {exc}"
+                self.checks[ckey] = (f"the numeric check could not run the kernel: {type(exc).__name__}: "
+                                    f"{_first_line(exc)}")
         found = self.checks[ckey]
         if isinstance(found, str):
             raise RegistryError(found)

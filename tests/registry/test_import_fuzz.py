@@ -1,0 +1,169 @@
+"""Property: whatever a mutated export holds (types swapped, strings injected into any field, huge
+numbers, deep nesting, unknown or missing keys, repeated records), `prism-serve registry import`
+either refuses it with a one-line error and writes nothing, or stores rows that re-verify here;
+no module generated from what it stored contains an injected string; nothing is written outside
+the example's own directory."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from prism_serve.optimize.check import numeric_errors
+from prism_serve.optimize.codegen import render
+from prism_serve.optimize.reference import TOLERANCE
+from prism_serve.optimize.schema import NAME
+from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.registry import open_registry
+from prism_serve.registry.gate import IMPORTED_REASON
+from prism_serve.registry.store import decode_sgraph, kernel_instance, list_kernels
+from tests.registry.untrusted import export_doc, import_doc
+
+OUTSIDE = "@@OUTSIDE@@"  # replaced by the example's "outside" folder, which must stay empty
+
+
+def _code(marker: str) -> str:
+    code = f"open({marker!r}, 'w').write('ran')".encode()
+    return f"exec ((({int.from_bytes(code, 'big')}).to_bytes({len(code)}, 'big'))) or True"
+
+
+STRINGS = (
+    _code(f"{OUTSIDE}/a"), f"__import__('os').system('touch {OUTSIDE}/b')", f"open('{OUTSIDE}/c', 'w')",
+    "9**9**9**9", "2**2**26", "x.func.mro", "1 2", "exec (1) or True", "{__import__('os')}", '"""', "\x1b]0;t\x07",
+    "", " ", "abc", "num_tokens", "BT", "cdiv(num_tokens, BT)", "float32", "sum", "enabled", "x", "y.part", "1e-06",
+)
+VALUES = st.one_of(
+    st.sampled_from(STRINGS), st.text(max_size=12),
+    st.integers(min_value=-2**70, max_value=2**70), st.sampled_from([10**30, 0, -1, 1, 3, 64, 2**31, 2**63]),
+    st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
+    st.sampled_from([[], {}, [1], {"k": 1}]),
+    st.integers(min_value=40, max_value=3000).map(lambda n: f"@@DEEP{n}@@"),
+)
+
+
+CLAIMS = {"status": st.sampled_from(["enabled", "verified", "disabled"]),
+          "reason": st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40),
+          "measured_us": st.floats(min_value=0, max_value=1e6), "baseline_us": st.floats(min_value=0, max_value=1e6),
+          "baseline": st.sampled_from(["vllm", "torch_eager"])}
+
+
+@functools.cache
+def base_doc() -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        return json.dumps(export_doc(Path(tmp)))
+
+
+def _paths(data, at=()):
+    """Every (container path, key) in the document."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        yield at, key
+        yield from _paths(value, at + (key,))
+
+
+def _get(doc, path):
+    for key in path:
+        doc = doc[key]
+    return doc
+
+
+@st.composite
+def mutated(draw) -> tuple[str, list[str]]:
+    """(export text, the strings injected into it)."""
+    doc = json.loads(base_doc())
+    injected: list[str] = []
+    for _ in range(draw(st.integers(1, 3))):
+        at, key = draw(st.sampled_from(list(_paths(doc))))
+        parent = _get(doc, at)
+        kind = draw(st.sampled_from(["replace", "replace", "replace", "add key", "delete", "repeat record",
+                                     "claims", "claims"]))
+        records = doc.get("records")
+        if kind in ("repeat record", "claims") and not (isinstance(records, list) and records
+                                                          and isinstance(records[0], dict)):
+            continue
+        if kind == "repeat record":
+            records.append(copy.deepcopy(records[0]))
+        elif kind == "claims":  # well-typed claims an import must not believe: status, timings, proof
+            claim = draw(st.sampled_from(list(CLAIMS)))
+            records[0][claim] = draw(CLAIMS[claim])
+            if isinstance(records[0][claim], str):
+                injected.append(records[0][claim])
+        elif kind == "add key" and isinstance(parent, dict):
+            name = draw(st.sampled_from(STRINGS + ("extra", "fmap", "eps")))
+            parent[name] = draw(VALUES)
+            injected.append(name)
+        elif kind == "delete" and isinstance(parent, dict):
+            del parent[key]
+        else:
+            parent[key] = draw(VALUES)
+            if isinstance(parent[key], str):
+                injected.append(parent[key])
+    text = re.sub(r'"@@DEEP(\d+)@@"', lambda m: "[" * int(m[1]) + "]" * int(m[1]), json.dumps(doc))
+    return text, injected
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def _check_stored(db: Path, injected: list[str]) -> None:
+    reg = open_registry(db)
+    with reg.read() as s:
+        kernels = list_kernels(s)
+        assert kernels
+        for k in kernels:
+            assert k.status == "verified" and k.reason == IMPORTED_REASON
+            assert k.measured_us is None and k.modeled_us is None and k.speedup is None
+            assert prove_equivalent(decode_sgraph(k)).ok
+            inst = kernel_instance(k)
+            dtype = inst.sgraph.program.inputs[0].attr("dtype")
+            assert max(numeric_errors(inst, 3)) <= TOLERANCE[dtype]
+            source = render(inst)
+            leaked = [s for s in injected if len(s) > 2 and not NAME.fullmatch(s) and s in source]
+            assert not leaked, leaked
+    reg.close()
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 30)), deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(example=mutated())
+def test_mutated_exports_are_refused_in_one_line_or_stored_verified(example):
+    text, injected = example
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        root = Path(tmp)
+        outside, home, cwd = root / "outside", root / "home", root / "cwd"
+        for d in (outside, home, cwd):
+            d.mkdir()
+        for var, value in (("HOME", home), ("XDG_CACHE_HOME", home / ".cache"), ("TRITON_CACHE_DIR", home / ".t"),
+                           ("PRISM_SERVE_CACHE", root / "cache")):
+            mp.setenv(var, str(value))
+        mp.delenv("PRISM_SERVE_REGISTRY", raising=False)
+        mp.chdir(cwd)
+        injected = [s.replace(OUTSIDE, str(outside)) for s in injected]
+        got, db = import_doc(root, text.replace(OUTSIDE, str(outside)))
+        assert got.exit_code in (0, 1), got.output
+        event("refused" if got.exit_code else "imported")
+        if got.exit_code == 1:
+            assert got.output.startswith("error: ") and got.output.count("\n") == 1, got.output
+            assert not db.exists() or not _stored(db)
+        else:
+            _check_stored(db, injected)
+        assert _listing(outside) == [] and _listing(home) == [] and _listing(cwd) == []
+        assert os.getcwd() == str(cwd)
+
+
+def _stored(db: Path) -> bool:
+    reg = open_registry(db)
+    with reg.read() as s:
+        found = bool(list_kernels(s))
+    reg.close()
+    return found
