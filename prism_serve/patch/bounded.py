@@ -36,20 +36,28 @@ class Outcome:
     error: str | None = None
 
 
-def run_each(fn: Callable[[Any], Any], items: Sequence[Any], timeout_s: float) -> list[Outcome]:
+def run_each(fn: Callable[[Any], Any], items: Sequence[Any], timeout_s: float,
+             budget_s: float | None = None) -> list[Outcome]:
     """`fn(item)` for every item, in order, in forked children; one Outcome per item.
 
     `fn` must return JSON data; whatever it raises (SystemExit included) becomes the item's
-    error. Never raises for what an item does."""
+    error. Past `budget_s` in all, the items left get an error without running (many slow items
+    must not add up to an endless start-up). Never raises for what an item does."""
     out: dict[int, Outcome] = {}
+    end = time.monotonic() + budget_s if budget_s is not None else float("inf")
     start = 0
     while start < len(items):
-        start = _one_child(fn, items, start, timeout_s, out)
+        if time.monotonic() >= end:
+            for i in range(start, len(items)):
+                out[i] = Outcome(error=f"not loaded: the {budget_s:g} s for loading all kernels were spent")
+            break
+        start = _one_child(fn, items, start, timeout_s, out, end)
     return [out[i] for i in range(len(items))]
 
 
-def _one_child(fn, items, start: int, timeout_s: float, out: dict[int, Outcome]) -> int:
-    """Run items from `start` in one child until it finishes or fails; the next index to run."""
+def _one_child(fn, items, start: int, timeout_s: float, out: dict[int, Outcome], end: float) -> int:
+    """Run items from `start` in one child until it finishes or fails, or time reaches `end`;
+    the next index to run."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns, never runs the parent's exit handlers
@@ -65,9 +73,11 @@ def _one_child(fn, items, start: int, timeout_s: float, out: dict[int, Outcome])
     deadline = time.monotonic() + timeout_s
     try:
         while i < len(items):
-            left = deadline - time.monotonic()
-            ready = select.select([r], [], [], max(left, 0))[0] if left > 0 else []
+            left = min(deadline, end) - time.monotonic()
+            ready = select.select([r], [], [], left)[0] if left > 0 else []
             if not ready:
+                if deadline > end:  # the whole budget ran out first: this item may be fine
+                    return i
                 out[i] = Outcome(error=f"took longer than {timeout_s:g} s to load")
                 return i + 1
             chunk = os.read(r, 1 << 16)

@@ -144,16 +144,20 @@ class Table:
 # A row that takes over ten times that is not one warmup wrote: it is refused rather than let
 # it hold vLLM's start-up (see `bounded`).
 LOAD_TIMEOUT_S = 10.0
+# All kernels together: a registry's few hundred distinct kernels load in seconds; rows that each
+# stay just under the bound must not add up to an endless start-up.
+LOAD_BUDGET_S = 120.0
 
 
-def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TIMEOUT_S) -> Table:
+def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TIMEOUT_S,
+                budget_s: float = LOAD_BUDGET_S) -> Table:
     """Compile every usable registry kernel (a `Kernel` row) into the dispatch table.
 
     Each distinct (sGraph, params) is first loaded in a child process bounded in time and memory
     (`bounded.run_each`); only what loaded cleanly there is imported here. A kernel that is not
     one of `OPS`' exact programs is skipped; one whose load raised anything (SystemExit too),
-    ended the child or overran `timeout_s` is refused, with its reason. Nothing here raises for
-    a bad kernel, and only KeyboardInterrupt gets through."""
+    ended the child or overran `timeout_s` (or came after `budget_s` in all) is refused, with its
+    reason. Nothing here raises for a bad kernel, and only KeyboardInterrupt gets through."""
     from prism_serve.optimize.gpus import get_gpu
     from prism_serve.patch.bounded import run_each
 
@@ -164,7 +168,7 @@ def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TI
     for k in kernels:
         groups.setdefault((k.sgraph.hash, k.params_json), []).append(k)
     firsts = [ks[0] for ks in groups.values()]
-    outcomes = run_each(lambda k: _prepare(k, spec), firsts, timeout_s)
+    outcomes = run_each(lambda k: _prepare(k, spec), firsts, timeout_s, budget_s)
     table = Table(device_type)
     found: dict[str, dict[tuple, list[Launcher]]] = {}
     for ks, outcome in zip(groups.values(), outcomes):

@@ -54,3 +54,18 @@ def test_a_process_that_ignores_sigchld_still_gets_every_outcome():
         signal.signal(signal.SIGCHLD, previous)
     assert got[0].value == {"square": 4} and got[2].value == {"square": 9}
     assert got[1].error.startswith("ended the loading process")
+
+
+def _slow(item):
+    time.sleep(item)
+    return item
+
+
+def test_slow_items_cannot_add_up_past_the_budget():
+    start = time.monotonic()
+    got = run_each(_slow, [0.9] * 10, timeout_s=2.0, budget_s=3.0)
+    assert time.monotonic() - start < 3.0 + 2.0
+    done = [g for g in got if g.error is None]
+    assert 2 <= len(done) <= 4 and all(g.value == 0.9 for g in done)
+    assert got[: len(done)] == done  # in order, then the rest refused without running
+    assert all(g.error == "not loaded: the 3 s for loading all kernels were spent" for g in got[len(done):])
