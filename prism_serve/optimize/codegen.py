@@ -222,11 +222,11 @@ class _KernelWriter:
             self.emit(f"{var} = {UNARY[op].format(srcs[0].var)}", depth)
             self.values[n.name] = Value(var, srcs[0].dims, srcs[0].masks)
         elif op in ("sum", "mean", "max"):
-            v, dim, keep = srcs[0], typed(n.attr("dim"), int) % len(srcs[0].dims), lit(typed(n.attr("keepdim"), bool))
+            v, dim, keep = srcs[0], typed(n.attr("dim"), int) % len(srcs[0].dims), typed(n.attr("keepdim"), bool)
             x = self._masked(v, dim, 'float("-inf")' if op == "max" else "0.0")
             fn = "tl.max" if op == "max" else "tl.sum"
             scale = f" * {1.0 / v.dims[dim]!r}" if op == "mean" else ""
-            self.emit(f"{var} = {fn}({x}, axis={dim}, keep_dims={keep}){scale}", depth)
+            self.emit(f"{var} = {fn}({x}, axis={dim}, keep_dims={lit(keep)}){scale}", depth)
             dims = v.dims[:dim] + ((1,) if keep else ()) + v.dims[dim + 1:]
             masks = v.masks[:dim] + ((None,) if keep else ()) + v.masks[dim + 1:]
             self.values[n.name] = Value(var, dims, masks)

@@ -90,7 +90,9 @@ def _op(n: Node, args: list[T], shapes: list[tuple], ctx: _Ctx) -> T:
         d = _neg(n.attr("dim"), len(shapes[0]))
         out = args[0].max(d) if op == "max" else args[0].sum(d)
         if op == "mean":
-            size = sympy.sympify(shapes[0][d])
+            size = shapes[0][d]  # an int, a sympy dim, or the name num_tokens (never text to evaluate)
+            if not isinstance(size, sympy.Basic):
+                size = sympy.Integer(size) if isinstance(size, int) else sympy.Symbol(size)
             # a symbolic extent stays an opaque constant, equal only to itself
             inv = _const(1.0 / int(size)) if size.is_Integer else T.const(f"1/({sympy.srepr(size)})")
             out = out * ctx.note(inv, (), frozenset())

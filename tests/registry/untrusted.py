@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from prism_serve.registry import open_registry
 from prism_serve.registry.cli import registry_app
 from prism_serve.registry.store import add_kernel
-from tests.registry.factory import DEVICES, result
+from tests.registry.factory import result
 
 runner = CliRunner()
 HIDDEN = 64  # small, so the import's numeric check through the interpreter stays quick
@@ -53,4 +53,4 @@ def block_node(doc: dict, name: str, record: int = 0) -> dict:
     return next(n for n in nodes if n["name"] == name)
 
 
-__all__ = ["DEVICES", "block_node", "cli", "export_doc", "import_doc", "stored_rows"]
+__all__ = ["block_node", "cli", "export_doc", "import_doc", "stored_rows"]
