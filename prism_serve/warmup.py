@@ -108,6 +108,26 @@ def _have_kernels(session, region: dict, device, env) -> bool:
     return all(tuple(b) in have for b in bucket_ranges(region["buckets"]))
 
 
+def _all_stored(registry: str | None, cached: dict, device, env) -> bool:
+    """Every supported region of a cached capture has its kernels in the registry (read only:
+    a registry that does not exist holds nothing, and is not created here)."""
+    from prism_serve.registry.db import open_registry
+    from prism_serve.registry.errors import RegistryError
+
+    supported = [r for r in cached["regions"] if r["supported"]]
+    if not supported:
+        return False
+    try:
+        reg = open_registry(registry, readonly=True)
+    except RegistryError:  # none yet, or one to upgrade or to report: the writing open does that
+        return False
+    try:
+        with reg.read() as s:
+            return all(_have_kernels(s, r, device, env) for r in supported)
+    finally:
+        reg.close()
+
+
 def known_plans(session, prog) -> list:
     """Verified plans stored for this Program, or for any Program of the same family (name) whose
     plan still builds for it: re-instantiated for the new shapes instead of searching."""
@@ -150,24 +170,20 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
     name = str(model) if model is not None else model_dir.name
     device, device_type = current_device(use_vllm=False)
     key = model_fingerprint(model_dir)
-    reg = open_registry(registry)
     env = current_versions()
-    try:
-        cached = _cached_capture(key)
-        if cached is not None:
-            with reg.read() as s:
-                supported = [r for r in cached["regions"] if r["supported"]]
-                if supported and all(_have_kernels(s, r, device, env) for r in supported):
-                    return WarmupReport(name, device.fingerprint, time.perf_counter() - start, True, [
-                        RegionOutcome(r["kind"], r["program_hash"], r["layers"],
-                                      [tuple(b) for b in bucket_ranges(r["buckets"])],
-                                      status="stored", reason="kernels already in the registry")
-                        for r in cached["regions"] if r["supported"]])
-        from prism_serve.capture.runner import capture
+    cached = _cached_capture(key)
+    if cached is not None and _all_stored(registry, cached, device, env):
+        return WarmupReport(name, device.fingerprint, time.perf_counter() - start, True, [
+            RegionOutcome(r["kind"], r["program_hash"], r["layers"], [tuple(b) for b in bucket_ranges(r["buckets"])],
+                          status="stored", reason="kernels already in the registry")
+            for r in cached["regions"] if r["supported"]])
+    from prism_serve.capture.runner import capture
 
-        if progress:
-            progress("capture under vLLM", 0, 1)
-        captured = capture(model)
+    if progress:
+        progress("capture under vLLM", 0, 1)
+    captured = capture(model)  # before the registry is opened: a model that fails leaves no registry behind
+    reg = open_registry(registry)
+    try:
         with reg.write() as s:
             run_id = start_warmup(s, name, device)
         outcomes = []

@@ -46,6 +46,9 @@ def test_unknown_workload_is_one_clear_line():
 
 def test_registry_sub_app_is_wired_in(tmp_path):
     db = tmp_path / "r.db"
+    missing = runner.invoke(app, ["registry", "list", "--registry", str(db), "--json"])
+    assert missing.exit_code == 1 and missing.output == f"error: no registry at {db}\n" and not db.exists()
+    assert runner.invoke(app, ["registry", "gc", "--registry", str(db)]).exit_code == 0  # a writer creates it
     result = runner.invoke(app, ["registry", "list", "--registry", str(db), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output) == []

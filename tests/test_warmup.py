@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from prism_serve.errors import PrismError
 from prism_serve.optimize.lower import build
 from prism_serve.optimize.workloads.programs import rmsnorm_linear
 from prism_serve.registry import open_registry
@@ -126,3 +127,14 @@ def test_vllm_serves_the_same_tokens_on_the_warmed_kernels(warmed, tmp_path):
     # qkv projection run as one kernel; the other norms stay ops
     assert all(run["kernel"][op] > 0 for op in ("fused_add_rms_norm", "swiglu", "rmsnorm_linear")), run
     assert run["kernel"]["silu_and_mul"] == 0 and not any(run["fallback"].values())
+
+
+def test_a_warmup_that_fails_on_a_bad_model_leaves_no_registry_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("[]")  # JSON, but not a model config
+    registry = tmp_path / "new" / "registry.db"
+    with pytest.raises(PrismError, match="must hold a JSON object"):
+        warmup(model, registry=str(registry))
+    assert not registry.exists() and not registry.parent.exists()

@@ -124,7 +124,7 @@ def _why_not(s: Site, dtype: str, url: str, device, p) -> str:
 
     prog = OPS[s.op].build(s.dim, dtype, s.eps)
     dims = ", ".join(map(str, s.dim)) if isinstance(s.dim, tuple) else str(s.dim)
-    reg = open_registry(url, upgrade=False)
+    reg = open_registry(url, readonly=True)
     try:
         with reg.read() as session:
             rows = list_kernels(session, program=prog.canonical_hash)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from prism_serve.patch.table import Table
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like the plugin's (see plugin.py)
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear")
 
@@ -95,7 +95,8 @@ def pick(op: str, x: Tensor, dim: int, eps: float | None):
     return launcher
 
 
-def _failed(op: str, launcher, exc: Exception) -> None:
+def _failed(op: str, launcher, exc: BaseException) -> None:
+    """A kernel raised at run time: vLLM's own path serves its calls from now on."""
     COUNTS[op] -= 1
     STATE.failed.add(launcher.kernel_id)
     log.warning("prism-serve: kernel %d for %s failed (%s: %s); vLLM's own path serves it from now on",
@@ -113,7 +114,9 @@ def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
         try:
             (y,) = launcher.run(_rows(x, dim), weight)
             return y if x.dim() == 2 else y.view(x.shape)
-        except Exception as exc:  # noqa: BLE001 - never break serving
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("rms_norm", launcher, exc)
     MISSES["rms_norm"] += 1
     return FALLBACKS["rms_norm"](x, weight, epsilon)
@@ -127,7 +130,9 @@ def fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon
         try:
             y, r = launcher.run(_rows(x, dim), _rows(residual, dim), weight)
             return (y, r) if x.dim() == 2 else (y.view(x.shape), r.view(x.shape))
-        except Exception as exc:  # noqa: BLE001
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("fused_add_rms_norm", launcher, exc)
     MISSES["fused_add_rms_norm"] += 1
     return FALLBACKS["fused_add_rms_norm"](x, residual, weight, epsilon)
@@ -141,7 +146,9 @@ def silu_and_mul_impl(x: Tensor) -> Tensor:
             x2 = _rows(x, 2 * d)
             (y,) = launcher.run(x2[:, :d], x2[:, d:])
             return y if x.dim() == 2 else y.view(*x.shape[:-1], d)
-        except Exception as exc:  # noqa: BLE001
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("silu_and_mul", launcher, exc)
     MISSES["silu_and_mul"] += 1
     return FALLBACKS["silu_and_mul"](x)
@@ -154,7 +161,9 @@ def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
         try:
             (y,) = launcher.run(_rows(x, x.shape[-1]), w_gate_up[:inter], w_gate_up[inter:])
             return y if x.dim() == 2 else y.view(*x.shape[:-1], inter)
-        except Exception as exc:  # noqa: BLE001
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("swiglu", launcher, exc)
     MISSES["swiglu"] += 1
     return FALLBACKS["swiglu"](x, w_gate_up, site)
@@ -167,7 +176,9 @@ def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon:
         try:
             (y,) = launcher.run(_rows(x, hidden), norm_weight, weight)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
-        except Exception as exc:  # noqa: BLE001
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("rmsnorm_linear", launcher, exc)
     MISSES["rmsnorm_linear"] += 1
     return FALLBACKS["rmsnorm_linear"](x, norm_weight, weight, epsilon, site)

@@ -19,7 +19,6 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 # vLLM configures the "vllm" logger tree (format, level, destination); logging under it puts
 # prism's one line among vLLM's own start-up lines, where a user reading the log looks.
@@ -54,13 +53,17 @@ def register() -> None:
     if STATUS.state != "not run":
         return
     start = time.perf_counter()
+    refused: list[tuple[int, str]] = []
     try:
-        state, message = _register()
-    except Exception as exc:  # noqa: BLE001 - an exception here would take vLLM down
-        state, message = "error", (f"prism-serve: nothing patched, the plugin failed: {type(exc).__name__}: "
-                                   f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        state, message = _register(refused)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - anything here (SystemExit too) would take vLLM down
+        state, message = "error", f"prism-serve: nothing patched, the plugin failed: {_line(exc, True)}"
     STATUS.state, STATUS.message, STATUS.seconds = state, message, time.perf_counter() - start
     _logging_ready()
+    for kernel_id, why in refused:
+        log.warning("prism-serve: refused kernel %d: %s; vLLM's own path serves its shapes", kernel_id, why)
     (log.info if state in ("patched", "nothing", "disabled") else log.warning)("%s", message)
 
 
@@ -97,10 +100,10 @@ def plan(url: str | None = None, device=None, device_type: str | None = None, fo
     Defaults: the configured registry, the device vLLM runs on, $PRISM_SERVE_FORCE. Never raises
     for a registry problem: the Plan says what went wrong."""
     from prism_serve.registry.db import describe, open_registry, resolve_url
-    from prism_serve.registry.errors import RegistryError
+    from prism_serve.registry.errors import MissingRegistry, RegistryError
     from prism_serve.registry.store import explain, load_device
 
-    url = url or resolve_url()
+    url = resolve_url(url)
     where = describe(url)
     if device is None:
         from prism_serve.patch.device import current_device
@@ -108,17 +111,18 @@ def plan(url: str | None = None, device=None, device_type: str | None = None, fo
     force = flag(FORCE_ENV) if force is None else force
     which = "enabled or verified (forced)" if force else "enabled"
     out = Plan("nothing", "", device.fingerprint, where, which)
-    missing = _missing_sqlite_file(url)
-    if missing:
-        out.message = f"prism-serve: nothing patched: no registry at {missing} (run `prism-serve warmup`)"
-        return out
     statuses = ("enabled", "verified") if force else ("enabled",)
     try:
-        reg = open_registry(url, upgrade=False)
+        reg = open_registry(url, readonly=True)
+    except MissingRegistry as exc:  # "no registry at PATH": the plugin never creates one
+        out.message = f"prism-serve: nothing patched: {_line(exc)} (run `prism-serve warmup`)"
+        return out
     except RegistryError as exc:  # its message names the registry
         out.state, out.message = "error", f"prism-serve: nothing patched: cannot open the registry: {_line(exc)}"
         return out
-    except Exception as exc:  # noqa: BLE001 - a driver's own error
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a driver's own error
         out.state, out.message = "error", f"prism-serve: nothing patched: cannot open registry {where}: {_line(exc)}"
         return out
     others: dict[str, int] = {}
@@ -128,7 +132,9 @@ def plan(url: str | None = None, device=None, device_type: str | None = None, fo
             if not loaded.usable and not loaded.skipped:  # say what the registry holds instead
                 others = explain(session, device)
             table = _build(loaded.usable, device_type)
-    except Exception as exc:  # noqa: BLE001
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - whatever a row makes happen, vLLM starts unpatched
         out.state, out.message = "error", f"prism-serve: nothing patched: cannot read registry {where}: {_line(exc)}"
         return out
     finally:
@@ -148,11 +154,14 @@ def plan(url: str | None = None, device=None, device_type: str | None = None, fo
     return out
 
 
-def _register() -> tuple[str, str]:
+def _register(refused: list[tuple[int, str]]) -> tuple[str, str]:
+    """Plan and install; the kernels whose load failed go to `refused` (one log line each)."""
     if flag(DISABLE_ENV):
         return "disabled", f"prism-serve: disabled by {DISABLE_ENV}=1; nothing patched"
     p = plan()
     STATUS.device, STATUS.skipped = p.device, dict(p.reasons)
+    if p.table is not None:
+        refused += p.table.refused
     if p.state != "ready":
         return p.state, p.message
     from prism_serve.patch import ops
@@ -175,22 +184,15 @@ def _build(kernels, device_type: str):
     return build_table(kernels, device_type)
 
 
-def _missing_sqlite_file(url: str) -> str | None:
-    """A SQLite registry file that does not exist (opening it would create an empty one)."""
-    from sqlalchemy.engine import make_url
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
-        return None
-    return None if Path(parsed.database).exists() else parsed.database
-
-
 def _reasons(reasons: Counter) -> str:
     return "; ".join(f"{why} ({n})" for why, n in reasons.most_common(4)) + (
         f"; and {len(reasons) - 4} other reasons" if len(reasons) > 4 else "")
 
 
-def _line(exc: BaseException) -> str:
+def _line(exc: BaseException, typed: bool = False) -> str:
     text = str(exc).strip()
+    if typed:
+        text = f"{type(exc).__name__}: {text}" if text else ""
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 

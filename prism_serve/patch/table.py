@@ -125,6 +125,7 @@ class Table:
     device: str  # the torch device type the kernels run on ("cpu", "cuda")
     ops: dict[str, dict[tuple, Buckets]] = field(default_factory=dict)
     skipped: list[tuple[int | None, str]] = field(default_factory=list)  # (kernel id, reason)
+    refused: list[tuple[int, str]] = field(default_factory=list)  # kernels whose load failed, and why
 
     def entry(self, op: str, dtype: torch.dtype, dim: int, eps: float | None = None) -> Buckets | None:
         per_op = self.ops.get(op)
@@ -138,48 +139,113 @@ class Table:
         return {op: len(per) for op, per in self.ops.items() if per}
 
 
-def build_table(kernels, device_type: str, spec=None, compile_fn: Callable | None = None) -> Table:
+# A kernel's load at start-up (decode, instantiate, render and import its Triton source) took
+# 10-50 ms on this project's 2-core CPU machine, 0.7 s for a child's first one (cold imports).
+# A row that takes over ten times that is not one warmup wrote: it is refused rather than let
+# it hold vLLM's start-up (see `bounded`).
+LOAD_TIMEOUT_S = 10.0
+# All kernels together: a registry's few hundred distinct kernels load in seconds; rows that each
+# stay just under the bound must not add up to an endless start-up.
+LOAD_BUDGET_S = 120.0
+
+
+def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TIMEOUT_S,
+                budget_s: float = LOAD_BUDGET_S) -> Table:
     """Compile every usable registry kernel (a `Kernel` row) into the dispatch table.
 
-    A kernel that is not one of `OPS`' exact programs, cannot be instantiated or fails to
-    compile is skipped with its reason; nothing here raises for a bad kernel."""
-    from prism_serve.optimize.codegen import compile_instance
+    Each distinct (sGraph, params) is first loaded in a child process bounded in time and memory
+    (`bounded.run_each`); only what loaded cleanly there is imported here. A kernel that is not
+    one of `OPS`' exact programs is skipped; one whose load raised anything (SystemExit too),
+    ended the child or overran `timeout_s` (or came after `budget_s` in all) is refused, with its
+    reason. Nothing here raises for a bad kernel, and only KeyboardInterrupt gets through."""
     from prism_serve.optimize.gpus import get_gpu
-    from prism_serve.registry.store import kernel_instance
+    from prism_serve.patch.bounded import run_each
 
-    compile_fn = compile_fn or compile_instance
     if spec is None and device_type == "cpu":
         spec = get_gpu(CPU_BOUNDS_GPU)
+    kernels = list(kernels)
+    groups: dict[tuple, list] = {}  # (sGraph hash, params) -> its kernels: one load for all buckets
+    for k in kernels:
+        groups.setdefault((k.sgraph.hash, k.params_json), []).append(k)
+    firsts = [ks[0] for ks in groups.values()]
+    outcomes = run_each(lambda k: _prepare(k, spec), firsts, timeout_s, budget_s)
     table = Table(device_type)
     found: dict[str, dict[tuple, list[Launcher]]] = {}
-    compiled: dict[tuple, Callable] = {}  # (sGraph hash, params) -> launcher, shared across buckets
-    for k in kernels:
+    for ks, outcome in zip(groups.values(), outcomes):
+        got = outcome.value
         try:
-            cache_key = (k.sgraph.hash, k.params_json)
-            inst = None
-            if cache_key not in compiled:
-                inst = kernel_instance(k, spec)
-            prog = inst.sgraph.program if inst is not None else compiled[cache_key][1]
-            op = OPS.get(prog.name)
-            key = op.key_of(prog) if op else None
-            if key is None:
-                table.skipped.append((k.id, f"program {prog.name!r} is not one prism can patch into vLLM"))
+            if outcome.error is not None:
+                raise KernelRefused(outcome.error)
+            if not isinstance(got, dict):
+                raise KernelRefused("its load answered something that is not an object")
+            if "skip" in got:
+                table.skipped += [(k.id, str(got["skip"])) for k in ks]
                 continue
-            if key[0] != k.dtype:
-                table.skipped.append((k.id, f"stored dtype {k.dtype} differs from its program's {key[0]}"))
-                continue
-            if cache_key not in compiled:
-                compiled[cache_key] = (compile_fn(inst), prog)
-        except Exception as exc:  # noqa: BLE001 - one bad kernel must not stop the others
-            table.skipped.append((k.id, f"failed to compile: {_one_line(exc)}"))
+            run = _import(got)
+            key = (TORCH_DTYPES[got["dtype"]], _dim(got["dim"]), got["eps"])
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - whatever a row makes happen, serving goes on
+            why = str(exc) if isinstance(exc, KernelRefused) else _one_line(exc)
+            table.refused += [(k.id, why) for k in ks]
+            table.skipped += [(k.id, f"failed to load: {why}") for k in ks]
             continue
-        time_us = k.measured_us if k.measured_us is not None else k.modeled_us
-        tkey = (TORCH_DTYPES[key[0]], key[1], key[2])
-        found.setdefault(op.name, {}).setdefault(tkey, []).append(
-            Launcher(compiled[cache_key][0], k.id, k.bucket_lo, k.bucket_hi, time_us))
+        for k in ks:
+            if got["dtype"] != k.dtype:
+                table.skipped.append((k.id, f"stored dtype {k.dtype} differs from its program's {got['dtype']}"))
+                continue
+            time_us = k.measured_us if k.measured_us is not None else k.modeled_us
+            found.setdefault(got["op"], {}).setdefault(key, []).append(
+                Launcher(run, k.id, k.bucket_lo, k.bucket_hi, time_us))
     for name, per in found.items():
         table.ops[name] = {key: disjoint(cands) for key, cands in per.items()}
     return table
+
+
+class KernelRefused(Exception):
+    """A kernel's load failed in the child process (the reason is its message)."""
+
+
+def _prepare(k, spec) -> dict:
+    """In the child: the kernel's op key and its rendered source, imported once; or why it is not
+    a kernel for vLLM. Returns JSON data only. The proof is not re-run here (importing egglog alone
+    takes seconds at every vLLM start): every write path re-proves through `registry.gate`, and a
+    row whose own record says its proof failed is refused."""
+    from prism_serve.optimize.codegen import load, render
+    from prism_serve.registry.errors import RegistryError
+    from prism_serve.registry.store import kernel_instance
+
+    inst = kernel_instance(k, spec)
+    if not (isinstance(k.sgraph.proof, dict) and k.sgraph.proof.get("ok") is True):
+        raise RegistryError(f"kernel {k.id}: its sGraph's stored proof does not hold")
+    prog = inst.sgraph.program
+    op = OPS.get(prog.name)
+    key = op.key_of(prog) if op else None
+    if key is None:
+        return {"skip": f"program {prog.name!r} is not one prism can patch into vLLM"}
+    source = render(inst)
+    load(source)
+    dtype, dim, eps = key
+    return {"op": op.name, "dtype": dtype, "dim": dim, "eps": eps, "source": source}
+
+
+def _import(got: dict) -> Callable:
+    """In vLLM's process: the launcher of source that loaded cleanly in the child."""
+    from prism_serve.optimize.codegen import load
+
+    if got.get("op") not in OPS or got.get("dtype") not in TORCH_DTYPES or not isinstance(got.get("source"), str):
+        raise KernelRefused("its load answered an unknown op, dtype or source")
+    if got["eps"] is not None and not isinstance(got["eps"], float):
+        raise KernelRefused(f"its load answered epsilon {got['eps']!r}")
+    return load(got["source"]).run
+
+
+def _dim(dim) -> int | tuple[int, int]:
+    """A key's dim as the table holds it: an int, or (hidden, projection size) for a region."""
+    ints = dim if isinstance(dim, list) and len(dim) == 2 else [dim]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in ints):
+        raise KernelRefused(f"its load answered dim {dim!r}")
+    return tuple(ints) if isinstance(dim, list) else dim
 
 
 def _one_line(exc: BaseException) -> str:

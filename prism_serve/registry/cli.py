@@ -16,7 +16,15 @@ from rich.text import Text
 
 from prism_serve.errors import PrismError
 from prism_serve.registry import exchange, store
-from prism_serve.registry.db import Registry, current_revision, describe, head_revision, open_registry, resolve_url
+from prism_serve.registry.db import (
+    Registry,
+    current_revision,
+    describe,
+    head_revision,
+    open_registry,
+    resolve_url,
+    seal,
+)
 
 registry_app = typer.Typer(help="Inspect and manage the kernel registry.", no_args_is_help=True)
 RegistryOpt = Annotated[str | None, typer.Option(
@@ -29,9 +37,10 @@ def _console() -> Console:
 
 
 @contextlib.contextmanager
-def _opened(location: str | None) -> Iterator[Registry]:
+def _opened(location: str | None, readonly: bool = False) -> Iterator[Registry]:
+    """The registry, for the command's lifetime; reading commands never create or write it."""
     try:
-        reg = open_registry(location)
+        reg = open_registry(location, readonly=readonly)
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -81,7 +90,7 @@ def list_cmd(registry: RegistryOpt = None, device: Annotated[str | None, typer.O
              status: Annotated[str | None, typer.Option()] = None,
              dtype: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt = False) -> None:
     """List kernels, optionally filtered."""
-    with _opened(registry) as reg, reg.read() as s:
+    with _opened(registry, readonly=True) as reg, reg.read() as s:
         rows = [_row(k) for k in store.list_kernels(s, device=device, program=program, status=status, dtype=dtype)]
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
@@ -99,7 +108,7 @@ def list_cmd(registry: RegistryOpt = None, device: Annotated[str | None, typer.O
 @registry_app.command()
 def show(kernel_id: int, registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
     """Show one kernel with its sGraph, proof and test metadata."""
-    with _opened(registry) as reg, reg.read() as s:
+    with _opened(registry, readonly=True) as reg, reg.read() as s:
         k = store.get_kernel(s, kernel_id)
         row = _row(k) | {"versions": {"torch": k.torch_version, "triton": k.triton_version,
                                       "vllm": k.vllm_version, "prism": k.prism_version},
@@ -119,7 +128,7 @@ def show(kernel_id: int, registry: RegistryOpt = None, as_json: JsonOpt = False)
 def export_cmd(path: Path, registry: RegistryOpt = None, device: Annotated[str | None, typer.Option()] = None,
                program: Annotated[str | None, typer.Option()] = None, as_json: JsonOpt = False) -> None:
     """Write kernels to a portable JSON file (data only)."""
-    with _opened(registry) as reg, reg.read() as s:
+    with _opened(registry, readonly=True) as reg, reg.read() as s:
         n = exchange.export_file(s, path, device=device, program=program)
     typer.echo(json.dumps({"exported": n, "path": str(path)}) if as_json else f"exported {n} kernels to {path}")
 
@@ -160,6 +169,18 @@ def gc(registry: RegistryOpt = None, incompatible: Annotated[bool, typer.Option(
     typer.echo(json.dumps(removed) if as_json else ", ".join(f"removed {v} {k}" for k, v in removed.items()))
 
 
+@registry_app.command("seal")
+def seal_cmd(registry: RegistryOpt = None, as_json: JsonOpt = False) -> None:
+    """Fold a SQLite registry's write-ahead log into its file and leave WAL mode, so the one file
+    can be shipped and read from a read-only volume (a later write switches WAL back on)."""
+    try:
+        path = seal(registry)
+    except PrismError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps({"sealed": str(path)}) if as_json else f"sealed {path}: one file, readable read-only")
+
+
 @registry_app.command()
 def doctor(registry: RegistryOpt = None, device: Annotated[str | None, typer.Option(
         help="Device fingerprint to explain loading for, e.g. gpu:h200:sm9.0:132sms.")] = None,
@@ -170,7 +191,7 @@ def doctor(registry: RegistryOpt = None, device: Annotated[str | None, typer.Opt
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    with _opened(registry) as reg:
+    with _opened(registry, readonly=True) as reg:
         report: dict = {"registry": describe(url), "schema_revision": current_revision(reg.engine),
                         "schema_head": head_revision(), "versions": vars(store.current_versions())}
         with reg.read() as s:
@@ -180,6 +201,7 @@ def doctor(registry: RegistryOpt = None, device: Annotated[str | None, typer.Opt
                 report["kernels"] = store.explain(s, device)
             if reg.is_sqlite:
                 report["integrity"] = s.connection().exec_driver_sql("PRAGMA quick_check").scalar()
+                report["journal_mode"] = s.connection().exec_driver_sql("PRAGMA journal_mode").scalar()
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return

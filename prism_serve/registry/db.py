@@ -6,6 +6,13 @@ damaged file, a database that is not a registry and one made by a newer schema,
 and upgrades an older schema in place. SQLite runs in WAL mode with a busy
 timeout; write sessions take the write lock up front (BEGIN IMMEDIATE) so that
 concurrent writers queue instead of failing.
+
+`open_registry(location, readonly=True)` (listing, the doctor, the vLLM plugin) never
+writes and never creates: a missing file is `MissingRegistry`, an older schema is an
+error rather than a migration, and SQLite is opened `mode=ro`. A WAL-mode file in a
+folder this process cannot write (a read-only volume) is read as immutable when it has
+no write-ahead log pending; `seal()` turns a registry into one self-contained
+rollback-journal file for shipping read-only.
 """
 
 from __future__ import annotations
@@ -15,13 +22,14 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from prism_serve.registry.errors import RegistryError
+from prism_serve.registry.errors import MissingRegistry, RegistryError
 
 log = logging.getLogger(__name__)
 ENV_VAR = "PRISM_SERVE_REGISTRY"
@@ -64,21 +72,75 @@ def head_revision() -> str:
     return ScriptDirectory.from_config(_alembic_config()).get_current_head()
 
 
-def make_engine(url: str) -> Engine:
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite URL, for plain and URI-style (`sqlite:///file:PATH?...&uri=true`)
+    URLs alike; None for other databases and in-memory ones."""
+    parsed = make_url(url)
+    db = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not db or db == ":memory:":
+        return None
+    if str(parsed.query.get("uri", "")).lower() in ("true", "1") and db.startswith("file:"):
+        if parsed.query.get("mode") == "memory":
+            return None
+        rest = db.removeprefix("file:").split("?", 1)[0].split("#", 1)[0]
+        if rest.startswith("//"):  # file://host/path: only an empty host or localhost are local
+            rest = "/" + rest[2:].split("/", 1)[1] if "/" in rest[2:] else "/"
+        return Path(unquote(rest))
+    return Path(db)
+
+
+def make_engine(url: str, readonly: bool = False) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise RegistryError(f"registry location {url!r} is neither a path nor a database URL: {exc}") from None
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        path = sqlite_file(url)
+        if readonly:
+            parsed = _readonly_sqlite(parsed, path)
+        elif path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(parsed, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
         _sqlite_events(engine)
         return engine
+    options = {"postgresql_readonly": True} if readonly and parsed.get_backend_name() == "postgresql" else {}
     try:
-        return create_engine(parsed, pool_pre_ping=True)
+        return create_engine(parsed, pool_pre_ping=True, execution_options=options)
     except (ImportError, SQLAlchemyError) as exc:
         raise RegistryError(f"cannot use registry {describe(url)}: {exc}") from None
+
+
+def _readonly_sqlite(parsed, path: Path | None):
+    """The URL that opens this SQLite file without writing or creating anything."""
+    if path is None:
+        return parsed
+    if not path.is_file():
+        raise MissingRegistry(f"no registry at {path}" + ("" if path.parent.is_dir() else
+                                                          f" (there is no folder {path.parent})"))
+    query = dict(parsed.query)
+    if query.get("immutable") not in ("1", "true") and "mode" not in query:
+        query["mode"] = "immutable" if _immutable_only(path) else "ro"
+    if query.get("mode") == "immutable":
+        query.pop("mode")
+        query["immutable"] = "1"
+    if str(query.get("uri", "")).lower() not in ("true", "1"):
+        query["uri"] = "true"
+        parsed = parsed.set(database=f"file:{quote(str(path.resolve()))}")
+    return parsed.set(query=query)
+
+
+def _immutable_only(path: Path) -> bool:
+    """A WAL-mode file in a folder this process cannot write, with no write-ahead log pending:
+    SQLite cannot make its shared-memory file there, but the file alone is the whole database
+    and nobody here can change it, so it reads as immutable."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False
+    wal = path.with_name(path.name + "-wal")
+    wal_mode = len(header) == 20 and header[18] == header[19] == 2
+    return wal_mode and not os.access(path.parent, os.W_OK) and (not wal.exists() or wal.stat().st_size == 0)
 
 
 def _sqlite_events(engine: Engine) -> None:
@@ -99,9 +161,10 @@ def _sqlite_events(engine: Engine) -> None:
 class Registry:
     """An opened, schema-checked registry: an engine and the sessions over it."""
 
-    def __init__(self, url: str, engine: Engine) -> None:
+    def __init__(self, url: str, engine: Engine, readonly: bool = False) -> None:
         self.url = url
         self.engine = engine
+        self.readonly = readonly
         self.is_sqlite = engine.dialect.name == "sqlite"
         writer = engine.execution_options(sqlite_begin="IMMEDIATE") if self.is_sqlite else engine
         self._read = sessionmaker(engine, expire_on_commit=False)
@@ -119,6 +182,8 @@ class Registry:
     @contextlib.contextmanager
     def write(self) -> Iterator[Session]:
         """A session whose work commits as one transaction, or not at all."""
+        if self.readonly:
+            raise RegistryError(f"registry {describe(self.url)} was opened read-only")
         with self._guard(), self._write() as session, session.begin():
             yield session
 
@@ -133,17 +198,45 @@ class Registry:
         self.engine.dispose()
 
 
-def open_registry(location: str | os.PathLike | None = None, *, upgrade: bool = True) -> Registry:
-    """Open (creating or upgrading as needed) the registry at `location`."""
+def open_registry(location: str | os.PathLike | None = None, *, readonly: bool = False) -> Registry:
+    """Open the registry at `location`: for writing, creating or upgrading it as needed; with
+    `readonly`, as it is (MissingRegistry when there is none, an error for an older schema)."""
     url = resolve_url(location)
-    engine = make_engine(url)
+    engine = make_engine(url, readonly)
     try:
-        revision = ensure_schema(engine, url, upgrade=upgrade)
+        revision = ensure_schema(engine, url, upgrade=not readonly)
     except BaseException:
         engine.dispose()
         raise
     log.debug("registry %s at schema %s", describe(url), revision)
-    return Registry(url, engine)
+    return Registry(url, engine, readonly)
+
+
+def seal(location: str | os.PathLike | None = None) -> Path:
+    """Fold a SQLite registry's write-ahead log into its file and switch it to a rollback
+    journal, so the one file is the whole database and reads from a read-only volume (a later
+    write switches it back to WAL). Returns the file."""
+    url = resolve_url(location)
+    path = sqlite_file(url)
+    if path is None:
+        raise RegistryError(f"registry {describe(url)} is not a SQLite file: only files are sealed")
+    if not path.is_file():
+        raise MissingRegistry(f"no registry at {path}")
+    reg = open_registry(url)
+    try:
+        raw = reg.engine.raw_connection()
+        try:
+            raw.driver_connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            mode = raw.driver_connection.execute("PRAGMA journal_mode = DELETE").fetchone()[0]
+        finally:
+            raw.close()
+    except DBAPIError as exc:
+        raise RegistryError(f"cannot seal registry {path}: {exc.orig}") from None
+    finally:
+        reg.close()
+    if mode != "delete":
+        raise RegistryError(f"cannot seal registry {path}: it stays in {mode} mode (is another process using it?)")
+    return path
 
 
 def _stored_revision(conn) -> str | None:
@@ -160,12 +253,12 @@ def ensure_schema(engine: Engine, url: str, *, upgrade: bool = True) -> str:
         with engine.connect() as conn:  # fast path: already current, no lock and no Alembic
             current = _stored_revision(conn)
         if current != SCHEMA_HEAD:
-            _migrate(writer, where, upgrade)
+            _migrate(writer if upgrade else engine, where, upgrade)
     except RegistryError:
         raise
     except DBAPIError as exc:
         raise RegistryError(f"{where} cannot be read as a registry database: {exc.orig}") from None
-    if engine.dialect.name == "sqlite":
+    if engine.dialect.name == "sqlite" and upgrade:
         raw = engine.raw_connection()  # WAL is a property of the file, set outside any transaction
         try:
             raw.driver_connection.execute("PRAGMA journal_mode = WAL")
@@ -200,8 +293,10 @@ def _migrate(writer: Engine, where: str, upgrade: bool) -> None:
         if current == head:
             return
         if not upgrade:
-            raise RegistryError(f"{where} has schema revision {current!r}, needs {head!r}; open it "
-                                f"with upgrade=True to migrate")
+            if current is None:
+                raise RegistryError(f"{where} is empty: not a prism-serve registry (yet)")
+            raise RegistryError(f"{where} has schema revision {current!r}, this prism-serve reads {head!r}; "
+                                f"a command that writes to it (e.g. `prism-serve registry gc`) upgrades it")
         if current is not None:
             log.info("upgrading registry %s from schema %s to %s", where, current, head)
         cfg.attributes["connection"] = conn

@@ -5,3 +5,7 @@ from prism_serve.errors import PrismError
 
 class RegistryError(PrismError):
     """The registry cannot be opened, read or written as asked; the message says why."""
+
+
+class MissingRegistry(RegistryError):
+    """A registry opened for reading does not exist (nothing is created in its place)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from sqlalchemy import Select, bindparam, delete, func, or_, select
+from sqlalchemy import Select, bindparam, delete, exists, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
@@ -353,20 +353,40 @@ def remove_kernels(session: Session, ids: Iterable[int]) -> int:
 
 def gc(session: Session, env: Versions | None = None, *, incompatible: bool = False) -> dict[str, int]:
     """Drop sGraphs, programs and devices no kernel uses (and, if asked, kernels that no
-    longer match this environment's codegen version)."""
+    longer match this environment's codegen version).
+
+    Safe beside concurrent writers on PostgreSQL too, where each statement reads its own
+    snapshot: a writer that reuses a parent row locks it (its upsert, or its kernel's foreign
+    key) until it commits. gc first locks the orphans nobody holds (SKIP LOCKED: never waiting
+    on a writer, never deadlocking with one), then deletes those still orphaned in a later
+    statement, which sees every kernel committed before its locks were granted; a row gc holds
+    cannot gain a kernel until gc commits. On SQLite the write transaction runs alone anyway."""
     removed: dict[str, int] = {}
     if incompatible:
         env = env or current_versions()
         removed["kernels"] = session.execute(delete(Kernel).where(Kernel.codegen_version != env.codegen)).rowcount
-    used_sg = select(Kernel.sgraph_id)
-    removed["sgraphs"] = session.execute(delete(SGraphRecord).where(SGraphRecord.id.not_in(used_sg))).rowcount
-    used_prog = select(SGraphRecord.program_id).union(select(Kernel.program_id))
-    session.execute(delete(ProgramSource).where(ProgramSource.program_id.not_in(used_prog)))
-    removed["programs"] = session.execute(delete(ProgramRecord).where(ProgramRecord.id.not_in(used_prog))).rowcount
-    used_dev = select(Kernel.device_id).union(
-        select(WarmupRun.device_id).where(WarmupRun.device_id.is_not(None)))
-    removed["devices"] = session.execute(delete(Device).where(Device.id.not_in(used_dev))).rowcount
+    sg_unused = ~exists().where(Kernel.sgraph_id == SGraphRecord.id)
+    removed["sgraphs"] = _delete_orphans(session, SGraphRecord, sg_unused)
+    prog_unused = (~exists().where(SGraphRecord.program_id == ProgramRecord.id)
+                   & ~exists().where(Kernel.program_id == ProgramRecord.id))
+    removed["programs"] = _delete_orphans(session, ProgramRecord, prog_unused)  # its sources go with it
+    dev_unused = ~exists().where(Kernel.device_id == Device.id) & ~exists().where(WarmupRun.device_id == Device.id)
+    removed["devices"] = _delete_orphans(session, Device, dev_unused)
     return removed
+
+
+GC_CHUNK = 500  # ids per DELETE (SQLite caps the bound parameters of one statement)
+
+
+def _delete_orphans(session: Session, model, unused) -> int:
+    """Lock the rows of `model` that `unused` holds for and no other transaction holds, then
+    delete those for which it still holds (see `gc`)."""
+    ids = session.scalars(select(model.id).where(unused).order_by(model.id)
+                          .with_for_update(skip_locked=True)).all()
+    n = 0
+    for i in range(0, len(ids), GC_CHUNK):
+        n += session.execute(delete(model).where(model.id.in_(ids[i:i + GC_CHUNK]), unused)).rowcount
+    return n
 
 
 # --- warmup runs ----------------------------------------------------------------------

@@ -83,8 +83,9 @@ def test_unpatchable_and_broken_kernels_are_skipped_with_reasons(tmp_path):
     table = _table(url)
     assert not table.ops
     reasons = sorted(why for _, why in table.skipped)
-    assert reasons[0].startswith("failed to compile: RegistryError") and "cannot instantiate" in reasons[0]
+    assert reasons[0].startswith("failed to load: RegistryError") and "cannot instantiate" in reasons[0]
     assert reasons[1] == "program 'rmsnorm_mlp' is not one prism can patch into vLLM"
+    assert [why for _, why in table.refused] == [reasons[0].removeprefix("failed to load: ")]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 37])

@@ -156,7 +156,7 @@ def _faults(tmp: Path) -> dict[str, tuple[str, str]]:
         "other device": (fill(tmp / "h100.db", [type(r)(**{**r.__dict__, "device": h100}) for r in model_results()]),
                          "for another device (gpu:h100"),
         "other triton": (fill(tmp / "triton.db", model_results(versions=_other_triton())), "built with triton"),
-        "kernel fails to compile": (fill(tmp / "broken.db", norms + broken), "failed to compile"),
+        "kernel fails to compile": (fill(tmp / "broken.db", norms + broken), "failed to load"),
     }
 
 
@@ -173,18 +173,110 @@ def test_faults_serve_stock_output_with_one_clear_line(fault_runs, runs, fault):
     result, text, url = fault_runs[fault]
     stock = runs["tiny-llama", "stock"]["runs"]["eager"]["tokens"]
     assert result["runs"]["eager"]["tokens"] == stock
-    assert len(result["log_lines"]) == 1, result["log_lines"]
-    assert text in result["log_lines"][0], result["log_lines"][0]
+    summary = [line for line in result["log_lines"] if "refused kernel" not in line]
+    refused = [line for line in result["log_lines"] if "refused kernel" in line]
+    assert len(summary) == 1, result["log_lines"]
+    assert text in summary[0], summary[0]
     if fault == "kernel fails to compile":  # the norms still run; SiluAndMul stays vLLM's
+        assert len(refused) == 2 and all("cannot instantiate" in line for line in refused), refused  # both buckets
         assert result["plugin"]["patched"] == ["vllm.ir.rms_norm", "vllm.ir.fused_add_rms_norm",
                                                "fusion pass (compiled mode)"]
         assert result["runs"]["eager"]["kernel"]["silu_and_mul"] == 0
         assert result["runs"]["eager"]["kernel"]["rms_norm"] > 0
     else:
+        assert not refused
         assert result["plugin"]["state"] in ("nothing", "error") and not result["plugin"]["patched"]
         assert not any(result["runs"]["eager"]["kernel"].values())
     if fault == "missing":
         assert not Path(url).parent.exists()  # the plugin never creates a registry
+
+
+# --- attacks of issue #12 through a real vLLM: registry rows written straight into the database --
+
+def _payload(marker: Path) -> str:
+    """Python that writes `marker`, its code hidden in an integer (what passed the old import)."""
+    code = f"open({str(marker)!r}, 'w').write('ran')".encode()
+    return f"exec ((({int.from_bytes(code, 'big')}).to_bytes({len(code)}, 'big'))) or True"
+
+
+def _graft(con, kernel_id: int, edit, proof: dict | None = None, status: str = "verified") -> None:
+    """Point the kernel at a copy of its sGraph row changed by `edit` (and its proof record)."""
+    text, program_id, name, old_proof, tests = con.execute(
+        "SELECT sgraph_json, program_id, name, proof, tests FROM sgraphs WHERE id = "
+        "(SELECT sgraph_id FROM kernels WHERE id = ?)", (kernel_id,)).fetchone()
+    data = json.loads(text)
+    edit(data)
+    new = con.execute("INSERT INTO sgraphs (hash, program_id, name, sgraph_json, proof, tests, created_at) "
+                      "VALUES (?, ?, ?, ?, ?, ?, CURRENT_TIMESTAMP)",
+                      (os.urandom(16).hex(), program_id, name, json.dumps(data),
+                       json.dumps(proof) if proof else old_proof, tests)).lastrowid
+    con.execute("UPDATE kernels SET sgraph_id = ?, status = ? WHERE id = ?", (new, status, kernel_id))
+
+
+def _node(data: dict, name: str) -> dict:
+    return next(n for n in data["kernels"][0]["nodes"] if n["name"] == name)
+
+
+def _attack_registry(tmp: Path, marker: Path) -> tuple[str, dict[str, int]]:
+    """tiny-llama's six kernels (three ops x two buckets), each made an attack:
+    1 code in an attribute, 2 a wrong kernel whose proof failed stored enabled, 3 a power-tower
+    dim, 4 a payload calling exit (rows); and, injected in vLLM's process (see vllm_child), a
+    load and a kernel call that raise SystemExit."""
+    import sqlite3
+
+    from prism_serve.capture.embedded import embedded_path
+
+    device = current_device(use_vllm=False)[0]
+    progs = seed.model_programs(embedded_path("tiny-llama") / "config.json")
+    path = tmp / "attacks.db"
+    url = fill(path, seed.results(progs, device, model="tiny-llama"))
+    con = sqlite3.connect(path)
+    ids = {(name, lo): kid for kid, name, lo in con.execute(
+        "SELECT k.id, p.name, k.bucket_lo FROM kernels k JOIN programs p ON p.id = k.program_id")}
+    attack = {"1 code": ids["rms_norm", 1], "4 exit": ids["rms_norm", 9], "2 unproven": ids["fused_add_rms_norm", 1],
+              "3 power tower": ids["silu_and_mul", 1], "load exits": ids["fused_add_rms_norm", 9],
+              "call exits": ids["silu_and_mul", 9]}
+    _graft(con, attack["1 code"], lambda d: _node(d, "ms")["attrs"].update(keepdim=_payload(marker)))
+    _graft(con, attack["4 exit"], lambda d: _node(d, "ms")["attrs"].update(keepdim="exit (3)"))
+    _graft(con, attack["2 unproven"], lambda d: _node(d, "r").update(op="sqrt"),
+           proof={"ok": False, "reason": "the outputs differ"}, status="enabled")
+    _graft(con, attack["3 power tower"],
+           lambda d: d.update(intermediates=[{"dtype": "float32", "name": "t", "shape": ["9**9**9**9"]}]))
+    con.commit()
+    con.close()
+    return url, attack
+
+
+@pytest.fixture(scope="module")
+def attack_run(checkpoints, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("attacks")
+    marker = tmp / "pwned"
+    url, attack = _attack_registry(tmp, marker)
+    faults = json.dumps({"load": attack["load exits"], "call": attack["call exits"]})
+    start = time.monotonic()
+    result = run_vllm(checkpoints["tiny-llama"], url, tmp, "eager", PRISM_TEST_FAULTS=faults)
+    return result, attack, marker, time.monotonic() - start
+
+
+def test_attacks_on_the_registry_serve_stock_tokens_with_one_line_each(attack_run, runs):
+    result, attack, marker, seconds = attack_run
+    assert not marker.exists()  # attack 1's code never ran
+    assert result["runs"]["eager"]["tokens"] == runs["tiny-llama", "stock"]["runs"]["eager"]["tokens"]
+    lines = result["log_lines"]
+    refused = {name: [line for line in lines if f"refused kernel {kid}:" in line] for name, kid in attack.items()
+               if name != "call exits"}
+    assert all(len(found) == 1 for found in refused.values()), lines
+    assert "'keepdim' must be bool" in refused["1 code"][0] and "'keepdim' must be bool" in refused["4 exit"][0]
+    assert "stored proof does not hold" in refused["2 unproven"][0]
+    assert "intermediate 't'" in refused["3 power tower"][0]
+    assert "SystemExit: 3" in refused["load exits"][0]
+    failed = [line for line in lines if "failed (SystemExit: 3)" in line]
+    assert len(failed) == 1 and f"kernel {attack['call exits']} for silu_and_mul" in failed[0]
+    summary = [line for line in lines if "patched" in line]
+    assert len(summary) == 1 and "patched SiluAndMul with 1 " in summary[0] and len(lines) == 7, lines
+    assert not any(result["runs"]["eager"]["kernel"].values())  # every bucket ran vLLM's own path
+    assert result["runs"]["eager"]["fallback"]["silu_and_mul"] > 0
+    assert seconds < TIMEOUT_S  # the power tower did not hold start-up
 
 
 # --- a deployed endpoint ---------------------------------------------------------------

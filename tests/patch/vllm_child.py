@@ -41,8 +41,36 @@ def run(model: str, mode: str) -> dict:
             "fallback": {k: after["fallback"][k] - before["fallback"][k] for k in after["fallback"]}}
 
 
+def inject_faults(spec: str) -> None:
+    """Test only: in this process, make one kernel's load and another's every call raise
+    SystemExit(3), as a payload calling exit() would, to show the plugin survives code that does
+    (the typed loader leaves no stored data that could). `spec`: {"load": id, "call": id}."""
+    from prism_serve.patch import table
+
+    faults, prepare, build = json.loads(spec), table._prepare, table.build_table
+
+    def exits(*args):
+        exit(3)
+
+    def _prepare(k, gpu):
+        return exits() if k.id == faults["load"] else prepare(k, gpu)
+
+    def build_table(*args, **kw):
+        t = build(*args, **kw)
+        for per in t.ops.values():
+            for buckets in per.values():
+                for launcher in buckets.launchers:
+                    if launcher.kernel_id == faults["call"]:
+                        launcher.run = exits
+        return t
+
+    table._prepare, table.build_table = _prepare, build_table
+
+
 def main(model: str, out: str, modes: list[str]) -> int:
     os.environ.update(ENV)
+    if os.environ.get("PRISM_TEST_FAULTS"):
+        inject_faults(os.environ["PRISM_TEST_FAULTS"])
     result: dict = {"runs": {mode: run(model, mode) for mode in modes}}
     from prism_serve.patch import STATUS, ops
     result["plugin"] = {"state": STATUS.state, "message": STATUS.message, "patched": STATUS.patched,

@@ -1,0 +1,142 @@
+"""Kernels that misbehave, in this process (no vLLM): a load that raises SystemExit, ends its
+process or hangs is refused within the bound while the other kernels serve; a kernel that raises
+SystemExit when called falls back to vLLM's path for good; the plugin says each refusal in one
+line and never raises into vLLM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import torch
+
+from prism_serve.patch import ops, plugin, table
+from prism_serve.patch.device import current_device
+from prism_serve.registry import open_registry
+from prism_serve.registry.store import load_device
+
+EPS = 1e-6
+
+
+def _kernels(url):
+    reg = open_registry(url, readonly=True)
+    with reg.read() as s:
+        kernels = load_device(s, current_device(use_vllm=False)[0], statuses=("verified",)).usable
+    reg.close()
+    return kernels
+
+
+def _misbehaving(bad: dict):
+    """`table._prepare`, except for the kernels in `bad` (id -> what they do instead)."""
+    real = table._prepare
+
+    def prepare(k, spec):
+        what = bad.get(k.id)
+        if what == "exit":
+            exit(3)
+        if what == "os._exit":
+            os._exit(5)
+        if what == "hang":
+            time.sleep(3600)
+        return real(k, spec)
+    return prepare
+
+
+@pytest.fixture
+def live():
+    ops.define_ops()
+    previous, failed = ops.STATE.table, set(ops.STATE.failed)
+    yield
+    ops.STATE.table, ops.STATE.failed = previous, failed
+
+
+def test_bad_loads_are_refused_within_the_bound_and_the_rest_serve(kernels_registry, monkeypatch, live):
+    kernels = _kernels(kernels_registry)
+    norm = sorted((k for k in kernels if k.program.name == "rms_norm" and "128" in k.program.ir_json),
+                  key=lambda k: k.bucket_lo)
+    silu = sorted((k for k in kernels if k.program.name == "silu_and_mul"), key=lambda k: k.bucket_lo)
+    fused = [k for k in kernels if k.program.name == "fused_add_rms_norm"]
+    bad = {norm[0].id: "exit", silu[1].id: "os._exit", fused[0].id: "hang"}
+    monkeypatch.setattr(table, "_prepare", _misbehaving(bad))
+    start = time.monotonic()
+    t = table.build_table(kernels, "cpu", timeout_s=2.0)
+    assert time.monotonic() - start < 30  # the hang cost its bound, not an hour
+    assert dict(t.refused) == {norm[0].id: "SystemExit: 3",
+                               silu[1].id: "ended the loading process (exit status 5)",
+                               fused[0].id: "took longer than 2 s to load"}
+    assert {kid for kid, why in t.skipped} == set(bad)
+    ops.STATE.table = t
+    gen = torch.Generator().manual_seed(0)
+    w = 1 + 0.1 * torch.randn(128, generator=gen)
+    for rows, served in ((3, False), (12, True)):  # bucket 1-8 of the norm was refused, 9-8192 serves
+        x = torch.randn(rows, 128, generator=gen)
+        kernel, miss = ops.COUNTS["rms_norm"], ops.MISSES["rms_norm"]
+        torch.testing.assert_close(torch.ops.prism.rms_norm(x, w, EPS), ops.ref_rms_norm(x, w, EPS))
+        assert (ops.COUNTS["rms_norm"] - kernel, ops.MISSES["rms_norm"] - miss) == ((1, 0) if served else (0, 1))
+
+
+def test_a_kernel_that_raises_system_exit_when_called_falls_back_for_good(kernels_registry, live, caplog):
+    t = table.build_table(_kernels(kernels_registry), "cpu")
+    buckets = t.entry("silu_and_mul", torch.float32, 256)
+    launcher = buckets.pick(4)
+
+    def payload(*args):
+        exit(3)
+    launcher.run = payload
+    ops.STATE.table = t
+    x = torch.randn(4, 512)
+    before = (ops.COUNTS["silu_and_mul"], ops.MISSES["silu_and_mul"])
+    with caplog.at_level(logging.WARNING, logger="vllm.prism_serve.ops"):
+        for _ in range(3):
+            torch.testing.assert_close(torch.ops.prism.silu_and_mul(x), ops.ref_silu_and_mul(x))
+    assert (ops.COUNTS["silu_and_mul"] - before[0], ops.MISSES["silu_and_mul"] - before[1]) == (0, 3)
+    lines = [r.getMessage() for r in caplog.records if "prism-serve:" in r.getMessage()]
+    assert len(lines) == 1 and f"kernel {launcher.kernel_id} for silu_and_mul failed (SystemExit: 3)" in lines[0]
+    assert launcher.kernel_id in ops.STATE.failed
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch, kernels_registry):
+    """The plugin as vLLM starts it, on this device's registry, without importing vLLM."""
+    monkeypatch.setattr("prism_serve.patch.device.current_device", lambda: current_device(use_vllm=False))
+    monkeypatch.setattr(plugin, "_logging_ready", lambda: None)
+    monkeypatch.setenv("PRISM_SERVE_REGISTRY", kernels_registry)
+    monkeypatch.setenv("PRISM_SERVE_FORCE", "1")
+    plugin.unpatch()
+    yield
+    plugin.unpatch()
+
+
+def test_the_plugin_logs_one_line_per_refused_kernel(fresh_plugin, kernels_registry, monkeypatch, caplog):
+    kernels = _kernels(kernels_registry)
+    monkeypatch.setattr(table, "_prepare", _misbehaving({k.id: "exit" for k in kernels}))
+    with caplog.at_level(logging.INFO, logger="vllm.prism_serve"):
+        plugin.register()
+    lines = [r.getMessage() for r in caplog.records if "prism-serve:" in r.getMessage()]
+    refusals = [line for line in lines if "refused kernel" in line]
+    assert sorted(refusals) == sorted(f"prism-serve: refused kernel {k.id}: SystemExit: 3; vLLM's own path serves "
+                                      f"its shapes" for k in kernels)
+    assert len(lines) == len(kernels) + 1 and "nothing patched" in lines[-1]
+    assert plugin.STATUS.state == "nothing" and not plugin.STATUS.patched
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), GeneratorExit(), MemoryError()])
+def test_the_plugin_never_raises_into_vllm(fresh_plugin, monkeypatch, caplog, exc):
+    def plan():
+        raise exc
+    monkeypatch.setattr(plugin, "plan", plan)
+    with caplog.at_level(logging.INFO, logger="vllm.prism_serve"):
+        plugin.register()
+    lines = [r.getMessage() for r in caplog.records if "prism-serve:" in r.getMessage()]
+    assert plugin.STATUS.state == "error" and lines == [plugin.STATUS.message]
+    assert lines[0].startswith(f"prism-serve: nothing patched, the plugin failed: {type(exc).__name__}")
+
+
+def test_keyboard_interrupt_still_stops_start_up(fresh_plugin, monkeypatch):
+    def plan():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(plugin, "plan", plan)
+    with pytest.raises(KeyboardInterrupt):
+        plugin.register()
