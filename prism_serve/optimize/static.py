@@ -107,7 +107,7 @@ def _tensor_facts(inst: Instance, name: str) -> dict:
     """dtype and contiguous strides of a kernel tensor (None where a stride depends on num_tokens)."""
     shape = inst.sgraph.tensors[name].shape
     strides = [None if any(TOKENS in s.free_symbols for s in shape[d + 1:])
-               else math.prod(int(s) for s in shape[d + 1:]) for d in range(len(shape))]
+               else math.prod(inst.concrete(s) for s in shape[d + 1:]) for d in range(len(shape))]
     return {"dtype": inst.sgraph.tensors[name].dtype, "strides": strides}
 
 
