@@ -27,7 +27,7 @@ from prism_serve.capture.embedded import EMBEDDED, embedded_path  # noqa: E402
 from prism_serve.optimize.gpus import get_gpu  # noqa: E402
 from prism_serve.optimize.sgraph import BlockKernel  # noqa: E402
 from prism_serve.optimize.static import compile_facts  # noqa: E402
-from prism_serve.optimize.tune import rank  # noqa: E402
+from prism_serve.optimize.tune import enumerate_instances, rank  # noqa: E402
 from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, WORKLOADS  # noqa: E402
 
@@ -85,8 +85,9 @@ def main() -> int:
     for source, prog, buckets in cases(args.quick):
         g = oracle(prog)
         for cc, gpu in TARGETS.items():
+            instances = enumerate_instances(g, get_gpu(gpu))
             for nt in buckets:
-                inst = rank(g, get_gpu(gpu), nt)[0].instance
+                inst = rank(g, get_gpu(gpu), nt, instances)[0].instance
                 key = (cc, g.name, prog.canonical_hash, inst.assignment)
                 chosen.setdefault(key, (inst, []))[1].append((source, nt))
     keys = list(chosen)

@@ -113,14 +113,14 @@ def _known(name: str, cc: tuple[int, int], sms: int, bandwidth_gbs: float, l2_mb
 # Tensor rates are the datasheets' dense figures (half the "with sparsity" ones).
 KNOWN: tuple[GpuSpec, ...] = (
     _known("h100", (9, 0), 132, 3350.0, 50.0, 989.4, 66.9, "NVIDIA H100 datasheet (2023), SXM5; SMs and L2: H100 whitepaper"),
-    _known("h100-pcie", (9, 0), 114, 2000.0, 50.0, 756.0, 51.2,
-           "NVIDIA H100 datasheet (2023), PCIe 80GB; SMs and L2: H100 whitepaper"),
     _known("h200", (9, 0), 132, 4800.0, 50.0, 989.4, 66.9, "NVIDIA H200 datasheet (2024), SXM; GH100 die as H100 SXM5"),
     _known("a100", (8, 0), 108, 2039.0, 40.0, 312.0, 19.5, "NVIDIA A100 datasheet (2021), SXM4 80GB; A100 whitepaper"),
+    _known("l40s", (8, 9), 142, 864.0, 96.0, 362.0, 91.6, "NVIDIA L40S datasheet (2023); AD102 per the Ada whitepaper"),
+    _known("h100-pcie", (9, 0), 114, 2000.0, 50.0, 756.0, 51.2,
+           "NVIDIA H100 datasheet (2023), PCIe 80GB; SMs and L2: H100 whitepaper"),
     _known("a10g", (8, 6), 80, 600.0, 6.0, 140.0, 35.0,
            "AWS EC2 G5 documentation (80 SMs, 24 GB GDDR6, 600 GB/s); rates derived as ARCH[8.6] x 80 SMs x 1.71 GHz"),
     _known("l4", (8, 9), 58, 300.0, 48.0, 121.0, 30.3, "NVIDIA L4 datasheet (2023); AD104 per the Ada whitepaper"),
-    _known("l40s", (8, 9), 142, 864.0, 96.0, 362.0, 91.6, "NVIDIA L40S datasheet (2023); AD102 per the Ada whitepaper"),
     _known("b200", (10, 0), 148, 8000.0, 126.0, 2250.0, 75.0,
            "NVIDIA HGX B200 datasheet (2024), per GPU; SMs and L2 as reported for B200, unverified here"),
 )

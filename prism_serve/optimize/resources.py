@@ -13,6 +13,7 @@ registers than the broadcast product: codegen then emits `tl.dot` (see `mma_padd
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping
@@ -183,6 +184,12 @@ def _resources(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool) 
 def kernel_resources(g: SGraph, k: BlockKernel, values: Mapping[str, int]) -> KernelResources:
     """Resources of `k` under `values`, with the token tile padded to the MMA minimum where a
     matmul would otherwise fall back to broadcast-and-sum and padding needs fewer registers."""
+    return _kernel_resources(g, k, tuple(sorted(values.items())))
+
+
+@functools.lru_cache(maxsize=65536)
+def _kernel_resources(g: SGraph, k: BlockKernel, assignment: tuple[tuple[str, int], ...]) -> KernelResources:
+    values = dict(assignment)
     plain = _resources(g, k, values, False)
     tok = token_symbol(k)
     if tok is None or values.get(tok, MMA_MIN) >= MMA_MIN or not any(n.op == "matmul" for n in k.nodes):
