@@ -7,8 +7,8 @@ matmul (`tl.sum(a[:, :, None] * b[None, :, :], axis=1)`), the operands of a `tl.
 over the block's threads, plus a base, that is the per-thread estimate (weights fitted to
 ptxas; scripts/bench_static.py prints model beside ptxas for every kernel).
 
-A token tile below the MMA minimum is padded to 16 rows (masked) where that needs fewer
-registers than the broadcast product: codegen then emits `tl.dot` (see `mma_padded`).
+A token tile below the MMA minimum is padded to 16 rows (masked) where that is cheaper than
+the broadcast product (see `kernel_resources`): codegen then emits `tl.dot`.
 """
 
 from __future__ import annotations
@@ -31,21 +31,27 @@ REGS_PER_SM = 65536
 MAX_REGS_PER_THREAD = 255
 MAX_THREADS_PER_BLOCK = 1024
 REG_ALLOC_UNIT = 8
+# A token tile of at least this many rows is padded to 16 whenever that fits: the padding wastes
+# at most 4x the tensor-core work, and dense fp16 tensor-core peak is 4x (GA10x, AD10x) to 32x
+# (Blackwell) the fp32 peak on every architecture in gpus.ARCH, so tl.dot is never slower.
+PAD_MIN_ROWS = 4
 WARP_CHOICES = (4, 8, 16, 32)  # Triton's default is 4; fewer leave a wide tile's loads to few threads
-# Registers per thread = REG_BASE + (weighted tile elements) / threads. The weights were fitted
-# (least squares on relative error) to ptxas 12.x under Triton 3.9 for sm_90 over 66 kernels of
-# the five workloads' oracles at random assignments (scripts/bench_static.py prints model and
-# ptxas side by side): median error about 28 %, worst about 60 %. Loaded tiles are held at their
-# storage width (all loads are issued up front), values live across a reduction, matmul or the
-# loop mostly are not re-materialised, accumulators stay, a broadcast-and-sum product is partly
-# fused into its sum, tl.dot operands are converted in registers.
-REG_BASE = 16
+# Registers per thread = REG_BASE (+ LOOP_REGS with a for-loop) + weighted tile elements / threads.
+# The weights were chosen (a grid search minimising the kernels off by over 25 %) against ptxas
+# 12.x under Triton 3.9 on the 115 kernels scripts/bench_static.py compiles (the five workloads'
+# and the embedded models' chosen instances, sm_90 and sm_80): median error 11 %, 92 of 115
+# within 25 %, worst about 60 % (split-KV attention, which the model underestimates). Loaded
+# tiles are held at their storage width (all loads are issued up front); values live across a
+# reduction, matmul or the loop are partly re-materialised; a broadcast-and-sum product is mostly
+# fused into its sum; a tl.dot's fp16 operands are converted in registers.
+REG_BASE = 12
+LOOP_REGS = 8  # loop counter, advanced pointers, pipelining state
 BARRIERS = ("sum", "mean", "max", "matmul")
 W_LOADS = 1.0  # per 32-bit word of a loaded tile
-W_SPANNING = 0.25  # per fp32 element of a computed value live across a barrier or the loop
-W_ACCUMS = 0.5
-W_PRODUCT = 0.75  # per element of the largest m x k x n broadcast product
-W_OPERANDS = 0.75  # per fp16 operand pair of the largest tl.dot, packed two per register
+W_SPANNING = 0.5  # per fp32 element of a computed value live across a barrier or the loop
+W_ACCUMS = 0.5  # per fp32 accumulator element
+W_PRODUCT = 0.25  # per element of the largest m x k x n broadcast product
+W_OPERANDS = 1.0  # per fp16 operand pair of the largest tl.dot, packed two per register
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class KernelResources:
     """What one block of a kernel holds, for an instance's assignment."""
 
     smem: int  # bytes of shared memory per block
+    base_registers: int  # per thread, whatever the tiles
     tile_registers: int  # registers the whole block holds for its tiles (weighted, see REG_BASE)
     largest: tuple[str, int]  # the largest tile: (node, padded elements)
     batched_matmul: str | None  # a matmul whose tile keeps batch dims, if any
@@ -66,7 +73,7 @@ class KernelResources:
 
     @property
     def regs_per_thread(self) -> int:
-        return regs_per_thread(self.tile_registers, self.warps)
+        return regs_per_thread(self.base_registers, self.tile_registers, self.warps)
 
     @property
     def spills(self) -> bool:
@@ -78,15 +85,15 @@ def reg_cap(warps: int) -> int:
     return min(MAX_REGS_PER_THREAD, REGS_PER_SM // (warps * 32) // REG_ALLOC_UNIT * REG_ALLOC_UNIT)
 
 
-def regs_per_thread(tile_registers: int, warps: int) -> int:
-    return math.ceil(REG_BASE + tile_registers / (warps * 32))
+def regs_per_thread(base: int, tile_registers: int, warps: int) -> int:
+    return math.ceil(base + tile_registers / (warps * 32))
 
 
-def choose_warps(tile_registers: int) -> int:
-    """The fewest warps (from Triton's default 4) whose threads hold the live tiles without
+def choose_warps(base: int, tile_registers: int) -> int:
+    """The fewest warps (from Triton's default 4) whose threads hold the tiles without
     spilling; 32 when none can (the kernel is then infeasible, see `check`)."""
     for w in WARP_CHOICES:
-        if regs_per_thread(tile_registers, w) <= reg_cap(w):
+        if regs_per_thread(base, tile_registers, w) <= reg_cap(w):
             return w
     return WARP_CHOICES[-1]
 
@@ -177,13 +184,17 @@ def _resources(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool) 
     largest = max(((n, math.prod(p)) for n, p in padded_of.items()), key=lambda t: t[1], default=("", 0))
     batched = next((n.name for n in k.nodes if n.op == "matmul"
                     and any(d != 1 for s in n.inputs for d in dims_of[s][:-2])), None)
-    warps = choose_warps(live)
-    return KernelResources(_smem(g, k, types, padded_of, dots, warps), live, largest, batched, pad, dots, warps)
+    base = REG_BASE + (LOOP_REGS if k.forloop else 0)
+    warps = choose_warps(base, live)
+    return KernelResources(_smem(g, k, types, padded_of, dots, warps), base, live, largest, batched, pad, dots,
+                           warps)
 
 
 def kernel_resources(g: SGraph, k: BlockKernel, values: Mapping[str, int]) -> KernelResources:
     """Resources of `k` under `values`, with the token tile padded to the MMA minimum where a
-    matmul would otherwise fall back to broadcast-and-sum and padding needs fewer registers."""
+    matmul would otherwise fall back to broadcast-and-sum and padding is cheaper: it needs no
+    more registers, or the tile has at least PAD_MIN_ROWS rows (see there); never where the
+    padded kernel would spill."""
     return _kernel_resources(g, k, tuple(sorted(values.items())))
 
 
@@ -199,9 +210,10 @@ def _kernel_resources(g: SGraph, k: BlockKernel, assignment: tuple[tuple[str, in
            for n in k.nodes):
         return plain  # padded rows must never enter a reduction over tokens
     padded = _resources(g, k, values, True)
-    if len(padded.dots) > len(plain.dots) and padded.tile_registers <= plain.tile_registers:
-        return padded
-    return plain
+    if len(padded.dots) <= len(plain.dots) or padded.spills:
+        return plain
+    cheaper = padded.regs_per_thread <= plain.regs_per_thread or values[tok] >= PAD_MIN_ROWS
+    return padded if cheaper else plain
 
 
 def check(g: SGraph, k: BlockKernel, values: Mapping[str, int], gpu) -> KernelResources:

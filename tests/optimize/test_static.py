@@ -17,6 +17,7 @@ def test_embedded_gemm_kernels_do_not_spill_and_use_tensor_cores():
     for kind, num_tokens in (("rmsnorm_linear", 1), ("rmsnorm_linear", 16), ("rmsnorm_swiglu", 8)):
         g = oracle(programs[kind])
         jobs.append((rank(g, H100, num_tokens, enumerate_instances(g, H100))[0].instance, 90))
+    assert any(inst.resources(inst.sgraph.kernels[0]).dots for inst, _ in jobs)  # tensor cores are exercised
     for (inst, _), facts in zip(jobs, compile_facts(jobs)):
         (k,) = inst.sgraph.kernels
         (f,) = facts
