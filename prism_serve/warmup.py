@@ -168,7 +168,7 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
         from prism_serve.capture.runner import capture  # its validation gives the precise one-line error
         capture(model)
     name = str(model) if model is not None else model_dir.name
-    device, device_type = current_device(use_vllm=False)
+    device, device_type = current_device(use_vllm=False, measure=True)
     key = model_fingerprint(model_dir)
     env = current_versions()
     cached = _cached_capture(key)
@@ -218,7 +218,7 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
     sizes = sorted(set(region.buckets)) or [1]
     ranges = bucket_ranges(sizes)
     out = RegionOutcome(region.kind, prog.canonical_hash, region.layers, ranges)
-    spec = get_gpu(device.name if device.kind == "gpu" else CPU_BOUNDS_GPU)
+    spec = device.spec or get_gpu(device.name if device.kind == "gpu" else CPU_BOUNDS_GPU)
     with reg.read() as s:
         plans = known_plans(s, prog)
     try:

@@ -21,7 +21,7 @@ from types import ModuleType
 from prism_serve.errors import CodegenError
 from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node
 from prism_serve.optimize.schema import NAME
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, launch_dims, tile_shape
+from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, launch_dims, sym, tile_shape
 
 CODEGEN_VERSION = 3
 BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -113,6 +113,10 @@ class _KernelWriter:
         self.values: dict[str, Value] = {}
         self.tensors = list(dict.fromkeys(n.attr("tensor") for n in k.nodes if n.op in ("load", "store")))
         self.uses_tokens = any(TOKENS in d.free_symbols for t in self.tensors for d in self.g.tensors[t].shape)
+        # Token tiles below the MMA minimum are padded to 16 masked rows where the resource
+        # model says so, so that their matmuls run as tl.dot on tensor cores.
+        self.padded_token = next((a.symbol for a in k.grid if a.over_tokens), None) \
+            if inst.resources(k).mma_padded else None
 
     # --- helpers ---------------------------------------------------------
     def emit(self, line: str, depth: int) -> None:
@@ -132,6 +136,9 @@ class _KernelWriter:
         imap = n.attr("imap") if n.op == "load" else n.attr("omap")
         fmap = dict(n.attrs).get("fmap")
         tile = self.inst.tile(self.k, n.name) if n.op == "load" else self._store_tile(n)
+        token_dims = [d == sym(self.padded_token) for d in
+                      (self.g.block_types(self.k)[n.name].shape if n.op == "load" else
+                       tile_shape(self.k, shape, imap, fmap))] if self.padded_token else [False] * len(shape)
         out = []
         for d, size in enumerate(shape):
             starts, loop_dep = [], False
@@ -142,12 +149,14 @@ class _KernelWriter:
             if fmap == d:
                 starts.append(f"it * {tile[d]}")
                 loop_dep = True
+            extent = max(pow2(tile[d]), MIN_DOT) if token_dims[d] else pow2(tile[d])
             conds = []
-            if pow2(tile[d]) != tile[d]:
-                conds.append(f"tl.arange(0, {pow2(tile[d])}) < {tile[d]}")
+            if extent != tile[d]:
+                conds.append(f"tl.arange(0, {extent}) < {tile[d]}")
             if size == TOKENS:
-                conds.append(f"({' + '.join(starts) or '0'} + tl.arange(0, {pow2(tile[d])})) < n_tokens")
-            out.append((tile[d], " + ".join(starts), self._mask(" & ".join(f"({c})" for c in conds)), loop_dep))
+                conds.append(f"({' + '.join(starts) or '0'} + tl.arange(0, {extent})) < n_tokens")
+            out.append((extent if token_dims[d] else tile[d], " + ".join(starts),
+                        self._mask(" & ".join(f"({c})" for c in conds)), loop_dep))
         return out
 
     def _store_tile(self, n: Node) -> tuple[int, ...]:
@@ -274,7 +283,8 @@ class _KernelWriter:
         self.values[n.name] = Value(var, dims, (None,) * (rank - 2) + (a.masks[-2], nmask))
 
     def accum_init(self, n: Node, depth: int) -> None:
-        shape = tuple(pow2(self.inst.concrete(d)) for d in self.g.block_types(self.k)[n.name].shape)
+        shape = tuple(max(pow2(self.inst.concrete(d)), MIN_DOT) if self.padded_token and d == sym(self.padded_token)
+                      else pow2(self.inst.concrete(d)) for d in self.g.block_types(self.k)[n.name].shape)
         init = 'float("-inf")' if n.attr("kind") == "max" else "0.0"
         self.emit(f"{ident(n.name)} = tl.full({shape}, {init}, tl.float32)", depth)
 

@@ -1,9 +1,20 @@
-"""The cost model: a roofline with L2 reuse, wave quantisation and launch overhead.
+"""The cost model: a roofline that sees occupancy, the L2's capacity, tensor cores and launches.
 
-It ranks instantiations of an sGraph for one GPU and num_tokens; it is not a
-simulator. Unique tensor bytes move from DRAM (in 32-byte sectors), repeated tile loads (weights read
-by every token block, say) hit L2; matmuls with every dim >= 16 run on tensor
-cores, everything else on the fp32 units; a grid smaller than a wave leaves SMs idle.
+It ranks instantiations of an sGraph for one GPU and num_tokens; it is not a simulator.
+Per block kernel:
+- memory: unique tensor bytes move from DRAM (in 32-byte sectors); repeated tile loads (a
+  weight read by every token block, say) hit the L2 only while the re-read set fits the L2,
+  the rest go to DRAM again. Achieved bandwidth follows Little's law: the bytes a resident
+  block has in flight (one loop iteration's loads) times the resident blocks (occupancy from
+  the resource model's registers, shared memory and warps) over the DRAM latency, capped by
+  what each busy SM's L1 can take per clock and by the GPU's peak.
+- compute: half-precision matmuls codegen emits as `tl.dot` (see `resources.kernel_resources`,
+  which pads small token tiles to the MMA minimum where that is cheaper) run on tensor cores
+  at their padded size; fp32 dots (IEEE), broadcast-and-sum products and everything else on
+  the fp32 units.
+- waves: a grid that leaves resident-block slots idle in its last wave wastes them.
+- launch: one kernel launch, eager or as one node of a replayed CUDA graph (vLLM decodes
+  under CUDA graphs), from the GPU spec (measured on a device, cited constants offline).
 """
 
 from __future__ import annotations
@@ -11,15 +22,29 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prism_serve.optimize.codegen import MIN_DOT, pow2
-from prism_serve.optimize.gpus import GpuSpec
+from prism_serve.optimize.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
 from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, Program
 from prism_serve.optimize.reference import expand_composites
-from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance
+from prism_serve.optimize.resources import KernelResources, blocks_per_sm
+from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance, sym
 
-LAUNCH_US = 3.0  # per kernel launch on the host, as commonly measured for CUDA + Triton
-SECTOR_BYTES = 32  # the DRAM access granularity
-L2_BANDWIDTH_FACTOR = 2.5  # L2 serves repeated loads this many times faster than DRAM
+LAUNCH_US = GRAPH_LAUNCH_US  # the default mode's launch cost (CUDA-graph replay), for bounds
+SECTOR_BYTES = 32  # DRAM / L2 access granularity (CUDA C++ Best Practices Guide, "Coalesced Access")
+# L2 bandwidth over DRAM bandwidth: about 2.5x on A100 and H100 (Jia et al., "Dissecting the
+# Ampere GPU Architecture through Microbenchmarking", GTC 2021; Chips and Cheese, "Nvidia's H100:
+# Funny L2, and Tons of Bandwidth", 2023).
+L2_BANDWIDTH_FACTOR = 2.5
+# Share of the L2 a re-read set may count on: A100 / H100 split the L2 in two partitions and an
+# SM sees the far one at higher cost (A100 whitepaper, "L2 cache"; the H100 latency step at half
+# the L2 in Chips and Cheese 2023, above).
+L2_USABLE_FRACTION = 0.5
+# Loaded DRAM latency, ns: pointer-chase measurements put the unloaded latency at 400-600 ns on
+# A100 and H100 (Jia et al. 2021; Chips and Cheese 2023, above). Little's law with it gives the
+# bytes that must be in flight to reach peak bandwidth.
+DRAM_LATENCY_NS = 600.0
+# Bytes an SM's L1 returns per clock (A100 and H100 whitepapers: 128 B/clk/SM): a cap on how
+# fast one busy SM can pull data, so a small grid cannot reach the GPU's peak.
+L1_BYTES_PER_CLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -31,14 +56,29 @@ class KernelCost:
     tensor_flops: float
     fp32_flops: float
     time_us: float
+    regs_per_thread: int = 0  # 0 for library kernels
+    blocks_per_sm: int = 0
+    bandwidth_gbs: float = 0.0  # the achieved DRAM bandwidth the model assumed
 
 
-def _time_us(gpu: GpuSpec, blocks: int, dram: float, l2: float, tc: float, fp32: float) -> float:
-    waves = max(1, math.ceil(blocks / gpu.sms))
-    busy = blocks / (waves * gpu.sms)  # fraction of SM-slots doing work across the waves
-    mem = dram / (gpu.mem_bandwidth_gbs * 1e3) + l2 / (gpu.mem_bandwidth_gbs * 1e3 * L2_BANDWIDTH_FACTOR)
-    compute = tc / (gpu.fp16_tensor_tflops * 1e6) + fp32 / (gpu.fp32_tflops * 1e6)
-    return max(mem, compute) / max(busy, 1e-9) + LAUNCH_US
+def clock_ghz(gpu: GpuSpec) -> float:
+    """SM clock implied by the peak fp32 rate and the architecture's FP32 lanes per SM."""
+    per_clock = ARCH[gpu.compute_capability].fp32_flops_per_clock_sm if gpu.compute_capability in ARCH else 256
+    return gpu.fp32_tflops * 1e3 / (gpu.sms * per_clock)
+
+
+def launch_us(gpu: GpuSpec, graphs: bool = True) -> float:
+    """One kernel launch: a node of a replayed CUDA graph, or an eager launch."""
+    return gpu.graph_launch_us if graphs else gpu.eager_launch_us
+
+
+def achieved_bandwidth_gbs(gpu: GpuSpec, blocks: int, resident_per_sm: int, bytes_in_flight: float) -> float:
+    """DRAM bandwidth a grid reaches: Little's law over its resident blocks' bytes in flight,
+    each busy SM capped by its L1, the whole by the GPU's peak."""
+    busy_sms = min(blocks, gpu.sms)
+    per_sm_blocks = min(resident_per_sm, math.ceil(blocks / max(busy_sms, 1)))
+    per_sm = min(per_sm_blocks * bytes_in_flight / DRAM_LATENCY_NS, L1_BYTES_PER_CLOCK * clock_ghz(gpu))
+    return max(min(gpu.mem_bandwidth_gbs, busy_sms * per_sm), 1e-6)
 
 
 def _sector_waste(tile_last: int, tensor_last: int, itemsize: int) -> float:
@@ -53,19 +93,33 @@ def _numel(shape) -> int:
     return math.prod(shape)
 
 
-def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuSpec) -> KernelCost:
+def _grid_blocks(inst: Instance, k: BlockKernel, num_tokens: int) -> int:
+    values = inst.values
+    return math.prod(math.ceil(num_tokens / values[a.symbol]) if a.over_tokens else values[a.symbol]
+                     for a in k.grid)
+
+
+def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuSpec,
+                      *, graphs: bool = True) -> KernelCost:
     g = inst.sgraph
     values = inst.values
-    blocks = math.prod(math.ceil(num_tokens / values[a.symbol]) if a.over_tokens else values[a.symbol]
-                       for a in k.grid)
+    res: KernelResources = inst.resources(k)
+    blocks = _grid_blocks(inst, k, num_tokens)
     steps = values[k.forloop] if k.forloop else 1
-    requested = unique = tc = fp32 = 0.0
+    requested: dict[str, float] = {}
+    unique: dict[str, float] = {}
+    in_flight = {"pre": 0.0, "loop": 0.0}
+    tc = fp32 = 0.0
     types = g.block_types(k)
+    token = next((sym(a.symbol) for a in k.grid if a.over_tokens), None)
+    # fp32 programs get tl.dot(..., input_precision="ieee") from codegen: FMA units, not tensor cores
+    half = any(n.attr("dtype") in ("float16", "bfloat16") for n in g.program.inputs)
     for n in k.nodes:
         if n.op == "const":
             continue
         tile = tuple(inst.concrete(d, num_tokens) for d in types[n.name].shape)
-        times = steps if k.stages[n.name] == "loop" else 1
+        stage = k.stages[n.name]
+        times = steps if stage == "loop" else 1
         if n.op in ("load", "store"):
             decl = g.tensors[n.attr("tensor")]
             shape = inst.tensor_shape(decl.name, num_tokens)
@@ -74,26 +128,56 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
             if n.op == "store":  # along an axis the store does not map, only the first block writes
                 writers //= math.prod(values[a.symbol] for a, d in zip(k.grid, n.attr("omap"))
                                       if d is None and not a.over_tokens)
-            requested += writers * times * _numel(tile) * BYTES[decl.dtype] * waste
-            unique += _numel(shape) * BYTES[decl.dtype] * waste
+            rows = tuple(min(t, num_tokens) if d == token else t for t, d in zip(tile, types[n.name].shape))
+            tile_bytes = _numel(rows) * BYTES[decl.dtype] * waste  # masked rows past num_tokens move nothing
+            requested[decl.name] = requested.get(decl.name, 0.0) + writers * times * tile_bytes
+            unique[decl.name] = max(unique.get(decl.name, 0.0), _numel(shape) * BYTES[decl.dtype] * waste)
+            if n.op == "load":
+                in_flight["loop" if stage == "loop" else "pre"] += tile_bytes
         elif n.op == "matmul":
-            a, b = (types[s].shape for s in n.inputs)
-            m = inst.concrete(a[-2], num_tokens)
-            kk = inst.concrete(a[-1])
-            nn = _numel(tile) // max(m, 1)
-            flops = 2.0 * m * kk * nn * blocks * times
-            if min(pow2(m), pow2(kk), pow2(max(nn, 1))) >= MIN_DOT:
-                tc += flops
+            a_dims = inst.concrete(types[n.inputs[0]].shape[-2], num_tokens)
+            kk = inst.concrete(types[n.inputs[0]].shape[-1])
+            nn = _numel(tile) // max(a_dims, 1)
+            if n.name in res.dots and half:  # tensor cores work on the padded tile
+                m = max(1 << (a_dims - 1).bit_length(), 16) if res.mma_padded else a_dims
+                tc += 2.0 * m * kk * nn * blocks * times
             else:
-                fp32 += flops
+                fp32 += 2.0 * a_dims * kk * nn * blocks * times
         else:
             fp32 += _numel(tile) * blocks * times
-    l2 = max(requested - unique, 0.0)
-    time = _time_us(gpu, blocks, unique, l2, tc, fp32)
-    return KernelCost(k.name, blocks, unique, l2, tc, fp32, time)
+    dram, l2 = _split_l2(requested, unique, gpu)
+    resident = max(blocks_per_sm(res, gpu), 1)
+    bandwidth = achieved_bandwidth_gbs(gpu, blocks, resident, max(in_flight.values()))
+    time = _time_us(gpu, blocks, resident, dram, l2, tc, fp32, bandwidth) + launch_us(gpu, graphs)
+    return KernelCost(k.name, blocks, dram, l2, tc, fp32, time, res.regs_per_thread, resident, bandwidth)
 
 
-def _library_cost(prog_types, op, num_tokens: int, gpu: GpuSpec, name: str) -> KernelCost:
+def _split_l2(requested: dict[str, float], unique: dict[str, float], gpu: GpuSpec) -> tuple[float, float]:
+    """(DRAM bytes, L2 bytes): each tensor's first read comes from DRAM; its re-reads hit the L2
+    in the proportion of the re-read set that fits the usable L2, the rest come from DRAM again."""
+    capacity = gpu.l2_mb * 2**20 * L2_USABLE_FRACTION
+    reread_set = sum(unique[t] for t in unique if requested[t] > unique[t])
+    hit = min(1.0, capacity / reread_set) if reread_set else 1.0
+    dram = l2 = 0.0
+    for t, req in requested.items():
+        again = max(req - unique[t], 0.0)
+        dram += unique[t] + again * (1 - hit)
+        l2 += again * hit
+    return dram, l2
+
+
+def _time_us(gpu: GpuSpec, blocks: int, resident_per_sm: int, dram: float, l2: float, tc: float, fp32: float,
+             bandwidth_gbs: float) -> float:
+    slots = gpu.sms * resident_per_sm
+    waves = max(1, math.ceil(blocks / slots))
+    # the last wave's idle slots: compute stretches by the share of SM-slots left unused
+    busy = min(1.0, blocks / (waves * slots)) if blocks > slots else min(blocks, gpu.sms) / gpu.sms
+    mem = dram / (bandwidth_gbs * 1e3) + l2 / (gpu.mem_bandwidth_gbs * 1e3 * L2_BANDWIDTH_FACTOR)
+    compute = (tc / (gpu.fp16_tensor_tflops * 1e6) + fp32 / (gpu.fp32_tflops * 1e6)) / max(busy, 1e-9)
+    return max(mem, compute)
+
+
+def _library_cost(prog_types, op, num_tokens: int, gpu: GpuSpec, name: str, graphs: bool = True) -> KernelCost:
     def size(t) -> int:
         return _numel(tuple(num_tokens if d == "num_tokens" else int(d) for d in t.shape))
 
@@ -109,29 +193,40 @@ def _library_cost(prog_types, op, num_tokens: int, gpu: GpuSpec, name: str) -> K
     elif op.op in ELEMENTWISE_BINARY + ELEMENTWISE_UNARY + REDUCTIONS:
         fp32 = float(max(size(out), *(size(prog_types[s]) for s in op.inputs)))
     blocks = max(gpu.sms, size(out) // 1024)  # library kernels (cuBLAS, torch) are assumed to fill the GPU
-    return KernelCost(name, blocks, dram, 0.0, tc, fp32, _time_us(gpu, blocks, dram, 0.0, tc, fp32))
+    time = _time_us(gpu, blocks, 1, dram, 0.0, tc, fp32, gpu.mem_bandwidth_gbs) + launch_us(gpu, graphs)
+    return KernelCost(name, blocks, dram, 0.0, tc, fp32, time, bandwidth_gbs=gpu.mem_bandwidth_gbs)
 
 
-def instance_cost(inst: Instance, num_tokens: int, gpu: GpuSpec) -> list[KernelCost]:
-    """Modeled cost of every kernel of an instance at `num_tokens`."""
+def instance_cost(inst: Instance, num_tokens: int, gpu: GpuSpec, *, graphs: bool = True) -> list[KernelCost]:
+    """Modeled cost of every kernel of an instance at `num_tokens` (launches as graph replay
+    unless `graphs=False`)."""
     costs = []
     for k in inst.sgraph.kernels:
         if isinstance(k, BlockKernel):
-            costs.append(block_kernel_cost(inst, k, num_tokens, gpu))
+            costs.append(block_kernel_cost(inst, k, num_tokens, gpu, graphs=graphs))
         else:
             types = {n: _Type(inst.tensor_shape(n, num_tokens), t.dtype) for n, t in inst.sgraph.tensors.items()}
-            costs.append(_library_cost(types, k.op, num_tokens, gpu, k.op.name))
+            costs.append(_library_cost(types, k.op, num_tokens, gpu, k.op.name, graphs))
     return costs
 
 
-def modeled_us(inst: Instance, num_tokens: int, gpu: GpuSpec) -> float:
-    return sum(c.time_us for c in instance_cost(inst, num_tokens, gpu))
+def modeled_us(inst: Instance, num_tokens: int, gpu: GpuSpec, *, graphs: bool = True) -> float:
+    return sum(c.time_us for c in instance_cost(inst, num_tokens, gpu, graphs=graphs))
 
 
-def unfused_us(prog: Program, num_tokens: int, gpu: GpuSpec) -> float:
-    """The program as one library kernel per primitive op (composites expanded): the baseline."""
+def tie_key(inst: Instance, gpu: GpuSpec) -> tuple:
+    """How equal modeled times are ordered: fewer registers per thread, then more resident
+    blocks per SM, then fewer warps, then less shared memory (summed over block kernels); only
+    instances equal in all of these fall back to their assignment, for determinism."""
+    res = [inst.resources(k) for k in inst.sgraph.kernels if isinstance(k, BlockKernel)]
+    return (sum(r.regs_per_thread for r in res), -sum(blocks_per_sm(r, gpu) for r in res),
+            sum(r.warps for r in res), sum(r.smem for r in res), tuple(sorted(inst.values.items())))
+
+
+def unfused_us(prog: Program, num_tokens: int, gpu: GpuSpec, *, graphs: bool = True) -> float:
+    """The program as one library kernel per primitive op (composites expanded)."""
     flat = expand_composites(prog)
-    return sum(_library_cost(flat.types, n, num_tokens, gpu, n.name).time_us
+    return sum(_library_cost(flat.types, n, num_tokens, gpu, n.name, graphs).time_us
                for n in flat.nodes if n.op not in ("input", "const"))
 
 

@@ -378,9 +378,13 @@ class Instance:
         return tuple(self.concrete(d, num_tokens) for d in self.sgraph.tensors[name].shape)
 
     def warps(self, kernel: BlockKernel) -> int:
-        """The warps a block of `kernel` launches with (from its register need on this GPU)."""
-        from prism_serve.optimize.gpus import get_gpu
-        return warps_for(block_resources(self.sgraph, kernel, self.values).regs, get_gpu(self.gpu))
+        """The warps a block of `kernel` launches with (the resource model's choice)."""
+        return self.resources(kernel).warps
+
+    def resources(self, kernel: BlockKernel):
+        """The resource model's `KernelResources` of a block of `kernel`."""
+        from prism_serve.optimize.resources import kernel_resources
+        return kernel_resources(self.sgraph, kernel, self.values)
 
 
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -414,68 +418,10 @@ def instantiate(g: SGraph, assignment: Mapping[str, int], gpu: GpuSpec) -> Insta
     return Instance(g, tuple(sorted(values.items())), gpu.name)
 
 
-@dataclass(frozen=True)
-class Resources:
-    smem: int  # bytes
-    regs: int  # 32-bit registers for the whole block
-    largest: tuple[str, int]  # the largest tile: (node, padded elements)
-    batched_matmul: str | None  # a matmul whose tile keeps batch dims, if any
-
-
-def block_resources(g: SGraph, k: BlockKernel, values: Mapping[str, int]) -> Resources:
-    """The resource model: matmul operands are staged through shared memory (twice, for the
-    pipelined loop); every loaded, accumulated or multiplied tile also lives in registers,
-    one fp32 register per (padded) element, spread over the block's threads."""
-    smem = regs = 0
-    types = g.block_types(k)
-    dot_operands = {s for n in k.nodes if n.op == "matmul" for s in n.inputs}
-    dims_of: dict[str, list[int]] = {}
-    largest, batched = ("", 0), None
-    for n in k.nodes:
-        if n.op in ("store", "const"):
-            continue
-        dims = [_exact(g.name, f"kernel '{k.name}' node '{n.name}'", d, dict(values)) for d in types[n.name].shape]
-        dims_of[n.name] = dims
-        padded = math.prod(1 << (d - 1).bit_length() for d in dims)
-        largest = max(largest, (n.name, padded), key=lambda t: t[1])
-        if n.name in dot_operands:
-            stages = 2 if k.stages[n.name] == "loop" else 1
-            smem += padded * BYTES.get(types[n.name].dtype, 4) * stages
-        if n.op in ("load", "accum", "matmul"):
-            regs += padded
-        if n.op == "matmul" and any(d != 1 for s in n.inputs for d in dims_of[s][:-2]):
-            batched = batched or n.name
-    return Resources(smem, regs, largest, batched)
-
-
-def warps_for(regs: int, gpu: GpuSpec) -> int:
-    """Warps per block: Triton's default 4, doubled while threads hold over 64 tile registers
-    each (the rest of the 255 a thread has go to addresses and temporaries)."""
-    warps = 4
-    while regs > warps * 32 * 64 and warps * 64 <= gpu.max_threads_per_block:
-        warps *= 2
-    return warps
-
-
 def _check_block_limits(g: SGraph, k: BlockKernel, values: dict, gpu: GpuSpec) -> None:
-    """Shared memory, registers (per SM and per thread), tile size; block matmuls must be 2-D
-    (batch dims of the tile all 1), as the Triton backend emits them."""
-    r = block_resources(g, k, values)
-    where = f"sGraph '{g.name}' kernel '{k.name}'"
-    if r.largest[1] > gpu.max_block_elements:
-        raise SGraphError(f"{where}: tile of '{r.largest[0]}' has {r.largest[1]} elements, over the "
-                          f"{gpu.max_block_elements} one block may hold")
-    if r.batched_matmul:
-        raise SGraphError(f"{where}: matmul '{r.batched_matmul}' has a batched tile; map its batch dims to the grid")
-    if r.smem > gpu.smem_per_block:
-        raise SGraphError(f"{where}: tiles need {r.smem} bytes of shared memory, {gpu.name} allows "
-                          f"{gpu.smem_per_block} per block")
-    if r.regs > gpu.regs_per_sm:
-        raise SGraphError(f"{where}: tiles need {r.regs} registers, {gpu.name} has {gpu.regs_per_sm} per SM")
-    threads = warps_for(r.regs, gpu) * 32
-    if r.regs > threads * gpu.max_regs_per_thread:
-        raise SGraphError(f"{where}: tiles need {r.regs} registers over {threads} threads, over {gpu.name}'s "
-                          f"{gpu.max_regs_per_thread} per thread")
+    """Tile size, 2-D block matmuls, shared memory and registers without spilling (the resource model)."""
+    from prism_serve.optimize.resources import check
+    check(g, k, values, gpu)
 
 
 def _exact(gname: str, where: str, dim: Expr, values: dict) -> int:

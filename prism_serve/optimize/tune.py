@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.cost import modeled_us
+from prism_serve.optimize.cost import modeled_us, tie_key
 from prism_serve.optimize.gpus import GpuSpec
 from prism_serve.optimize.sgraph import BlockKernel, Instance, SGraph, instantiate
 
@@ -159,12 +159,13 @@ def enumerate_instances(g: SGraph, gpu: GpuSpec) -> list[Instance]:
 
 
 def rank(g: SGraph, gpu: GpuSpec, num_tokens: int, instances: Sequence[Instance] | None = None) -> list[Candidate]:
-    """Valid instances ranked by modeled time at `num_tokens`, fastest first."""
+    """Valid instances ranked by modeled time at `num_tokens`, fastest first; equal times by
+    `cost.tie_key` (fewer registers, more occupancy), never by symbol names."""
     instances = enumerate_instances(g, gpu) if instances is None else instances
     if not instances:
         raise SGraphError(f"sGraph '{g.name}': no power-of-two assignment divides its shapes and fits {gpu.name}")
     ranked = [Candidate(i, num_tokens, modeled_us(i, num_tokens, gpu)) for i in instances]
-    return sorted(ranked, key=lambda c: (c.modeled_us, c.instance.assignment))
+    return sorted(ranked, key=lambda c: (round(c.modeled_us, 6), tie_key(c.instance, gpu)))
 
 
 def measure(candidates: Sequence[Candidate], timer: Callable[[Instance, int], float], top: int = 5) -> list[Candidate]:

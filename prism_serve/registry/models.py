@@ -36,6 +36,7 @@ class Device(Base):
     compute_capability: Mapped[str | None] = mapped_column(String(16))
     sm_count: Mapped[int | None] = mapped_column(Integer)
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    spec: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # GpuSpec.to_json of a measured device
 
 
 class ProgramRecord(Base):

@@ -45,6 +45,7 @@ class DeviceInfo:
     compute_capability: str | None = None
     sm_count: int | None = None
     memory_bytes: int | None = None
+    spec: GpuSpec | None = field(default=None, compare=False)  # measured on the device, when it was
 
     @property
     def fingerprint(self) -> str:
@@ -53,9 +54,10 @@ class DeviceInfo:
         return f"gpu:{self.name}:sm{self.compute_capability}:{self.sm_count}sms"
 
     @staticmethod
-    def from_spec(spec: GpuSpec, memory_bytes: int | None = None) -> DeviceInfo:
+    def from_spec(spec: GpuSpec, memory_bytes: int | None = None, *, measured: bool = False) -> DeviceInfo:
+        """A GPU's fingerprint; with `measured`, the spec itself travels to the device row."""
         cc = f"{spec.compute_capability[0]}.{spec.compute_capability[1]}"
-        return DeviceInfo("gpu", spec.name, cc, spec.sms, memory_bytes)
+        return DeviceInfo("gpu", spec.name, cc, spec.sms, memory_bytes, spec if measured else None)
 
     @staticmethod
     def cpu(name: str = "x86_64") -> DeviceInfo:
@@ -159,9 +161,23 @@ def _upsert_id(session: Session, model, values: dict, keys: Sequence[str], updat
 
 
 def upsert_device(session: Session, d: DeviceInfo) -> int:
-    return _upsert_id(session, Device, dict(fingerprint=d.fingerprint, kind=d.kind, name=d.name,
-                                            compute_capability=d.compute_capability, sm_count=d.sm_count,
-                                            memory_bytes=d.memory_bytes), ["fingerprint"])
+    """The device's row; a measured spec replaces the stored one, none leaves it as it was."""
+    values = dict(fingerprint=d.fingerprint, kind=d.kind, name=d.name, compute_capability=d.compute_capability,
+                  sm_count=d.sm_count, memory_bytes=d.memory_bytes)
+    if d.spec is not None:
+        values["spec"] = d.spec.to_json()
+    return _upsert_id(session, Device, values, ["fingerprint"], ["spec"] if d.spec is not None else ())
+
+
+def device_spec(device: Device) -> GpuSpec:
+    """The GPU spec of a stored device: its measured spec (typed and checked), else the known table's."""
+    from prism_serve.optimize.gpus import get_gpu
+    if device.spec is not None:
+        try:
+            return GpuSpec.from_json(device.spec)
+        except PrismError as exc:
+            raise RegistryError(f"device {device.fingerprint}: {exc}") from None
+    return get_gpu(device.name)
 
 
 def upsert_program(session: Session, program: Program, sources: Iterable[tuple[str, str]] = ()) -> int:
@@ -426,10 +442,9 @@ def kernel_instance(k: Kernel, spec: GpuSpec | None = None):
 
     The GPU spec is the kernel's own device unless given (CPU kernels need one: the spec only
     bounds the tile sizes checked here)."""
-    from prism_serve.optimize.gpus import get_gpu
     from prism_serve.optimize.sgraph import instantiate
     try:
-        spec = spec or get_gpu(k.device.name)
+        spec = spec or device_spec(k.device)
         return instantiate(decode_sgraph(k), decode_params(k), spec)
     except PrismError as exc:
         raise RegistryError(f"kernel {k.id}: cannot instantiate the stored sGraph: {exc}") from None

@@ -10,7 +10,7 @@ from prism_serve.optimize.workloads.programs import WORKLOADS
 from prism_serve.registry.store import DeviceInfo, KernelResult, Versions
 
 VERSIONS = Versions(torch="2.13.0", triton="3.8.0", vllm="0.32.0", prism="0.1.0")
-DEVICES = tuple(DeviceInfo.from_spec(g) for g in GPUS.values()) + (DeviceInfo.cpu(),)
+DEVICES = tuple(DeviceInfo.from_spec(GPUS[n]) for n in ("h100", "h200", "a100", "l40s")) + (DeviceInfo.cpu(),)
 SIZED = ("rms_norm", "fused_add_rms_norm", "rmsnorm_linear", "swiglu", "rmsnorm_mlp")
 
 

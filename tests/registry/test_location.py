@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from prism_serve.optimize.codegen import render
 from prism_serve.registry import RegistryError, load_device, open_registry, resolve_url
 from prism_serve.registry.models import Base
-from prism_serve.registry.store import add_kernel, kernel_instance
+from prism_serve.registry.store import DeviceInfo, add_kernel, kernel_instance
 from tests.registry.factory import DEVICES, VERSIONS, result
 
 
@@ -55,3 +56,27 @@ def test_triton_source_is_regenerated_from_stored_data(tmp_path):
     assert "@triton.jit" in source and "rmsnorm_linear" in source
     with pytest.raises(RegistryError, match="cannot instantiate"):
         kernel_instance(cpu)
+
+
+def test_a_measured_device_spec_is_stored_and_used_for_its_kernels(tmp_path):
+    """A GPU the known table lacks: its measured spec is stored with its row (typed JSON) and
+    instantiates its kernels; a stored spec that fails the checks is a clear registry error."""
+    from prism_serve.optimize.gpus import GPUS
+    from prism_serve.registry.store import device_spec, get_kernel
+
+    spec = dataclasses.replace(GPUS["h100"], name="rtx-pro-6000", sms=188, mem_bandwidth_gbs=1700.0,
+                               source="driver (test)")
+    device = DeviceInfo.from_spec(spec, measured=True)
+    reg = open_registry(tmp_path / "r.db")
+    with reg.write() as s:
+        kid = add_kernel(s, result(device=device))
+    with reg.read() as s:
+        k = get_kernel(s, kid)
+        assert device_spec(k.device) == spec
+        assert kernel_instance(k).gpu == "rtx-pro-6000"
+    with reg.write() as s:
+        get_kernel(s, kid).device.spec = spec.to_json() | {"sms": -3}
+    with reg.read() as s:
+        with pytest.raises(RegistryError, match="non-positive"):
+            device_spec(get_kernel(s, kid).device)
+    reg.close()

@@ -1,0 +1,136 @@
+"""Static GPU facts of the kernels warmup would store, without a GPU.
+
+For the five Prism workloads (H100 shapes, fp16) and the embedded models' regions (their
+config's sizes, in bf16 as a GPU serves them), at every power-of-two bucket from 1 to 256
+tokens: the cost model's best instance of the hand-built design (what the tuner stores for
+it), compiled by Triton for sm_90 and sm_80 on this machine. Prints, per kernel, ptxas's
+registers, spill (stack) bytes, shared memory and tensor-core instruction counts beside the
+resource model's own estimate, and the checks of issue 13's targets:
+  - no instance chosen for 1-16 tokens spills (stack and local bytes 0);
+  - every kernel the model says emits tl.dot has tensor-core instructions (HGMMA / HMMA);
+  - the register estimate is within 25 % of ptxas's (registers + stack / 4 where it spills).
+
+Usage: PYTHONPATH=. python scripts/bench_static.py [--json FILE] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prism_serve.capture.embedded import EMBEDDED, embedded_path  # noqa: E402
+from prism_serve.optimize.gpus import get_gpu  # noqa: E402
+from prism_serve.optimize.sgraph import BlockKernel  # noqa: E402
+from prism_serve.optimize.static import compile_facts  # noqa: E402
+from prism_serve.optimize.tune import enumerate_instances, rank  # noqa: E402
+from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
+from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, WORKLOADS  # noqa: E402
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TARGETS = {90: "h100", 80: "a100"}  # the GPU spec each target's instances are chosen for
+DECODE_MAX = 16  # the no-spill target covers instances chosen for 1-16 tokens
+REG_TOLERANCE = 0.25
+
+
+def embedded_programs(name: str, dtype: str = "bfloat16") -> dict[str, object]:
+    """The region Programs of an embedded model, at its config's sizes."""
+    cfg = json.loads((embedded_path(name) / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    w = WORKLOADS
+    return {
+        "rms_norm": w["rms_norm"].program(hidden=hidden, dtype=dtype, eps=eps),
+        "fused_add_rms_norm": w["fused_add_rms_norm"].program(hidden=hidden, dtype=dtype, eps=eps),
+        "silu_and_mul": w["silu_and_mul"].program(intermediate=inter, dtype=dtype),
+        "rmsnorm_linear": w["rmsnorm_linear"].program(hidden=hidden, out=qkv, dtype=dtype, eps=eps),
+        "fused_add_rmsnorm_linear": w["fused_add_rmsnorm_linear"].program(hidden=hidden, out=qkv, dtype=dtype,
+                                                                          eps=eps),
+        "rmsnorm_swiglu": w["rmsnorm_swiglu"].program(hidden=hidden, intermediate=inter, dtype=dtype, eps=eps),
+    }
+
+
+def cases(quick: bool) -> list[tuple[str, object, tuple[int, ...]]]:
+    """(source, program, buckets): the five workloads, then every embedded model's regions."""
+    buckets = (1, 16) if quick else BUCKETS
+    out = []
+    for name in PRISM_WORKLOADS:
+        prog = WORKLOADS[name].program()
+        tokens = any("num_tokens" in n.attr("shape") for n in prog.inputs)
+        out.append((f"workload {name}", prog, buckets if tokens else (0,)))
+    for model in EMBEDDED[:1] if quick else EMBEDDED:
+        for kind, prog in embedded_programs(model).items():
+            out.append((f"{model} {kind}", prog, buckets))
+    return out
+
+
+def model_row(inst, k) -> dict:
+    r = inst.resources(k)
+    return {"model_regs": r.regs_per_thread, "model_smem": r.smem, "warps": r.warps, "model_dots": len(r.dots),
+            "mma_padded": r.mma_padded}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path, help="write the rows and the checks here")
+    ap.add_argument("--quick", action="store_true", help="buckets 1 and 16, one embedded model")
+    args = ap.parse_args()
+    chosen = {}  # (cc, sgraph name, program hash, assignment) -> (instance, sources)
+    for source, prog, buckets in cases(args.quick):
+        g = oracle(prog)
+        for cc, gpu in TARGETS.items():
+            instances = enumerate_instances(g, get_gpu(gpu))
+            for nt in buckets:
+                inst = rank(g, get_gpu(gpu), nt, instances)[0].instance
+                key = (cc, g.name, prog.canonical_hash, inst.assignment)
+                chosen.setdefault(key, (inst, []))[1].append((source, nt))
+    keys = list(chosen)
+    print(f"compiling {len(keys)} instances ...", file=sys.stderr, flush=True)
+    facts = compile_facts([(chosen[k][0], k[0]) for k in keys])
+    rows = []
+    for key, kernel_facts in zip(keys, facts):
+        inst, uses = chosen[key]
+        blocks = [k for k in inst.sgraph.kernels if isinstance(k, BlockKernel)]
+        for k, f in zip(blocks, kernel_facts):
+            demand = f.registers + f.stack_bytes / 4
+            m = model_row(inst, k)
+            rows.append({"sources": sorted({s for s, _ in uses}), "buckets": sorted({nt for _, nt in uses}),
+                         "sm": key[0], "sgraph": inst.sgraph.name, "kernel": k.name, "assignment": inst.values, **m,
+                         "ptxas_regs": f.registers, "stack_bytes": f.stack_bytes, "local_bytes": f.local_bytes,
+                         "ptxas_shared": f.shared_bytes, "hgmma": f.hgmma, "hmma": f.hmma,
+                         "reg_error": (m["model_regs"] - demand) / demand})
+    checks = {
+        "decode_spills": [r for r in rows if r["stack_bytes"] + r["local_bytes"] > 0 and min(r["buckets"]) <= DECODE_MAX],
+        "dot_without_tensor_cores": [r for r in rows if r["model_dots"] and not r["hgmma"] + r["hmma"]],
+        "register_estimate_off": [r for r in rows if abs(r["reg_error"]) > REG_TOLERANCE],
+    }
+    head = (f"{'sm':>3} {'source':34} {'buckets':14} {'kernel':24} {'assignment':28} {'w':>2} {'regs m/p':>9} "
+            f"{'stack':>5} {'smem m/p':>15} {'dots':>4} {'HGMMA':>5} {'HMMA':>5} {'err':>5}")
+    print(head)
+    for r in rows:
+        src = ",".join(r["sources"])[:34]
+        bk = ",".join(map(str, r["buckets"]))[:14]
+        asg = " ".join(f"{k}={v}" for k, v in r["assignment"].items())[:28]
+        print(f"{r['sm']:>3} {src:34} {bk:14} {r['kernel'][:24]:24} {asg:28} {r['warps']:>2} "
+              f"{r['model_regs']:>4}/{r['ptxas_regs']:<4} {r['stack_bytes']:>5} "
+              f"{r['model_smem']:>7}/{r['ptxas_shared']:<7} {r['model_dots']:>4} {r['hgmma']:>5} {r['hmma']:>5} "
+              f"{r['reg_error']:+5.0%}")
+    errs = sorted(abs(r["reg_error"]) for r in rows)
+    print(f"\n{len(rows)} kernels; register estimate |error| median {errs[len(errs) // 2]:.0%}, "
+          f"worst {errs[-1]:.0%}, within {REG_TOLERANCE:.0%}: {sum(e <= REG_TOLERANCE for e in errs)}/{len(errs)}")
+    for name, bad in checks.items():
+        print(f"{name}: {len(bad)}" + "".join(f"\n  sm_{r['sm']} {r['sgraph']}.{r['kernel']} {r['assignment']}"
+                                               for r in bad[:10]))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "checks": {k: len(v) for k, v in checks.items()}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
