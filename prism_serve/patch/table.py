@@ -4,9 +4,10 @@ Built once at startup from the registry rows of this device (`build_table`). At 
 `Table.pick(op, dtype, dim, eps, rows)` is a dict lookup and a bisect over sorted, disjoint
 num_tokens intervals: no database, no codegen, no autotuning, no host sync.
 
-Which ops can be replaced is data (`OPS`): each names the Program builder whose canonical hash a
-stored kernel must match exactly, so a kernel is only ever used for the very semantics it was
-verified against (vLLM's op with this hidden size, dtype and epsilon).
+Which ops and regions can be replaced is the region table's (`prism_serve.region_table.KINDS`):
+each kind names the Program builder whose canonical hash a stored kernel must match exactly, so a
+kernel is only ever used for the very semantics it was verified against (vLLM's op or region with
+these sizes, dtype and epsilon).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prism_serve.optimize.ir import Program
-from prism_serve.optimize.workloads import programs
+from prism_serve.region_table import KINDS
 
 log = logging.getLogger(__name__)
 
@@ -28,45 +28,6 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # Kernels of a CPU registry are instantiated against a GPU spec only to bound their tile sizes;
 # the interpreter has no limits of its own, and warmup instantiates CPU kernels the same way.
 CPU_BOUNDS_GPU = "h100"
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """A vLLM op prism can replace: its program name, and how a stored Program maps to a key."""
-
-    name: str  # the Program name and the prism custom op name (prism::<name>)
-    dim_input: str  # the input whose last dim is the key's dim (hidden or intermediate size)
-    build: Callable  # (dim, dtype, eps) -> the exact Program
-    region: str = ""  # the input whose first dim is a second key dim (a region's projection size)
-
-    def key_of(self, prog: Program) -> tuple | None:
-        """(dtype, dim, eps) when `prog` is exactly this op's Program for them, else None; a
-        region's dim is (hidden, intermediate)."""
-        if prog.name != self.name or self.dim_input not in prog.by_name:
-            return None
-        x = prog.by_name[self.dim_input]
-        dtype, dim = x.attr("dtype"), int(x.attr("shape")[-1])
-        if self.region:
-            if self.region not in prog.by_name:
-                return None
-            dim = (dim, int(prog.by_name[self.region].attr("shape")[0]))
-        eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
-        try:
-            expected = self.build(dim, dtype, eps)
-        except Exception:  # noqa: BLE001 - a program that cannot even be rebuilt is not this op
-            return None
-        return (dtype, dim, eps) if expected.canonical_hash == prog.canonical_hash else None
-
-
-OPS: dict[str, OpSpec] = {s.name: s for s in (
-    OpSpec("rms_norm", "x", lambda d, dt, eps: programs.rms_norm(d, dt, eps)),
-    OpSpec("fused_add_rms_norm", "x", lambda d, dt, eps: programs.fused_add_rms_norm(d, dt, eps)),
-    OpSpec("silu_and_mul", "gate", lambda d, dt, eps: programs.silu_and_mul(d, dt)),
-    # whole region: a SwiGLU MLP's gate_up projection and activation in one kernel
-    OpSpec("swiglu", "x", lambda d, dt, eps: programs.swiglu(d[0], d[1], dt), region="w_gate"),
-    # whole region: a decoder's input RMSNorm and qkv projection in one kernel
-    OpSpec("rmsnorm_linear", "x", lambda d, dt, eps: programs.rmsnorm_linear(d[0], d[1], dt, eps), region="w"),
-)}
 
 
 @dataclass
@@ -77,7 +38,8 @@ class Launcher:
     kernel_id: int
     lo: int
     hi: int
-    time_us: float | None
+    measured_us: float | None = None  # on this device
+    modeled_us: float | None = None
 
 
 @dataclass
@@ -95,8 +57,12 @@ class Buckets:
         return None
 
 
-def _best_time(lz: Launcher) -> tuple[float, int]:
-    return (lz.time_us if lz.time_us is not None else float("inf"), lz.kernel_id)
+def _best_time(lz: Launcher) -> tuple[int, float, int]:
+    """Measured kernels first, by measured time; then modeled-only ones, by modeled time: a measured
+    and a modeled time are never compared with each other."""
+    if lz.measured_us is not None:
+        return (0, lz.measured_us, lz.kernel_id)
+    return (1, lz.modeled_us if lz.modeled_us is not None else float("inf"), lz.kernel_id)
 
 
 def disjoint(candidates: Iterable[Launcher]) -> Buckets:
@@ -141,7 +107,7 @@ class Table:
 def build_table(kernels, device_type: str, spec=None, compile_fn: Callable | None = None) -> Table:
     """Compile every usable registry kernel (a `Kernel` row) into the dispatch table.
 
-    A kernel that is not one of `OPS`' exact programs, cannot be instantiated or fails to
+    A kernel that is not one of the region table's exact programs, cannot be instantiated or fails to
     compile is skipped with its reason; nothing here raises for a bad kernel."""
     from prism_serve.optimize.codegen import compile_instance
     from prism_serve.optimize.gpus import get_gpu
@@ -160,7 +126,7 @@ def build_table(kernels, device_type: str, spec=None, compile_fn: Callable | Non
             if cache_key not in compiled:
                 inst = kernel_instance(k, spec)
             prog = inst.sgraph.program if inst is not None else compiled[cache_key][1]
-            op = OPS.get(prog.name)
+            op = KINDS.get(prog.name)
             key = op.key_of(prog) if op else None
             if key is None:
                 table.skipped.append((k.id, f"program {prog.name!r} is not one prism can patch into vLLM"))
@@ -173,10 +139,9 @@ def build_table(kernels, device_type: str, spec=None, compile_fn: Callable | Non
         except Exception as exc:  # noqa: BLE001 - one bad kernel must not stop the others
             table.skipped.append((k.id, f"failed to compile: {_one_line(exc)}"))
             continue
-        time_us = k.measured_us if k.measured_us is not None else k.modeled_us
         tkey = (TORCH_DTYPES[key[0]], key[1], key[2])
         found.setdefault(op.name, {}).setdefault(tkey, []).append(
-            Launcher(compiled[cache_key][0], k.id, k.bucket_lo, k.bucket_hi, time_us))
+            Launcher(compiled[cache_key][0], k.id, k.bucket_lo, k.bucket_hi, k.measured_us, k.modeled_us))
     for name, per in found.items():
         table.ops[name] = {key: disjoint(cands) for key, cands in per.items()}
     return table
