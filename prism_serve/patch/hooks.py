@@ -21,7 +21,7 @@ epsilon, device); inside the op a num_tokens miss runs the next provider in vLLM
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,12 +39,14 @@ class Installed:
 
     names: list[str]
     undo: list[Callable[[], None]]
+    kinds: set[str] = field(default_factory=set)  # the region kinds whose kernels a hook now serves
 
     def revert(self) -> None:
         for fn in reversed(self.undo):
             fn()
         self.undo.clear()
         self.names.clear()
+        self.kinds.clear()
 
 
 # --- the IR providers: same signature and defaults as vLLM's native impls ------------------
@@ -110,6 +112,7 @@ def _install_ir(table: Table, done: Installed) -> None:
     original = cls.__dict__.get("get_default_ir_op_priority")
     if getattr(cls.get_default_ir_op_priority, "_prism", False):
         done.names += [f"vllm.ir.{op}" for op in served]
+        done.kinds.update(served)
         return
     inner = cls.get_default_ir_op_priority
 
@@ -131,6 +134,7 @@ def _install_ir(table: Table, done: Installed) -> None:
             cls.get_default_ir_op_priority = original
     done.undo.append(undo)
     done.names += [f"vllm.ir.{op}" for op in served]
+    done.kinds.update(served)
 
 
 # --- SiluAndMul through CustomOp.register_oot ----------------------------------------------
@@ -145,6 +149,7 @@ def _install_silu(table: Table, done: Installed) -> None:
     if "SiluAndMul" in op_registry_oot:
         if getattr(op_registry_oot["SiluAndMul"], "_prism", False):
             done.names.append("SiluAndMul")
+            done.kinds.add("silu_and_mul")
         return  # another plugin replaced it first: leave theirs in place
 
     if (current_platform.is_cuda_alike() or current_platform.is_xpu()) and hasattr(torch.ops._C, "silu_and_mul"):
@@ -170,6 +175,7 @@ def _install_silu(table: Table, done: Installed) -> None:
     SiluAndMul.register_oot(PrismSiluAndMul, name="SiluAndMul")
     done.undo.append(lambda: op_registry_oot.pop("SiluAndMul", None))
     done.names.append("SiluAndMul")
+    done.kinds.add("silu_and_mul")
 
 
 # --- whole region: a SwiGLU MLP's gate_up projection + SiLU*mul as one prism::swiglu ----------
@@ -267,6 +273,7 @@ def _install_regions(table: Table, done: Installed) -> None:
         setattr(module, cls_name, _region_class(base))
         done.undo.append(lambda m=module, n=cls_name, b=base: setattr(m, n, b))
         done.names.append(f"{cls_name} (swiglu region)")
+        done.kinds.add("swiglu")
 
 
 # --- whole regions in a decoder layer: its input side and its post-attention side ------------
@@ -431,6 +438,7 @@ def _install_decoder_layers(table: Table, done: Installed) -> None:
         cls.__init__, cls._prism_init = __init__, original
         done.undo.append(lambda c=cls, o=original: (setattr(c, "__init__", o), delattr(c, "_prism_init")))
         done.names.append(f"{cls_name} ({', '.join(served)})")
+        done.kinds.update(served)
 
 
 HOOKS = (_install_ir, _install_silu, _install_regions, _install_decoder_layers)

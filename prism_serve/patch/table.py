@@ -96,8 +96,10 @@ class Table:
         per_op = self.ops.get(op)
         return per_op.get((dtype, dim, eps)) if per_op else None
 
-    def kernels(self) -> int:
-        return len({lz.kernel_id for per in self.ops.values() for b in per.values() for lz in b.launchers})
+    def kernels(self, ops=None) -> int:
+        """Distinct kernels, of every op or of `ops` only."""
+        return len({lz.kernel_id for op, per in self.ops.items() if ops is None or op in ops
+                    for b in per.values() for lz in b.launchers})
 
     def summary(self) -> dict[str, int]:
         """op -> number of (dtype, dim, eps) keys it serves."""
