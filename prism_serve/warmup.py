@@ -134,7 +134,7 @@ def _served_by(region: dict, regions: list[dict], failed=frozenset()) -> str | N
     mine = _sites(region)
     if any(s in served and served[s] is None for s in mine):
         return None
-    inside = sorted({served[s].kind for s in mine if served.get(s) is not None})
+    inside = sorted({o.kind for s in mine for o, cover in served.items() if cover is None and s.modules < o.modules})
     if inside:
         return f"the plugin serves it inside {', '.join(inside)}"
     return f"no plugin hook serves {region['kind']} at {'+'.join(sorted(mine[0].modules))}"
