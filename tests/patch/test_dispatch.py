@@ -267,3 +267,22 @@ def test_a_decoder_layers_regions_match_vllms_own_ops(layer_regions, rows):
         torch.library.opcheck(torch.ops.prism.rmsnorm_swiglu.default, (r, g, w_gate_up, EPS, -1))
     finally:
         ops.STATE.table = previous
+
+
+def test_a_silu_miss_off_cuda_runs_vllms_own_silu_and_mul(live):
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    from prism_serve.patch import hooks
+
+    done = hooks.Installed([], [])
+    hooks._install_silu(live, done)
+    try:
+        assert done.names == ["SiluAndMul"] and done.kinds == {"silu_and_mul"}
+        assert ops.FALLBACKS["silu_and_mul"] is SiluAndMul.forward_native  # what vLLM runs on the CPU
+        before = ops.MISSES["silu_and_mul"]
+        x = torch.randn(3, 2 * 96)  # an intermediate size with no kernel
+        torch.testing.assert_close(torch.ops.prism.silu_and_mul(x), SiluAndMul.forward_native(x))
+        assert ops.MISSES["silu_and_mul"] == before + 1
+    finally:
+        done.revert()
+    assert ops.FALLBACKS["silu_and_mul"] is ops.ref_silu_and_mul
