@@ -98,6 +98,10 @@ def doctor(
             console.print(patch["message"], highlight=False)
 
 
+def _speeds(per_bucket: list[float]) -> str:
+    return ", ".join(f"{x:.2f}x" for x in per_bucket) or "-"
+
+
 @app.command()
 def warmup(
     model: Optional[str] = typer.Argument(None, help="model directory or embedded model (default tiny-llama)"),
@@ -123,15 +127,17 @@ def warmup(
             report = run_warmup(model, registry=registry, budget_s=budget, progress=progress)
     except PrismError as exc:
         raise _fail(exc) from None
-    table = Table("region", "kernel", "buckets", "verified", "speedup", "status",
+    table = Table("region", "kernel", "buckets", "verified", "vs vLLM modeled", "vs vLLM measured", "status",
                   title=f"warmup of {report.model} on {report.device} in {report.seconds:.1f} s"
-                  + (": nothing new" if report.nothing_new else ""))
+                  + (": nothing new" if report.nothing_new else "")
+                  + " (speedups per bucket, over vLLM's path for the region)")
     for r in report.regions:
-        speed = (f"{r.measured_speedup:.2f}x measured" if r.measured_speedup else
-                 f"{r.modeled_speedup:.2f}x modeled" if r.modeled_speedup else "-")
         buckets = ", ".join(f"{lo}-{hi}" for lo, hi in r.buckets) or "-"
+        measured = _speeds(r.measured_speedup) + (f" ({r.baseline})" if r.baseline != "vllm" and
+                                                  r.measured_speedup else "")
         table.add_row(r.kind, (r.plan + (" (reused)" if r.reused else "")) or "-", buckets,
-                      "yes" if r.verified else "-", speed, f"{r.status}: {r.reason}" if r.reason else r.status)
+                      "yes" if r.verified else "-", _speeds(r.modeled_speedup), measured,
+                      f"{r.status}: {r.reason}" if r.reason else r.status)
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     if json_file is not None:
         json_file.write_text(json.dumps(report.to_json(), indent=1))

@@ -1,12 +1,17 @@
 """`prism-serve warmup <model>`: capture -> optimize -> check against vLLM -> time -> store.
 
-For each supported region of the model (as found by capture under the real vLLM):
+For each supported region of the model (as found by capture under the real vLLM) that the
+plugin would serve (the region table's `served_sites`: a region no hook serves, or one that
+runs inside a larger served region, is skipped and says so; largest regions go first, so a
+region whose search fails leaves its parts to be warmed instead):
 reuse the stored verified plans of its Program when the registry has any (shape-
 generic: a plan of the same Program family is re-instantiated, not searched again),
 else search; instantiate the best design for this device and each num_tokens bucket;
 check it on the layer's real weights and the inputs vLLM saw against vLLM's own
 outputs; on a GPU, time it against vLLM's own path (`baseline`); store every kernel with
-its proof, checks and timings. A kernel is `enabled` only when it measured faster;
+its proof, checks and timings. Every speedup is against vLLM's path for the region
+(`baseline`), modeled by the same cost model and, on a GPU, measured; a kernel is `enabled`
+only when it measured faster;
 on the CPU nothing is measured, so kernels stay `verified` (PRISM_SERVE_FORCE=1 uses them).
 
 A capture report is cached per model fingerprint (config, weight files, versions):
@@ -42,8 +47,10 @@ class RegionOutcome:
     reused: bool = False  # re-instantiated from stored plans, no search
     verified: bool = False
     vllm_max_rel_error: float | None = None  # vs vLLM's own outputs on the layer's real inputs
-    modeled_speedup: float | None = None  # over the unfused program, summed over the buckets
-    measured_speedup: float | None = None
+    # per bucket (in `buckets` order), over vLLM's path for the region: modeled, and measured on a GPU
+    modeled_speedup: list[float] = field(default_factory=list)
+    measured_speedup: list[float] = field(default_factory=list)
+    baseline: str = ""  # what the measured speedup is against ("vllm", or "torch-eager" without vLLM)
     status: str = "skipped"  # enabled | verified | skipped | failed
     reason: str = ""
 
@@ -108,22 +115,48 @@ def _have_kernels(session, region: dict, device, env) -> bool:
     return all(tuple(b) in have for b in bucket_ranges(region["buckets"]))
 
 
-def _all_stored(registry: str | None, cached: dict, device, env) -> bool:
-    """Every supported region of a cached capture has its kernels in the registry (read only:
-    a registry that does not exist holds nothing, and is not created here)."""
+def _sites(region: dict) -> list:
+    from prism_serve.region_table import Site
+    return [Site(region["kind"], frozenset(m.split("+"))) for m in region["modules"]]
+
+
+def _span(region: dict) -> int:
+    return max((len(s.modules) for s in _sites(region)), default=0)
+
+
+def _served_by(region: dict, regions: list[dict], failed=frozenset()) -> str | None:
+    """None when the plugin would serve `region` at one of its sites at least, else why not (the
+    region table's rules, given every supported region of the capture but the `failed` sites)."""
+    from prism_serve.region_table import served_sites
+
+    everything = [s for r in regions if r["supported"] for s in _sites(r)]
+    served = served_sites(everything, failed)
+    mine = _sites(region)
+    if any(s in served and served[s] is None for s in mine):
+        return None
+    inside = sorted({o.kind for s in mine for o, cover in served.items() if cover is None and s.modules < o.modules})
+    if inside:
+        return f"the plugin serves it inside {', '.join(inside)}"
+    return f"no plugin hook serves {region['kind']} at {'+'.join(sorted(mine[0].modules))}"
+
+
+def _all_stored(registry: str | None, cached: dict, device, env) -> list[dict] | None:
+    """The regions of a cached capture that the plugin would serve, when every one of them has its
+    kernels in the registry; else None (read only: a registry that does not exist holds nothing,
+    and is not created here)."""
     from prism_serve.registry.db import open_registry
     from prism_serve.registry.errors import RegistryError
 
-    supported = [r for r in cached["regions"] if r["supported"]]
-    if not supported:
-        return False
+    served = [r for r in cached["regions"] if r["supported"] and _served_by(r, cached["regions"]) is None]
+    if not served:
+        return None
     try:
         reg = open_registry(registry, readonly=True)
     except RegistryError:  # none yet, or one to upgrade or to report: the writing open does that
-        return False
+        return None
     try:
         with reg.read() as s:
-            return all(_have_kernels(s, r, device, env) for r in supported)
+            return served if all(_have_kernels(s, r, device, env) for r in served) else None
     finally:
         reg.close()
 
@@ -172,11 +205,12 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
     key = model_fingerprint(model_dir)
     env = current_versions()
     cached = _cached_capture(key)
-    if cached is not None and _all_stored(registry, cached, device, env):
+    stored = _all_stored(registry, cached, device, env) if cached is not None else None
+    if stored:
         return WarmupReport(name, device.fingerprint, time.perf_counter() - start, True, [
             RegionOutcome(r["kind"], r["program_hash"], r["layers"], [tuple(b) for b in bucket_ranges(r["buckets"])],
                           status="stored", reason="kernels already in the registry")
-            for r in cached["regions"] if r["supported"]])
+            for r in stored])
     from prism_serve.capture.runner import capture
 
     if progress:
@@ -187,19 +221,29 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
         with reg.write() as s:
             run_id = start_warmup(s, name, device)
         outcomes = []
-        supported = [r for r in captured.regions if r.supported]
+        docs = [r.to_json() for r in captured.regions]
+        supported = sorted((r for r in captured.regions if r.supported), key=lambda r: -_span(r.to_json()))
+        failed: set = set()
         for i, region in enumerate(supported):
             if progress:
                 progress(f"optimize {region.kind}", i, len(supported))
-            outcomes.append(_warm_region(region, captured, name, reg, device, device_type, env, run_id, budget_s))
+            why = _served_by(region.to_json(), docs, failed)
+            if why is not None:
+                outcomes.append(RegionOutcome(region.kind, region.program.canonical_hash, region.layers,
+                                              reason=f"not searched: {why}"))
+                continue
+            outcome = _warm_region(region, captured, name, reg, device, device_type, env, run_id, budget_s)
+            if outcome.status == "failed":
+                failed |= set(_sites(region.to_json()))
+            outcomes.append(outcome)
         outcomes += [RegionOutcome(r.kind, None, r.layers, reason=r.reason or "unsupported")
                      for r in captured.regions if not r.supported]
         if progress:
             progress("done", len(supported), len(supported))
         report = WarmupReport(name, device.fingerprint, time.perf_counter() - start, False, outcomes)
         with reg.write() as s:
-            failed = any(o.status == "failed" for o in outcomes)
-            finish_warmup(s, run_id, "failed" if failed else "ok", report.to_json())
+            finish_warmup(s, run_id, "failed" if any(o.status == "failed" for o in outcomes) else "ok",
+                          report.to_json())
         _store_capture(key, captured.to_json())
         return report
     finally:
@@ -246,10 +290,13 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
         out.status, out.verified = "failed", False
         out.reason = f"differs from vLLM's output by {out.vllm_max_rel_error:.2e} (limit {TOLERANCE[dtype]:g})"
         return out
-    unfused = sum(result.unfused_us.values())
-    out.modeled_speedup = unfused / sum(c.modeled_us for c in best.kernels)
+    from prism_serve.baseline import served_modeled_us, vllm_modeled_us
+    out.modeled_speedup = [vllm_modeled_us(prog, c.num_tokens, spec) / served_modeled_us(prog, c.modeled_us,
+                                                                                         c.num_tokens, spec)
+                           for c in kernels.values()]
     against, timings = _time_against_vllm(prog, kernels) if device_type == "cuda" else (None, {})
-    path = "vLLM's own path" if against == "vllm" else "torch eager"
+    out.baseline = against or ""
+    path = "vLLM's own path" if against == "vllm" else "torch eager (vLLM not installed)"
     results = []
     for rng, c in kernels.items():
         measured, baseline = timings.get(rng, (None, None))
@@ -274,9 +321,7 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
         return out
     with reg.write() as s:
         add_kernels(s, results)
-    if timings:
-        speed = [b / m for m, b in timings.values()]
-        out.measured_speedup = min(speed)
+    out.measured_speedup = [timings[rng][1] / timings[rng][0] for rng in kernels if rng in timings]
     out.status = "enabled" if all(r.status == "enabled" for r in results) else "verified"
     out.reason = results[0].reason if len({r.reason for r in results}) == 1 else "; ".join(
         f"{r.bucket[0]}-{r.bucket[1]}: {r.reason}" for r in results)
@@ -312,17 +357,17 @@ def _check_against_vllm(prog, kernels: dict, captured, device_type: str) -> floa
 
 
 def _time_against_vllm(prog, kernels: dict) -> tuple[str, dict]:
-    """On the GPU: median time of each range's kernel and of vLLM's own path (or eager torch where
-    vLLM's ops do not fit the Program, see `baseline`) at the range's tuned size."""
-    from prism_serve.baseline import baseline
+    """On the GPU: median time of what the plugin runs for each range's kernel (`baseline.served`)
+    and of vLLM's own path (`baseline.baseline`), at the range's tuned size, on the same inputs."""
+    from prism_serve.baseline import baseline, served
     from prism_serve.optimize.codegen import compile_instance
     from prism_serve.optimize.reference import random_inputs
     from prism_serve.optimize.timing import median_us
 
-    name, reference = baseline(prog)
+    vllm = baseline(prog)
     out = {}
     for rng, c in kernels.items():
         sets = [random_inputs(prog, c.num_tokens, seed=i, device="cuda") for i in range(4)]
-        run = compile_instance(c.instance)
-        out[rng] = (median_us(run, sets), median_us(reference, sets))
-    return name, out
+        prepare, run = served(prog, compile_instance(c.instance))
+        out[rng] = (median_us(run, [prepare(s) for s in sets]), median_us(vllm.run, [vllm.prepare(s) for s in sets]))
+    return vllm.name, out

@@ -3,7 +3,11 @@
 For each workload, shape and dtype: rank the oracle sGraph's instances with the cost model,
 time the top candidates on the device, keep the measured winner, check it against the torch
 reference on fresh NaN-poisoned outputs, and time it against torch eager and torch.compile
-of the same Program. The superoptimizer's own best plan for each Prism workload (read from
+of the same Program. For every region kind of the region table it also times vLLM's path for
+the region (`prism_serve.baseline`: vLLM's own ops where vLLM is installed, else eager torch,
+named so) beside the cost model's price of that path, so one run gives the model's error on
+vLLM's path (Spearman and median measured/modeled ratio per region), and what the plugin would
+run (the kernel, plus the residual add beside rmsnorm_swiglu's) against it. The superoptimizer's own best plan for each Prism workload (read from
 the newest bench/results/search-*.json that scripts/bench_search.py wrote, proven there) is
 rebuilt for each shape and checked and timed the same way, in the first dtype, as design
 "searched". Writes gpu_check.json and gpu_check.md under --out and prints the table.
@@ -31,6 +35,7 @@ if INTERPRET:
 
 import torch  # noqa: E402
 
+from prism_serve.baseline import baseline, served, served_modeled_us, vllm_modeled_us  # noqa: E402
 from prism_serve.optimize.codegen import compile_instance  # noqa: E402
 from prism_serve.optimize.cost import unfused_us  # noqa: E402
 from prism_serve.optimize.gpus import get_gpu  # noqa: E402
@@ -42,10 +47,12 @@ from prism_serve.optimize.timing import median_us, rotation, spearman  # noqa: E
 from prism_serve.optimize.tune import measure, rank  # noqa: E402
 from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import WORKLOADS  # noqa: E402
+from prism_serve.region_table import KINDS  # noqa: E402
 
 GPU_PLAN = {  # workload -> (list of dims, num_tokens list); attention shapes carry their own sizes
     **{w: ([{}], [1, 16, 256, 4096]) for w in ("rms_norm", "fused_add_rms_norm", "silu_and_mul")},
-    **{w: ([{}], [1, 16, 256, 4096]) for w in ("rmsnorm_linear", "swiglu", "rmsnorm_mlp")},
+    **{w: ([{}], [1, 16, 256, 4096]) for w in ("rmsnorm_linear", "swiglu", "rmsnorm_mlp", "fused_add_rmsnorm_linear",
+                                               "rmsnorm_swiglu")},
     **{w: (list(WORKLOADS[w].shapes), [0]) for w in ("attention", "qk_norm_attention")},
 }
 INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden sizes
@@ -53,6 +60,8 @@ INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden size
     "silu_and_mul": ([{"intermediate": 48}], [3]),
     "rmsnorm_linear": ([{"hidden": 64, "out": 32}], [1]), "swiglu": ([{"hidden": 64, "intermediate": 32}], [5]),
     "rmsnorm_mlp": ([{"hidden": 64, "intermediate": 32}], [5]),
+    "fused_add_rmsnorm_linear": ([{"hidden": 64, "out": 32}], [3]),
+    "rmsnorm_swiglu": ([{"hidden": 64, "intermediate": 32}], [1]),
     "attention": ([dict(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16)], [0]),
     "qk_norm_attention": ([dict(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16)], [0]),
 }
@@ -118,6 +127,8 @@ def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, plan
     row["correct"] = all(e < TOLERANCE[dtype] for e in errors) and not any(torch.isnan(o).any() for o in outs)
     eager = as_torch_function(prog)
     row["eager_us"] = median_us(eager, sets, warmup=args.warmup, reps=reps)
+    if prog.name in KINDS:
+        row |= vllm_path(prog, run, best, num_tokens, spec, sets, args)
     if args.compile and time.monotonic() < deadline:
         try:
             compiled = torch.compile(eager, dynamic=False)
@@ -127,6 +138,34 @@ def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, plan
     else:
         row["compile_skipped"] = "time budget" if args.compile else "disabled"
     return row
+
+
+def vllm_path(prog, kernel, best, num_tokens, spec, sets, args) -> dict:
+    """vLLM's path for the region, timed and modeled, and what the plugin runs for it, timed and modeled."""
+    base = baseline(prog)
+    prepare, run = served(prog, kernel)
+    row = {"baseline": base.name, "vllm_modeled_us": vllm_modeled_us(prog, num_tokens, spec),
+           "served_modeled_us": served_modeled_us(prog, best.modeled_us, num_tokens, spec),
+           "served_us": median_us(run, [prepare(s) for s in sets], warmup=args.warmup, reps=args.reps)}
+    try:
+        row["baseline_us"] = median_us(base.run, [base.prepare(s) for s in sets], warmup=args.warmup, reps=args.reps)
+    except Exception as exc:  # vLLM's op may not take this dtype here: a finding, not a crash
+        row["baseline_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return row
+
+
+def vllm_path_model(rows) -> dict:
+    """Per region kind: how well the cost model prices vLLM's path, over the cases timed against vLLM itself."""
+    out = {}
+    for kind in sorted({r["workload"] for r in rows if "vllm_modeled_us" in r}):
+        timed = [r for r in rows if r["workload"] == kind and "baseline_us" in r and r.get("baseline") == "vllm"]
+        ratios = sorted(r["baseline_us"] / r["vllm_modeled_us"] for r in timed)
+        out[kind] = {"cases": len(timed), "spearman": spearman([r["vllm_modeled_us"] for r in timed],
+                                                               [r["baseline_us"] for r in timed]),
+                     "median_measured_over_modeled": ratios[len(ratios) // 2] if ratios else None}
+        if not timed:
+            out[kind]["why_none"] = "vLLM is not installed here: its path was not timed"
+    return out
 
 
 def run_case(name, dims, n, dtype, spec, device, args, deadline, design, start) -> dict:
@@ -145,12 +184,13 @@ def run_case(name, dims, n, dtype, spec, device, args, deadline, design, start) 
 def markdown(rows, device_name):
     lines = [f"GPU check on {device_name}", "",
              "| workload | design | shape | tokens | dtype | kernel | modeled us | measured us | eager us |"
-             " compile us | vs eager | vs compile | rel err | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " compile us | vs eager | vs compile | vLLM path modeled us | vLLM path us | served us |"
+             " vs vLLM measured | rel err | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "measured_us" not in r:
             lines.append(f"| {r['workload']} | {r.get('design', '?')} | {r['dims']} | {r['num_tokens']} | "
-                         f"{r['dtype']} | {r.get('error', '?')} | | | | | | | | no |")
+                         f"{r['dtype']} | {r.get('error', '?')} | | | | | | | | | | | | no |")
             continue
         comp, measured = r.get("compile_us"), r["measured_us"]
         shape = ",".join(f"{k}={v}" for k, v in r["dims"].items()) or "default"
@@ -160,9 +200,18 @@ def markdown(rows, device_name):
         lines.append(
             f"| {r['workload']} | {r['design']} | {shape} | {r['num_tokens'] or '-'} | {r['dtype']} | {kernel} | "
             f"{r['modeled_us']:.1f} | {measured:.1f} | {r['eager_us']:.1f} | {comp_us} | "
-            f"{r['eager_us'] / measured:.2f}x | {vs_comp} | {r['max_rel_error']:.1e} | "
+            f"{r['eager_us'] / measured:.2f}x | {vs_comp} | {_vllm_cells(r)} | {r['max_rel_error']:.1e} | "
             f"{'yes' if r['correct'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _vllm_cells(r) -> str:
+    if "vllm_modeled_us" not in r:
+        return "- | - | - | -"
+    base = r.get("baseline_us")
+    named = "" if r["baseline"] == "vllm" else f" ({r['baseline']})"
+    return (f"{r['vllm_modeled_us']:.1f} | " + (f"{base:.1f}{named}" if base else r.get("baseline_error", "-")[:40])
+            + f" | {r['served_us']:.1f} | " + (f"{base / r['served_us']:.2f}x{named}" if base else "-"))
 
 
 def main(argv=None):
@@ -217,6 +266,7 @@ def main(argv=None):
         "wall_s": round(time.monotonic() - start, 1), "cases": rows, "skipped": skipped,
         "all_correct": bool(winners) and all(r["correct"] for r in winners) and len(winners) == len(rows),
         "rank_correlation_winners": spearman([r["modeled_us"] for r in winners], [r["measured_us"] for r in winners]),
+        "vllm_path_model": vllm_path_model(rows),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +275,10 @@ def main(argv=None):
     table += (f"\nmodeled-vs-measured rank correlation over winners: {result['rank_correlation_winners']}; "
               f"all correct: {result['all_correct']}; {len(skipped)} cases skipped for time; "
               f"wall {result['wall_s']} s\n")
+    table += "".join(f"vLLM's path for {kind}: {m['cases']} cases timed against vLLM, Spearman {m['spearman']}, "
+                     f"median measured/modeled {m['median_measured_over_modeled']}"
+                     + (f" ({m['why_none']})" if "why_none" in m else "") + "\n"
+                     for kind, m in result["vllm_path_model"].items())
     (out / "gpu_check.md").write_text(table)
     print(table)
     return 0 if result["all_correct"] and not skipped else 1

@@ -1,26 +1,57 @@
-"""The yardstick warmup times kernels against: vLLM's own ops where they take the Program's inputs."""
+"""The yardstick of every speedup: vLLM's path for each region kind, run with vLLM's own ops and
+modeled by the cost model that prices prism's kernels."""
 
 import pytest
 
-from prism_serve.baseline import baseline
+from prism_serve.baseline import baseline, served_modeled_us, vllm_modeled_us
+from prism_serve.optimize.cost import unfused_us
+from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.ir import NUM_TOKENS, Program, node
 from prism_serve.optimize.reference import evaluate, max_rel_error, random_inputs
 from prism_serve.optimize.workloads import programs
+from prism_serve.region_table import KINDS
+
+PROGRAMS = {
+    "rms_norm": programs.rms_norm(96, "float32"),
+    "fused_add_rms_norm": programs.fused_add_rms_norm(96, "float32"),
+    "silu_and_mul": programs.silu_and_mul(48, "float32"),
+    "rmsnorm_linear": programs.rmsnorm_linear(96, 40, "float32"),
+    "fused_add_rmsnorm_linear": programs.fused_add_rmsnorm_linear(96, 40, "float32"),
+    "swiglu": programs.swiglu(64, 48, "float32"),
+    "rmsnorm_swiglu": programs.rmsnorm_swiglu(64, 48, "float32"),
+}
 
 
-@pytest.mark.parametrize("prog,expected", [
-    (programs.rms_norm(96, "float32"), "vllm"),
-    (programs.fused_add_rms_norm(96, "float32"), "vllm"),
-    (programs.rmsnorm_linear(96, 40, "float32"), "vllm"),
-    (programs.swiglu(64, 48, "float32"), "torch-eager"),
-    (programs.silu_and_mul(48, "float32"), "torch-eager"),
-], ids=lambda v: getattr(v, "name", v))
-def test_baseline_computes_the_program(prog, expected):
-    name, run = baseline(prog)
-    assert name == expected
+def test_every_region_kind_has_a_baseline():
+    assert set(PROGRAMS) == set(KINDS)
+
+
+@pytest.mark.parametrize("kind", sorted(PROGRAMS))
+def test_vllms_own_ops_compute_the_program(kind):
+    prog = PROGRAMS[kind]
+    base = baseline(prog)
+    assert base.name == "vllm"
     for num_tokens in (1, 7):
         inputs = random_inputs(prog, num_tokens, seed=num_tokens)
         ref = evaluate(prog, inputs)
-        got = run(*[t.clone() for t in inputs])  # vLLM's fused_add_rms_norm works in place
+        got = base.run(*base.prepare([t.clone() for t in inputs]))
         assert len(got) == len(ref)
         for g, r in zip(got, ref):
             assert max_rel_error(g, r) < 1e-5
+
+
+def test_the_modeled_path_is_vllms_kernels_priced_by_the_cost_model():
+    gpu = get_gpu("h100")
+    for n in (1, 16, 300):
+        norm, add = vllm_modeled_us(PROGRAMS["rms_norm"], n, gpu), vllm_modeled_us(PROGRAMS["fused_add_rms_norm"], n, gpu)
+        assert add > norm > 0
+        # rmsnorm_linear is vLLM's norm kernel then its GEMM, one library kernel
+        gemm = unfused_us(Program("linear", (node("x", "input", shape=(NUM_TOKENS, 96), dtype="float32"),
+                                             node("w", "input", shape=(40, 96), dtype="float32"),
+                                             node("y", "matmul", "x", "w", transpose_b=True)), ("y",)), n, gpu)
+        assert vllm_modeled_us(PROGRAMS["rmsnorm_linear"], n, gpu) == pytest.approx(norm + gemm)
+        assert vllm_modeled_us(PROGRAMS["fused_add_rmsnorm_linear"], n, gpu) - vllm_modeled_us(
+            PROGRAMS["rmsnorm_linear"], n, gpu) == pytest.approx(add - norm)
+        # the residual add the plugin runs before rmsnorm_swiglu's kernel is counted on prism's side
+        assert served_modeled_us(PROGRAMS["rmsnorm_swiglu"], 10.0, n, gpu) > 10.0
+        assert served_modeled_us(PROGRAMS["swiglu"], 10.0, n, gpu) == 10.0

@@ -67,7 +67,8 @@ def test_optimize_prints_verified_kernels_and_writes_source_and_json(tmp_path, m
                                  "--emit", str(tmp_path / "emit"), "--json", str(out), "--top", "2"],
                            env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
-    assert "verified kernels" in result.output and "speedup vs unfused" in result.output
+    assert "verified kernels" in result.output and "vs vLLM modeled" in result.output
+    assert "vLLM's path:" in result.output and "modeled" in result.output
     data = json.loads(out.read_text())
     assert data["found"] and all(f["proof"]["ok"] for f in data["found"])
     assert data["stats"]["verified"] == len(data["found"]) and data["num_tokens"] == [1, 64]

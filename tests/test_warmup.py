@@ -21,7 +21,10 @@ from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_plans, warmup
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "patch" / "vllm_child.py"
-SUPPORTED = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rmsnorm_linear", "swiglu", "rmsnorm_swiglu"}
+# what the plugin serves in the tiny Llama: each layer's two sides as regions, and the final norm
+SERVED = {"rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "fused_add_rms_norm"}
+# captured and supported, but run inside a served region (or, gate_up's norm, by no hook): not searched
+INSIDE = {"rms_norm", "silu_and_mul", "swiglu", "fused_add_rmsnorm_linear"}
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +53,25 @@ def warmed(tmp_path_factory):
     return first, second, url, stages, third
 
 
-def test_every_supported_region_is_verified_against_vllm(warmed):
+def test_every_served_region_is_verified_against_vllm(warmed):
     first, _, _, stages, _ = warmed
     assert not first.nothing_new and stages[0] == "capture under vLLM" and stages[-1] == "done"
     done = [r for r in first.regions if r.status != "skipped"]
-    assert {r.kind for r in done} == SUPPORTED
+    assert {r.kind for r in done} == SERVED
     for r in done:
         assert r.status == "verified" and r.verified and r.plan, r
         assert r.vllm_max_rel_error is not None and r.vllm_max_rel_error < 1e-4  # fp32 model
-        assert r.modeled_speedup > 1 and r.measured_speedup is None  # nothing is measured on a CPU
+        # against vLLM's path for the region, per bucket; nothing is measured on a CPU
+        assert len(r.modeled_speedup) == len(r.buckets) and r.measured_speedup == []
         assert r.buckets[-1][1] == MAX_TOKENS
-    skipped = {r.kind: r.reason for r in first.regions if r.status == "skipped"}
-    assert set(skipped) == {"attention", "rotary_embedding"} and all(skipped.values())
+    norm = next(r for r in done if r.kind == "fused_add_rms_norm")  # one vLLM kernel already
+    assert all(0.8 <= x <= 1.25 for x in norm.modeled_speedup), norm.modeled_speedup
+    skipped = {(r.kind, r.reason) for r in first.regions if r.status == "skipped"}
+    not_searched = {kind for kind, why in skipped if why.startswith("not searched")}
+    assert not_searched == INSIDE
+    assert ("fused_add_rmsnorm_linear", "not searched: the plugin serves it inside rmsnorm_swiglu") in skipped
+    unsupported = {kind for kind, why in skipped if not why.startswith("not searched")}
+    assert unsupported == {"attention", "rotary_embedding"}
 
 
 def test_the_registry_holds_each_kernel_with_its_proof_plan_and_checks(warmed):
@@ -69,7 +79,7 @@ def test_the_registry_holds_each_kernel_with_its_proof_plan_and_checks(warmed):
     reg = open_registry(url)
     with reg.read() as s:
         kernels = list_kernels(s)
-        assert {k.program.name for k in kernels} == SUPPORTED
+        assert {k.program.name for k in kernels} == SERVED
         for k in kernels:
             assert k.status == "verified" and k.sgraph.proof["ok"] and "plan" in k.sgraph.proof
             assert k.sgraph.tests["vllm_max_rel_error"] < 1e-4
@@ -85,14 +95,14 @@ def test_the_registry_holds_each_kernel_with_its_proof_plan_and_checks(warmed):
 def test_a_second_run_with_nothing_new_skips_vllm(warmed):
     _, second, _, _, _ = warmed
     assert second.nothing_new
-    assert {r.kind for r in second.regions} == SUPPORTED and all(r.status == "stored" for r in second.regions)
+    assert {r.kind for r in second.regions} == SERVED and all(r.status == "stored" for r in second.regions)
 
 
 def test_a_rerun_reuses_the_stored_plans_and_capture_still_sees_vllm(warmed):
     first, _, _, _, third = warmed
     assert not third.nothing_new
     done = {r.kind: r for r in third.regions if r.status != "skipped"}
-    assert set(done) == SUPPORTED
+    assert set(done) == SERVED
     for r in done.values():
         assert r.reused and r.status == "verified" and r.vllm_max_rel_error < 1e-4, r
     assert {r.kind: r.plan for r in first.regions} == {r.kind: r.plan for r in third.regions}
@@ -123,10 +133,20 @@ def test_vllm_serves_the_same_tokens_on_the_warmed_kernels(warmed, tmp_path):
     assert prism["plugin"]["state"] == "patched", prism["plugin"]
     run = prism["runs"]["eager"]
     assert run["tokens"] == stock["runs"]["eager"]["tokens"]
-    # warmup stored region kernels too: each MLP's gate_up + SiLU*mul and each layer's input norm +
-    # qkv projection run as one kernel; the other norms stay ops
-    assert all(run["kernel"][op] > 0 for op in ("fused_add_rms_norm", "swiglu", "rmsnorm_linear")), run
-    assert run["kernel"]["silu_and_mul"] == 0 and not any(run["fallback"].values())
+    # every kind warmup stored runs: each layer's two sides as region kernels, the final norm as an op
+    assert all(run["kernel"][op] > 0 for op in SERVED), run
+    assert run["kernel"]["silu_and_mul"] == run["kernel"]["swiglu"] == run["kernel"]["rms_norm"] == 0
+    assert not any(run["fallback"].values())
+
+
+def test_the_doctor_finds_every_stored_kind_serving_layers(warmed):
+    from prism_serve.patch.doctor import patch_report
+
+    _, _, url, _, _ = warmed
+    report = patch_report("tiny-llama", url, force=True)
+    assert set(report["served"]) == SERVED and report["unserved"] == []
+    assert report["served"]["rmsnorm_swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert report["served"]["fused_add_rms_norm"] == ["model.norm"]
 
 
 def test_a_warmup_that_fails_on_a_bad_model_leaves_no_registry_behind(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@
 Runs in the capture child process on the graph vLLM's Dynamo trace hands to the
 capture backend. Each leaf module instance (``layers.0.input_layernorm``) becomes a
 group of nodes; a group's external inputs and outputs give the data flow between
-modules, from which regions are chained: RMSNorm -> Linear is ``rmsnorm_linear``,
+modules, from which regions are chained: RMSNorm -> Linear is ``rmsnorm_linear`` (or
+``fused_add_rmsnorm_linear`` when the norm adds a residual),
 Linear -> SiluAndMul is ``swiglu``, RMSNorm -> Linear -> SiluAndMul is
 ``rmsnorm_swiglu``, and so on. Every region instance carries its dims, read from
 the traced fake tensors (so they are the sharded, per-rank dims), and *refs*: where
@@ -190,8 +191,13 @@ def _norm_regions(g: Group, by_input: dict[fx.Node, Group]) -> list[dict]:
         return regions
     y = lin.ext_outputs[0]
     out = _last(y)
-    regions.append(_region("rmsnorm_linear", [g, lin], {"hidden": hidden, "out": out}, dtype,
-                           [x_ref, w, {"param": lin.path}], [_after(y, lin.nodes[-1])], nm.eps))
+    if nm.fused:  # the residual add comes with it: the kernel also writes the sum (the next residual)
+        regions.append(_region("fused_add_rmsnorm_linear", [g, lin], {"hidden": hidden, "out": out}, dtype,
+                               [_before(nm.x, nm.op), _before(nm.residual, nm.op), w, {"param": lin.path}],
+                               [_after(y, lin.nodes[-1]), x_ref], nm.eps))
+    else:
+        regions.append(_region("rmsnorm_linear", [g, lin], {"hidden": hidden, "out": out}, dtype,
+                               [x_ref, w, {"param": lin.path}], [_after(y, lin.nodes[-1])], nm.eps))
     act = by_input.get(y)
     if act is not None and act.cls == "SiluAndMul" and act.ext_outputs:
         inter = out // 2

@@ -4,7 +4,8 @@
 runs `prism_serve.capture.child` in a fresh interpreter (vLLM rebinds torch
 threads and cores for its whole process), builds each supported region's
 Program with the optimizer's own builders (so canonical hashes match), merges
-identical regions across layers and attaches time shares and num_tokens buckets.
+identical regions across layers and attaches time shares and num_tokens buckets. Which
+kinds have a Program is `prism_serve.region_table`'s.
 """
 
 from __future__ import annotations
@@ -23,19 +24,11 @@ import torch
 from prism_serve.capture.embedded import resolve_model
 from prism_serve.errors import PrismError
 from prism_serve.optimize.ir import Program
-from prism_serve.optimize.workloads import programs as builders
+from prism_serve.region_table import KINDS
 
 log = logging.getLogger(__name__)
 CHILD_TIMEOUT_S = 300
 
-BUILDERS = {
-    "rms_norm": lambda d, dt, eps: builders.rms_norm(d["hidden"], dt, eps),
-    "fused_add_rms_norm": lambda d, dt, eps: builders.fused_add_rms_norm(d["hidden"], dt, eps),
-    "silu_and_mul": lambda d, dt, eps: builders.silu_and_mul(d["intermediate"], dt),
-    "rmsnorm_linear": lambda d, dt, eps: builders.rmsnorm_linear(d["hidden"], d["out"], dt, eps),
-    "swiglu": lambda d, dt, eps: builders.swiglu(d["hidden"], d["intermediate"], dt),
-    "rmsnorm_swiglu": lambda d, dt, eps: builders.rmsnorm_swiglu(d["hidden"], d["intermediate"], dt, eps),
-}
 
 
 class CaptureError(PrismError):
@@ -160,8 +153,8 @@ def _run_child(model_dir: Path, out: Path) -> dict:
 
 
 def _program(kind: str, dims: dict, dtype: str, eps: float | None) -> Program | None:
-    build = BUILDERS.get(kind)
-    return build(dims, dtype, eps) if build else None
+    k = KINDS.get(kind)
+    return k.program(dims, dtype, eps) if k else None
 
 
 def _instances(result: dict, record: dict) -> list[Instance]:

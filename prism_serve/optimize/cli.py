@@ -42,24 +42,30 @@ def _program(target: str, shapes: list[str]):
 
 
 def _table(result) -> Table:
+    from prism_serve.baseline import served_modeled_us, vllm_modeled_us
+    from prism_serve.optimize.gpus import get_gpu
     from prism_serve.optimize.sgraph import BlockKernel
+    from prism_serve.region_table import KINDS
 
-    buckets = result.num_tokens
+    buckets, prog = result.num_tokens, result.program
+    spec = get_gpu(result.gpu)
+    vllm = {n: vllm_modeled_us(prog, n, spec) for n in buckets} if prog.name in KINDS else None
     measured = any(c.measured_us is not None for f in result.found for c in f.kernels)
+    about = (f"vLLM's path: {', '.join(f'{vllm[n]:.1f} us @{n}' for n in buckets)} modeled" if vllm else
+             "vLLM has no path for this program, so no speedup")
     table = Table("#", "plan", "kernels", "grid", "loop", *(f"modeled us @{n}" for n in buckets),
                   *((f"measured us @{n}" for n in buckets) if measured else ()),
-                  "speedup vs unfused", title=f"{result.program.name} on {result.gpu}: verified kernels "
-                  f"(unfused: {', '.join(f'{result.unfused_us[n]:.1f} us @{n}' for n in buckets)})")
+                  "vs vLLM modeled, per bucket", title=f"{prog.name} on {result.gpu}: verified kernels ({about})")
     for i, f in enumerate(result.found):
         c = f.kernels[-1]
         blocks = [k for k in f.sgraph.kernels if isinstance(k, BlockKernel)]
         grid = "; ".join("x".join(f"{a.symbol}={c.assignment[a.symbol]}" for a in k.grid) for k in blocks)
         loop = "; ".join(f"{k.forloop}={c.assignment[k.forloop]}" if k.forloop else "-" for k in blocks) or "-"
-        speed = sum(result.unfused_us[n] for n in buckets) / sum(k.modeled_us for k in f.kernels)
+        speed = ", ".join(f"{vllm[n] / served_modeled_us(prog, f.kernel_for(n).modeled_us, n, spec):.2f}x"
+                          for n in buckets) if vllm else "-"
         table.add_row(str(i + 1), f.plan.describe(), str(len(f.sgraph.kernels)), grid or "library", loop,
                       *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets),
-                      *((_us(f.kernel_for(n).measured_us) for n in buckets) if measured else ()),
-                      f"{speed:.2f}x" + ("" if measured else " modeled"))
+                      *((_us(f.kernel_for(n).measured_us) for n in buckets) if measured else ()), speed)
     return table
 
 

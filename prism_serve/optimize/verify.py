@@ -224,6 +224,16 @@ def _saturated(g: SGraph, iterations: int, probes: bool = False):
     return egraph, ctx, wants, gots, handles
 
 
+def _release(egraph: EGraph) -> None:
+    """Drop the Rust e-graph now, on this thread. egglog's EGraphState sits in a reference cycle
+    (through a closure of its own), so the cyclic GC frees it later on whichever thread happens to
+    run it, such as the refresh thread of warmup's progress display, where PyO3 refuses to drop an
+    unsendable object ("EGraph is unsendable, but is being dropped on another thread")."""
+    for state in (getattr(egraph, "_state", None), *getattr(egraph, "_state_stack", ())):
+        if state is not None and hasattr(state, "egraph"):
+            state.egraph = None
+
+
 def _holds(egraph: EGraph, fact) -> bool:
     try:
         egraph.check(fact)
@@ -246,6 +256,7 @@ def check_subterms(g: SGraph, *, iterations: int = ITERATIONS) -> SubtermResult:
     egraph.register(*(A.within(h) for h in wants.values()))
     egraph.run(A.subterms.saturate())
     failed = tuple(name for name, h in handles.items() if not _holds(egraph, A.within(h)))
+    _release(egraph)
     result = SubtermResult(not failed, failed, time.perf_counter() - start)
     _SUB_CACHE[key] = result
     return result
@@ -263,6 +274,7 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
         return ProofResult(False, f"unsupported: {exc}", time.perf_counter() - start)
     failed = [o for o in g.program.outputs if not _holds(egraph, eq(wants[o]).to(gots[o]))]
     size = sum(n for _, n in egraph.all_function_sizes())
+    _release(egraph)
     seconds = time.perf_counter() - start
     reason = "proven" if not failed else f"outputs {failed} not proven equal within {iterations} iterations"
     result = ProofResult(not failed, reason, seconds, iterations, size, len(ctx.facts), tuple(g.program.outputs))

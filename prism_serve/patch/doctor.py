@@ -12,27 +12,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prism_serve.capture.embedded import resolve_model
-from prism_serve.patch.table import OPS, TORCH_DTYPES
+from prism_serve.patch.table import TORCH_DTYPES
+from prism_serve.region_table import KINDS
 
 # decoder-only models whose layers vLLM builds from RMSNorm and SiluAndMul
 ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
 QK_NORM = {"Qwen3ForCausalLM"}
-NORM_LINEAR = {"LlamaForCausalLM", "Qwen3ForCausalLM"}  # decoder layers whose input norm + qkv_proj fuse
+DECODER_REGIONS = {"LlamaForCausalLM", "Qwen3ForCausalLM"}  # decoder layers whose two sides the plugin fuses
 
 
 @dataclass(frozen=True)
 class Site:
-    """One call of a vLLM op in the model: layer path, op, the size the kernel is keyed by."""
+    """One place the plugin could serve in the model: the module the row names, the region kind,
+    the size the kernel is keyed by, and the modules the region spans (the row's own by default)."""
 
     layer: str
     op: str
-    dim: int
+    dim: int | tuple
     eps: float | None
     note: str = ""
+    spans: tuple[str, ...] = ()
+
+    @property
+    def modules(self) -> frozenset[str]:
+        return frozenset(self.spans or (self.layer,))
 
 
 def sites(cfg: dict) -> list[Site]:
-    """vLLM's op calls per decoder layer: the first layer's input norm has no residual yet."""
+    """vLLM's ops and the region table's regions per decoder layer: the first layer's input norm
+    has no residual yet. Larger regions come first."""
     arch = (cfg.get("architectures") or [""])[0]
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     eps = float(cfg.get("rms_norm_eps", 1e-6))
@@ -42,15 +50,20 @@ def sites(cfg: dict) -> list[Site]:
     out = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        spans = {k: tuple(p + m for m in KINDS[k].modules) for k in KINDS if KINDS[k].modules}
+        if arch in DECODER_REGIONS:
+            side = "rmsnorm_linear" if i == 0 else "fused_add_rmsnorm_linear"
+            out += [Site(p + "self_attn", side, (hidden, qkv), eps, "input_layernorm + qkv_proj as one kernel",
+                         spans[side]),
+                    Site(p + "mlp", "rmsnorm_swiglu", (hidden, inter), eps,
+                         "post_attention_layernorm + gate_up_proj + act_fn as one kernel", spans["rmsnorm_swiglu"])]
+        out.append(Site(p + "mlp.gate_up_proj", "swiglu", (hidden, inter), None, "gate_up_proj + act_fn as one kernel",
+                        spans["swiglu"]))
         out.append(Site(p + "input_layernorm", "rms_norm" if i == 0 else "fused_add_rms_norm", hidden, eps))
-        if arch in NORM_LINEAR:
-            out.append(Site(p + "self_attn", "rmsnorm_linear", (hidden, qkv), eps,
-                            "input_layernorm + qkv_proj as one region"))
         if arch in QK_NORM:
             out += [Site(p + "self_attn.q_norm", "rms_norm", head_dim, eps, "rows are tokens x heads"),
                     Site(p + "self_attn.k_norm", "rms_norm", head_dim, eps, "rows are tokens x kv heads")]
         out.append(Site(p + "post_attention_layernorm", "fused_add_rms_norm", hidden, eps))
-        out.append(Site(p + "mlp", "swiglu", (hidden, inter), None, "gate_up_proj + act_fn as one region"))
         out.append(Site(p + "mlp.act_fn", "silu_and_mul", inter, None))
     out.append(Site("model.norm", "fused_add_rms_norm", hidden, eps))
     return out
@@ -58,7 +71,8 @@ def sites(cfg: dict) -> list[Site]:
 
 def patch_report(model: str | Path | None = None, registry: str | None = None, dtype: str | None = None,
                  force: bool | None = None) -> dict:
-    """What the plugin would patch for `model` (default: the embedded tiny model) on this device."""
+    """What the plugin would patch for `model` (default: the embedded tiny model) on this device,
+    and, per region kind the registry holds for the model's sizes, the layers it would serve."""
     from prism_serve.patch.device import current_device
     from prism_serve.patch.plugin import plan
     from prism_serve.registry.db import resolve_url
@@ -72,20 +86,38 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     p = plan(url, device, device_type, force)
     report = {"model": str(path), "architecture": arch, "dtype": dtype, "device": device.fingerprint,
               "registry": p.where, "plugin": p.state if p.state != "ready" else "would patch",
-              "message": p.message, "skipped": dict(p.reasons), "layers": []}
+              "message": p.message, "skipped": dict(p.reasons), "layers": [], "served": {}, "unserved": []}
     if arch not in ARCHITECTURES:
         report["message"] = f"architecture {arch!r} is not one whose layers prism knows ({', '.join(sorted(ARCHITECTURES))})"
         return report
-    rows = [_explain(s, dtype, p, url, device) for s in sites(cfg)]
-    regions = {r["layer"] for r in rows if r["op"] in ("swiglu", "rmsnorm_linear") and r["patched"]}
-    for r in rows:
-        inside = {"silu_and_mul": (".act_fn", ""), "rms_norm": (".input_layernorm", ".self_attn"),
-                  "fused_add_rms_norm": (".input_layernorm", ".self_attn")}.get(r["op"])
-        if inside and r["layer"].endswith(inside[0]) and r["layer"].removesuffix(inside[0]) + inside[1] in regions:
-            r.update(patched=True, why="runs inside its layer's region kernel")
+    all_sites = sites(cfg)
+    rows = [_explain(s, dtype, p, url, device) for s in all_sites]
+    taken: list[Site] = []  # sites served by their own kernel, larger regions first
+    for s, r in zip(all_sites, rows):
+        inside = next((t for t in taken if s.modules < t.modules), None)
+        if inside is not None:
+            r.update(patched=True, why=f"runs inside its layer's {inside.op} kernel ({inside.layer})")
             r.pop("buckets", None)
+            r.pop("kernel", None)
+        elif r["patched"]:
+            taken.append(s)
     report["layers"] = rows
+    report["served"], report["unserved"] = _served(all_sites, rows, dtype, p)
     return report
+
+
+def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dict, list]:
+    """Region kind -> the layers it serves, for every kind the table has a kernel for at one of the
+    model's sizes; and the kinds among them that serve no layer."""
+    if p.table is None:
+        return {}, []
+    want = TORCH_DTYPES[dtype]
+    keys = {(s.op, s.dim, s.eps) for s in all_sites} | {("rmsnorm_linear", s.dim, s.eps) for s in all_sites
+                                                         if s.op == "fused_add_rmsnorm_linear"}
+    stored = sorted({op for op, per in p.table.ops.items() for (dt, dim, eps) in per
+                     if dt == want and (op, dim, eps) in keys})
+    served = {op: [r["layer"] for r in rows if r.get("kernel") == op] for op in stored}
+    return served, [op for op, layers in served.items() if not layers]
 
 
 def _dtype(cfg: dict) -> str:
@@ -97,12 +129,17 @@ def _explain(s: Site, dtype: str, p, url: str, device) -> dict:
     row = {"layer": s.layer, "op": s.op, "dim": s.dim, "patched": False}
     if s.note:
         row["note"] = s.note
-    entry = p.table.entry(s.op, TORCH_DTYPES[dtype], s.dim, s.eps) if p.table is not None else None
+    kernel, entry = s.op, p.table.entry(s.op, TORCH_DTYPES[dtype], s.dim, s.eps) if p.table is not None else None
+    if entry is None and s.op == "fused_add_rmsnorm_linear" and p.table is not None:
+        # the plugin adds the residual in torch and runs the norm + projection kernel on the sum
+        kernel, entry = "rmsnorm_linear", p.table.entry("rmsnorm_linear", TORCH_DTYPES[dtype], s.dim, s.eps)
     if entry is not None:
-        row["patched"] = True
+        row.update(patched=True, kernel=kernel)
         row["buckets"] = [f"{lo}-{hi}: kernel {lz.kernel_id}" for lo, hi, lz in zip(entry.los, entry.his,
                                                                                   entry.launchers)]
         row["why"] = "kernels for every num_tokens in these buckets; other sizes run vLLM's own path"
+        if kernel != s.op:
+            row["why"] += "; the residual is added before the rmsnorm_linear kernel"
         return row
     if p.state != "ready" and p.message:
         row["why"] = p.message.removeprefix("prism-serve: ")
@@ -122,7 +159,9 @@ def _why_not(s: Site, dtype: str, url: str, device, p) -> str:
     from prism_serve.registry.db import open_registry
     from prism_serve.registry.store import current_versions, incompatibility, list_kernels
 
-    prog = OPS[s.op].build(s.dim, dtype, s.eps)
+    kind = KINDS[s.op]
+    prog = kind.program(dict(zip((d.name for d in kind.dims), s.dim if isinstance(s.dim, tuple) else (s.dim,))),
+                        dtype, s.eps)
     dims = ", ".join(map(str, s.dim)) if isinstance(s.dim, tuple) else str(s.dim)
     reg = open_registry(url, readonly=True)
     try:
@@ -155,5 +194,8 @@ def print_patch_report(report: dict, console=None) -> None:
         table.add_row(row["layer"], row["op"], "yes" if row["patched"] else "no", detail)
     console.print(table)
     console.print(f"registry: {report['registry']}" + (f" — {report['message']}" if report["message"] else ""))
+    for kind, layers in report["served"].items():
+        console.print(f"{kind}: " + (f"serves {', '.join(layers)}" if layers else
+                                     "stored for this model's sizes, but serves no layer"))
     if report["skipped"]:
         console.print("skipped kernels: " + "; ".join(f"{why} ({n})" for why, n in report["skipped"].items()))

@@ -8,7 +8,11 @@
 - Whole regions: the decoder MLP classes of Llama and Qwen2/3 (looked up by name in their model
   modules when a model is built) replaced by subclasses whose gate_up projection and activation
   run as one `prism::swiglu` kernel where the table has one for that layer; and in Llama and
-  Qwen3 decoder layers, the input RMSNorm and qkv projection run as one `prism::rmsnorm_linear`.
+  Qwen3 decoder layers, the input side (residual add, RMSNorm, qkv projection) as one
+  `prism::fused_add_rmsnorm_linear` or `prism::rmsnorm_linear`, and the post-attention side
+  (RMSNorm of the residual sum, gate_up projection, SiLU*mul) as one `prism::rmsnorm_swiglu`.
+  Which kinds exist and what they span is `prism_serve.region_table`'s; #14 replaces these
+  class-level hooks with FX patterns read from it.
 
 - In compiled mode, the fusion pass (`fusion.py`), which vLLM's config carries into Inductor:
   regions matched by FX pattern and replaced by `prism::` ops where the table has a kernel.
@@ -20,7 +24,7 @@ epsilon, device); inside the op a num_tokens miss runs the next provider in vLLM
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -38,12 +42,14 @@ class Installed:
 
     names: list[str]
     undo: list[Callable[[], None]]
+    kinds: set[str] = field(default_factory=set)  # the region kinds whose kernels a hook now serves
 
     def revert(self) -> None:
         for fn in reversed(self.undo):
             fn()
         self.undo.clear()
         self.names.clear()
+        self.kinds.clear()
 
 
 # --- the IR providers: same signature and defaults as vLLM's native impls ------------------
@@ -109,6 +115,7 @@ def _install_ir(table: Table, done: Installed) -> None:
     original = cls.__dict__.get("get_default_ir_op_priority")
     if getattr(cls.get_default_ir_op_priority, "_prism", False):
         done.names += [f"vllm.ir.{op}" for op in served]
+        done.kinds.update(served)
         return
     inner = cls.get_default_ir_op_priority
 
@@ -130,6 +137,7 @@ def _install_ir(table: Table, done: Installed) -> None:
             cls.get_default_ir_op_priority = original
     done.undo.append(undo)
     done.names += [f"vllm.ir.{op}" for op in served]
+    done.kinds.update(served)
 
 
 # --- SiluAndMul through CustomOp.register_oot ----------------------------------------------
@@ -144,15 +152,18 @@ def _install_silu(table: Table, done: Installed) -> None:
     if "SiluAndMul" in op_registry_oot:
         if getattr(op_registry_oot["SiluAndMul"], "_prism", False):
             done.names.append("SiluAndMul")
+            done.kinds.add("silu_and_mul")
         return  # another plugin replaced it first: leave theirs in place
 
-    if current_platform.is_cuda_alike() and hasattr(torch.ops._C, "silu_and_mul"):
+    if (current_platform.is_cuda_alike() or current_platform.is_xpu()) and hasattr(torch.ops._C, "silu_and_mul"):
         def vllm_silu_and_mul(x: Tensor) -> Tensor:
             out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
             torch.ops._C.silu_and_mul(out, x)
             return out
         ops.FALLBACKS["silu_and_mul"] = vllm_silu_and_mul
-        done.undo.append(lambda: ops.FALLBACKS.__setitem__("silu_and_mul", ops.ref_silu_and_mul))
+    else:  # vLLM's own torch path, which its SiluAndMul runs on this platform
+        ops.FALLBACKS["silu_and_mul"] = SiluAndMul.forward_native
+    done.undo.append(lambda: ops.FALLBACKS.__setitem__("silu_and_mul", ops.ref_silu_and_mul))
 
     class PrismSiluAndMul(SiluAndMul):
         """vLLM's SiluAndMul whose every path runs `prism::silu_and_mul` (misses fall back inside)."""
@@ -167,6 +178,7 @@ def _install_silu(table: Table, done: Installed) -> None:
     SiluAndMul.register_oot(PrismSiluAndMul, name="SiluAndMul")
     done.undo.append(lambda: op_registry_oot.pop("SiluAndMul", None))
     done.names.append("SiluAndMul")
+    done.kinds.add("silu_and_mul")
 
 
 # --- whole region: a SwiGLU MLP's gate_up projection + SiLU*mul as one prism::swiglu ----------
@@ -178,15 +190,9 @@ SITES: list = []  # weak references to the patched MLPs, indexed by their prism:
 
 
 def _swiglu_served(mlp) -> bool:
-    """An unquantized, unsharded, bias-free gate_up projection the table has a kernel for."""
+    """A plain gate_up projection (see `_plain_linear`) the table has a kernel for."""
     g = mlp.gate_up_proj
-    if type(g.quant_method).__name__ != "UnquantizedLinearMethod" or getattr(g, "bias", None) is not None:
-        return False
-    if getattr(g, "tp_size", 1) != 1 or g.weight.dim() != 2:
-        return False
-    table = ops.STATE.table
-    key = (g.weight.shape[1], g.weight.shape[0] // 2)
-    return table is not None and table.entry("swiglu", g.weight.dtype, key, None) is not None
+    return _plain_linear(g) and _has("swiglu", g.weight, (g.weight.shape[1], g.weight.shape[0] // 2), None)
 
 
 def _keep_weight(owner, linear, attr: str) -> None:
@@ -270,96 +276,175 @@ def _install_regions(table: Table, done: Installed) -> None:
         setattr(module, cls_name, _region_class(base))
         done.undo.append(lambda m=module, n=cls_name, b=base: setattr(m, n, b))
         done.names.append(f"{cls_name} (swiglu region)")
+        done.kinds.add("swiglu")
 
 
-# --- whole region: a decoder's input RMSNorm + qkv projection as one prism::rmsnorm_linear ----
+# --- whole regions in a decoder layer: its input side and its post-attention side ------------
 #
-# The layer's input_layernorm is left to add the residual only, and its qkv_proj normalizes and
-# projects in one kernel. Both are switched per instance, together, and only where the layer's
-# forward sends the norm's output to self_attn alone (Llama, Qwen3), so the pair stays exact.
+# Input side: the layer's input_layernorm runs the norm *and* the qkv projection as one kernel,
+# `prism::rmsnorm_linear` (no residual yet) or `prism::fused_add_rmsnorm_linear` (the kernel adds
+# the residual and writes the sum, the next residual), and its qkv_proj passes that output on.
+# Post-attention side: post_attention_layernorm adds the residual and runs the norm, gate_up
+# projection and SiLU*mul as one `prism::rmsnorm_swiglu`; its MLP then runs down_proj only.
+# Each pair is switched per instance, together, and only where the layer's forward sends the
+# norm's output to that module alone (Llama, Qwen3), so the pair stays exact.
 
-NORM_LINEAR_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
-                      ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
-NORM_SITES: list = []  # weak references to the patched decoder layers, by their `site`
+DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
+                  ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
+LAYER_SITES: list = []  # weak references to the patched decoder layers, by their `site`
 
 
-def _norm_linear_served(layer) -> bool:
-    """An unquantized, unsharded, bias-free qkv projection after a weighted RMSNorm the table has a kernel for."""
-    norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
-    if type(qkv.quant_method).__name__ != "UnquantizedLinearMethod" or getattr(qkv, "bias", None) is not None:
-        return False
-    if getattr(qkv, "tp_size", 1) != 1 or qkv.weight.dim() != 2:
-        return False
-    if not getattr(norm, "has_weight", False) or getattr(norm, "variance_size_override", None) is not None:
-        return False
+def _plain_linear(linear) -> bool:
+    """An unquantized, unsharded, bias-free projection with a 2-D weight."""
+    return (type(linear.quant_method).__name__ == "UnquantizedLinearMethod" and getattr(linear, "bias", None) is None
+            and getattr(linear, "tp_size", 1) == 1 and linear.weight.dim() == 2)
+
+
+def _plain_norm(norm) -> bool:
+    return getattr(norm, "has_weight", False) and getattr(norm, "variance_size_override", None) is None
+
+
+def _has(kind: str, weight: Tensor, dims: tuple, eps: float) -> bool:
     table = ops.STATE.table
-    key = (qkv.weight.shape[1], qkv.weight.shape[0])
-    return table is not None and table.entry("rmsnorm_linear", qkv.weight.dtype, key, norm.variance_epsilon) is not None
+    return table is not None and table.entry(kind, weight.dtype, dims, eps) is not None
 
 
-def _attach_norm_linear(layer) -> None:
-    if not _norm_linear_served(layer):
-        return
+def _attach_input_side(layer, site: int) -> None:
     norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
-    qkv_cls, eps, site = type(qkv), norm.variance_epsilon, len(NORM_SITES)
-    NORM_SITES.append(weakref.ref(layer))
+    if not (_plain_norm(norm) and _plain_linear(qkv)):
+        return
+    eps, dims = norm.variance_epsilon, (qkv.weight.shape[1], qkv.weight.shape[0])
+    plain, fused = _has("rmsnorm_linear", qkv.weight, dims, eps), _has("fused_add_rmsnorm_linear", qkv.weight, dims, eps)
+    if not (plain or fused):
+        return
+    qkv_cls = type(qkv)
     layer.register_buffer("_prism_qkv_weight", None, persistent=False)
     _keep_weight(layer, qkv, "_prism_qkv_weight")
     norm_forward, qkv_forward = norm.forward, qkv.forward
-    layer._prism_originals = (norm_forward, qkv_forward)
+    layer._prism_originals.update(norm=norm_forward, qkv=qkv_forward)
 
     def active() -> bool:  # weights loaded, and no LoRA layer swapped in since
         return layer._prism_qkv_weight is not None and type(layer.self_attn.qkv_proj) is qkv_cls
 
-    def residual_only(x, residual=None):
+    def norm_and_project(x, residual=None):
         if not active():
             return norm_forward(x) if residual is None else norm_forward(x, residual)
+        w = layer._prism_qkv_weight
         if residual is None:
-            return x
+            return torch.ops.prism.rmsnorm_linear(x, norm.weight, w, eps, site)
+        if fused:
+            return torch.ops.prism.fused_add_rmsnorm_linear(x, residual, norm.weight, w, eps, site)
         s = x + residual
-        return s, s
+        return torch.ops.prism.rmsnorm_linear(s, norm.weight, w, eps, site), s
 
-    def norm_and_project(x):
-        if not active():
-            return qkv_forward(x)
-        return torch.ops.prism.rmsnorm_linear(x, norm.weight, layer._prism_qkv_weight, eps, site), None
+    def projected(x):  # the layer's input norm already projected it
+        return (x, None) if active() else qkv_forward(x)
 
-    norm.forward, qkv.forward = residual_only, norm_and_project
+    norm.forward, qkv.forward = norm_and_project, projected
 
 
-def _vllm_norm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
-    """vLLM's own path for a patched layer: its input norm, then its qkv projection."""
-    layer = NORM_SITES[site]() if 0 <= site < len(NORM_SITES) else None
-    if layer is None:
-        return ops.ref_rmsnorm_linear(x, norm_weight, weight, epsilon, site)
-    norm_forward, qkv_forward = layer._prism_originals
-    return qkv_forward(norm_forward(x))[0]
-
-
-def _install_norm_linear(table: Table, done: Installed) -> None:
-    if not table.ops.get("rmsnorm_linear"):
+def _attach_post_side(layer, site: int) -> None:
+    norm, mlp = layer.post_attention_layernorm, layer.mlp
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    if gate_up is None or not hasattr(mlp, "down_proj") or not (_plain_norm(norm) and _plain_linear(gate_up)):
         return
-    ops.FALLBACKS["rmsnorm_linear"] = _vllm_norm_linear
-    done.undo.append(lambda: ops.FALLBACKS.__setitem__("rmsnorm_linear", ops.ref_rmsnorm_linear))
-    for _, cls_name, cls in _model_classes(NORM_LINEAR_LAYERS):
+    eps, dims = norm.variance_epsilon, (gate_up.weight.shape[1], gate_up.weight.shape[0] // 2)
+    if not _has("rmsnorm_swiglu", gate_up.weight, dims, eps):
+        return
+    gate_up_cls = type(gate_up)
+    layer.register_buffer("_prism_gate_up_weight", None, persistent=False)
+    _keep_weight(layer, gate_up, "_prism_gate_up_weight")
+    norm_forward, mlp_forward = norm.forward, mlp.forward
+    layer._prism_originals.update(post_norm=norm_forward, gate_up=gate_up.forward, act=mlp.act_fn)
+
+    def active() -> bool:
+        return layer._prism_gate_up_weight is not None and type(layer.mlp.gate_up_proj) is gate_up_cls
+
+    def add_norm_and_mlp_in(x, residual=None):
+        if residual is None or not active():
+            return norm_forward(x) if residual is None else norm_forward(x, residual)
+        s = x + residual
+        return torch.ops.prism.rmsnorm_swiglu(s, norm.weight, layer._prism_gate_up_weight, eps, site), s
+
+    def down_only(x):  # the post-attention norm already ran gate_up and the activation
+        return mlp.down_proj(x)[0] if active() else mlp_forward(x)
+
+    norm.forward, mlp.forward = add_norm_and_mlp_in, down_only
+
+
+def _attach_decoder_layer(layer) -> None:
+    site = len(LAYER_SITES)
+    layer._prism_originals = {}
+    for attach in (_attach_input_side, _attach_post_side):
+        try:
+            attach(layer, site)
+        except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
+            continue
+    if layer._prism_originals:
+        LAYER_SITES.append(weakref.ref(layer))
+
+
+def _site(site: int):
+    layer = LAYER_SITES[site]() if 0 <= site < len(LAYER_SITES) else None
+    return layer._prism_originals if layer is not None else None
+
+
+def _vllm_rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
+    """vLLM's own path for a patched layer's input side: its input norm, then its qkv projection."""
+    orig = _site(site)
+    if orig is None or "norm" not in orig:
+        return ops.ref_rmsnorm_linear(x, norm_weight, weight, epsilon, site)
+    return orig["qkv"](orig["norm"](x))[0]
+
+
+def _vllm_fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor,
+                                   epsilon: float, site: int) -> tuple[Tensor, Tensor]:
+    """vLLM's own path: its input norm's residual add and norm, then its qkv projection."""
+    orig = _site(site)
+    if orig is None or "norm" not in orig:
+        return ops.ref_fused_add_rmsnorm_linear(x, residual, norm_weight, weight, epsilon, site)
+    y, r = orig["norm"](x, residual)
+    return orig["qkv"](y)[0], r
+
+
+def _vllm_rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
+    """vLLM's own path on the residual sum: its post-attention norm, gate_up projection, activation."""
+    orig = _site(site)
+    if orig is None or "post_norm" not in orig:
+        return ops.ref_rmsnorm_swiglu(x, norm_weight, w_gate_up, epsilon, site)
+    gate_up, _ = orig["gate_up"](orig["post_norm"](x))
+    return orig["act"](gate_up)
+
+
+LAYER_FALLBACKS = {"rmsnorm_linear": (_vllm_rmsnorm_linear, ops.ref_rmsnorm_linear),
+                   "fused_add_rmsnorm_linear": (_vllm_fused_add_rmsnorm_linear, ops.ref_fused_add_rmsnorm_linear),
+                   "rmsnorm_swiglu": (_vllm_rmsnorm_swiglu, ops.ref_rmsnorm_swiglu)}
+
+
+def _install_decoder_layers(table: Table, done: Installed) -> None:
+    served = [kind for kind in LAYER_FALLBACKS if table.ops.get(kind)]
+    if not served:
+        return
+    for kind in served:
+        ops.FALLBACKS[kind] = LAYER_FALLBACKS[kind][0]
+        done.undo.append(lambda k=kind: ops.FALLBACKS.__setitem__(k, LAYER_FALLBACKS[k][1]))
+    for _, cls_name, cls in _model_classes(DECODER_LAYERS):
         if "_prism_init" in cls.__dict__:
             continue
         original = cls.__init__
 
         def __init__(self, *args, _original=original, **kwargs):
             _original(self, *args, **kwargs)
-            try:
-                _attach_norm_linear(self)
-            except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
-                pass
+            _attach_decoder_layer(self)
 
         # patched in place: models take their layer class as a default argument bound at import
         cls.__init__, cls._prism_init = __init__, original
         done.undo.append(lambda c=cls, o=original: (setattr(c, "__init__", o), delattr(c, "_prism_init")))
-        done.names.append(f"{cls_name} (rmsnorm_linear region)")
+        done.names.append(f"{cls_name} ({', '.join(served)})")
+        done.kinds.update(served)
 
 
-HOOKS = (_install_ir, _install_silu, _install_regions, _install_norm_linear, fusion.install)
+HOOKS = (_install_ir, _install_silu, _install_regions, _install_decoder_layers, fusion.install)
 
 
 def install(table: Table) -> Installed:

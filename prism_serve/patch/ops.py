@@ -1,6 +1,7 @@
 """The prism torch custom ops (`prism::rms_norm`, `prism::fused_add_rms_norm`,
-`prism::silu_and_mul`, and the whole-region `prism::swiglu` and `prism::rmsnorm_linear`): opaque
-to torch.compile, with fake impls, dispatching by num_tokens.
+`prism::silu_and_mul`, and the whole-region `prism::swiglu`, `prism::rmsnorm_linear`,
+`prism::fused_add_rmsnorm_linear` and `prism::rmsnorm_swiglu`): opaque to torch.compile, with
+fake impls, dispatching by num_tokens.
 
 Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
 startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
@@ -26,7 +27,8 @@ from prism_serve.patch.table import Table
 
 log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like the plugin's (see plugin.py)
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear")
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear",
+            "rmsnorm_swiglu")
 
 
 class _State:
@@ -72,9 +74,23 @@ def ref_rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: 
     return torch.nn.functional.linear(ref_rms_norm(x, norm_weight, epsilon), weight)
 
 
+def ref_fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
+                                 site: int) -> tuple[Tensor, Tensor]:
+    """(fused_add_rms_norm(x, residual) @ W^T, x + residual): a decoder's input side."""
+    y, r = ref_fused_add_rms_norm(x, residual, norm_weight, epsilon)
+    return torch.nn.functional.linear(y, weight), r
+
+
+def ref_rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
+    """SiLU*mul of rms_norm(x) * g @ [W_gate; W_up]^T: a decoder's post-attention norm and MLP input."""
+    return ref_swiglu(ref_rms_norm(x, norm_weight, epsilon), w_gate_up, site)
+
+
 FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm": ref_fused_add_rms_norm,
                                   "silu_and_mul": ref_silu_and_mul, "swiglu": ref_swiglu,
-                                  "rmsnorm_linear": ref_rmsnorm_linear}
+                                  "rmsnorm_linear": ref_rmsnorm_linear,
+                                  "fused_add_rmsnorm_linear": ref_fused_add_rmsnorm_linear,
+                                  "rmsnorm_swiglu": ref_rmsnorm_swiglu}
 
 
 # --- dispatch --------------------------------------------------------------------------
@@ -184,6 +200,34 @@ def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon:
     return FALLBACKS["rmsnorm_linear"](x, norm_weight, weight, epsilon, site)
 
 
+def fused_add_rmsnorm_linear_impl(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
+                                  site: int) -> tuple[Tensor, Tensor]:
+    hidden, out = x.shape[-1], weight.shape[0]
+    same = residual.shape == x.shape and residual.dtype == x.dtype
+    launcher = pick("fused_add_rmsnorm_linear", x, (hidden, out), epsilon) if same else None
+    if launcher is not None:
+        try:
+            y, r = launcher.run(_rows(x, hidden), _rows(residual, hidden), norm_weight, weight)
+            return (y, r) if x.dim() == 2 else (y.view(*x.shape[:-1], out), r.view(x.shape))
+        except Exception as exc:  # noqa: BLE001
+            _failed("fused_add_rmsnorm_linear", launcher, exc)
+    MISSES["fused_add_rmsnorm_linear"] += 1
+    return FALLBACKS["fused_add_rmsnorm_linear"](x, residual, norm_weight, weight, epsilon, site)
+
+
+def rmsnorm_swiglu_impl(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
+    inter = w_gate_up.shape[0] // 2
+    launcher = pick("rmsnorm_swiglu", x, (x.shape[-1], inter), epsilon)
+    if launcher is not None:
+        try:
+            (y,) = launcher.run(_rows(x, x.shape[-1]), norm_weight, w_gate_up[:inter], w_gate_up[inter:])
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], inter)
+        except Exception as exc:  # noqa: BLE001
+            _failed("rmsnorm_swiglu", launcher, exc)
+    MISSES["rmsnorm_swiglu"] += 1
+    return FALLBACKS["rmsnorm_swiglu"](x, norm_weight, w_gate_up, epsilon, site)
+
+
 # --- torch custom ops: opaque to Dynamo, with fake impls for torch.compile -------------------
 
 def _define() -> dict[str, object]:
@@ -229,6 +273,24 @@ def _define() -> dict[str, object]:
     def _(x, norm_weight, weight, epsilon, site):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.custom_op("prism::fused_add_rmsnorm_linear", mutates_args=())
+    def fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
+                                 site: int) -> tuple[Tensor, Tensor]:
+        return fused_add_rmsnorm_linear_impl(x, residual, norm_weight, weight, epsilon, site)
+
+    @fused_add_rmsnorm_linear.register_fake
+    def _(x, residual, norm_weight, weight, epsilon, site):
+        return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
+
+    @torch.library.custom_op("prism::rmsnorm_swiglu", mutates_args=())
+    def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
+        return rmsnorm_swiglu_impl(x, norm_weight, w_gate_up, epsilon, site)
+
+    @rmsnorm_swiglu.register_fake
+    def _(x, norm_weight, w_gate_up, epsilon, site):
+        return x.new_empty((*x.shape[:-1], w_gate_up.shape[0] // 2))
+
+    defined.update(fused_add_rmsnorm_linear=fused_add_rmsnorm_linear, rmsnorm_swiglu=rmsnorm_swiglu)
     defined.update(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, silu_and_mul=silu_and_mul,
                    swiglu=swiglu, rmsnorm_linear=rmsnorm_linear)
     return defined

@@ -170,8 +170,8 @@ def _register(refused: list[tuple[int, str]]) -> tuple[str, str]:
     installed = install(table)
     _INSTALLED.append(installed)
     ops.install_counters_at_exit()
-    STATUS.patched, STATUS.kernels = list(installed.names), table.kernels()
-    shapes = ", ".join(f"{op} x{n}" for op, n in table.summary().items())
+    STATUS.patched, STATUS.kernels = list(installed.names), table.kernels(installed.kinds)
+    shapes = ", ".join(f"{op} x{n}" for op, n in table.summary().items() if op in installed.kinds)
     text = (f"prism-serve: patched {', '.join(installed.names) or 'nothing'} with {STATUS.kernels} {p.which} "
             f"kernels for {p.device} from {p.where} (shapes: {shapes})")
     if p.reasons:

@@ -11,8 +11,8 @@ from pathlib import Path
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.sgraph import instantiate
-from prism_serve.optimize.workloads import programs
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
+from prism_serve.region_table import KINDS
 from prism_serve.registry.gate import admit
 from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, current_versions
 
@@ -20,22 +20,21 @@ from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, curre
 BUCKETS = (((1, 8), 4), ((9, 8192), 16))
 
 
-def model_programs(config_path, dtype: str = "float32", regions: bool = False) -> list:
-    """The patchable vLLM ops of a Hugging Face Llama / Qwen3 config: norms, residual norms,
-    q/k norms (head_dim rows) and SiluAndMul; with `regions`, the SwiGLU MLP and the input-norm +
-    qkv projection regions too."""
+OP_KINDS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
+REGION_KINDS = ("rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu")  # what warmup stores for a decoder
+
+
+def model_programs(config_path, dtype: str = "float32", kinds=OP_KINDS) -> list:
+    """The Programs of `kinds` (region table names) for a Hugging Face Llama / Qwen3 config: a norm
+    kind also at the q/k norm's head_dim (Qwen3), a norm + projection kind at the qkv projection."""
     cfg = json.loads(Path(config_path).read_text())
     hidden, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], float(cfg.get("rms_norm_eps", 1e-6))
-    progs = [programs.rms_norm(hidden, dtype, eps), programs.fused_add_rms_norm(hidden, dtype, eps),
-             programs.silu_and_mul(inter, dtype)]
-    if cfg.get("model_type") == "qwen3":
-        head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-        progs.append(programs.rms_norm(head_dim, dtype, eps))
-    if regions:
-        heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or hidden // heads
-        progs += [programs.swiglu(hidden, inter, dtype),
-                  programs.rmsnorm_linear(hidden, (heads + 2 * kv_heads) * head_dim, dtype, eps)]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    dims = {"hidden": hidden, "intermediate": inter, "out": (heads + 2 * kv_heads) * head_dim}
+    progs = [KINDS[k].program(dims, dtype, eps) for k in kinds]
+    if "rms_norm" in kinds and cfg.get("model_type") == "qwen3":
+        progs.append(KINDS["rms_norm"].program({"hidden": head_dim}, dtype, eps))
     return progs
 
 

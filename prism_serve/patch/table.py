@@ -4,9 +4,10 @@ Built once at startup from the registry rows of this device (`build_table`). At 
 `Table.pick(op, dtype, dim, eps, rows)` is a dict lookup and a bisect over sorted, disjoint
 num_tokens intervals: no database, no codegen, no autotuning, no host sync.
 
-Which ops can be replaced is data (`OPS`): each names the Program builder whose canonical hash a
-stored kernel must match exactly, so a kernel is only ever used for the very semantics it was
-verified against (vLLM's op with this hidden size, dtype and epsilon).
+Which ops and regions can be replaced is the region table's (`prism_serve.region_table.KINDS`):
+each kind names the Program builder whose canonical hash a stored kernel must match exactly, so a
+kernel is only ever used for the very semantics it was verified against (vLLM's op or region with
+these sizes, dtype and epsilon).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prism_serve.optimize.ir import Program
-from prism_serve.optimize.workloads import programs
+from prism_serve.region_table import KINDS
 
 log = logging.getLogger(__name__)
 
@@ -28,45 +28,6 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # Kernels of a CPU registry are instantiated against a GPU spec only to bound their tile sizes;
 # the interpreter has no limits of its own, and warmup instantiates CPU kernels the same way.
 CPU_BOUNDS_GPU = "h100"
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """A vLLM op prism can replace: its program name, and how a stored Program maps to a key."""
-
-    name: str  # the Program name and the prism custom op name (prism::<name>)
-    dim_input: str  # the input whose last dim is the key's dim (hidden or intermediate size)
-    build: Callable  # (dim, dtype, eps) -> the exact Program
-    region: str = ""  # the input whose first dim is a second key dim (a region's projection size)
-
-    def key_of(self, prog: Program) -> tuple | None:
-        """(dtype, dim, eps) when `prog` is exactly this op's Program for them, else None; a
-        region's dim is (hidden, intermediate)."""
-        if prog.name != self.name or self.dim_input not in prog.by_name:
-            return None
-        x = prog.by_name[self.dim_input]
-        dtype, dim = x.attr("dtype"), int(x.attr("shape")[-1])
-        if self.region:
-            if self.region not in prog.by_name:
-                return None
-            dim = (dim, int(prog.by_name[self.region].attr("shape")[0]))
-        eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
-        try:
-            expected = self.build(dim, dtype, eps)
-        except Exception:  # noqa: BLE001 - a program that cannot even be rebuilt is not this op
-            return None
-        return (dtype, dim, eps) if expected.canonical_hash == prog.canonical_hash else None
-
-
-OPS: dict[str, OpSpec] = {s.name: s for s in (
-    OpSpec("rms_norm", "x", lambda d, dt, eps: programs.rms_norm(d, dt, eps)),
-    OpSpec("fused_add_rms_norm", "x", lambda d, dt, eps: programs.fused_add_rms_norm(d, dt, eps)),
-    OpSpec("silu_and_mul", "gate", lambda d, dt, eps: programs.silu_and_mul(d, dt)),
-    # whole region: a SwiGLU MLP's gate_up projection and activation in one kernel
-    OpSpec("swiglu", "x", lambda d, dt, eps: programs.swiglu(d[0], d[1], dt), region="w_gate"),
-    # whole region: a decoder's input RMSNorm and qkv projection in one kernel
-    OpSpec("rmsnorm_linear", "x", lambda d, dt, eps: programs.rmsnorm_linear(d[0], d[1], dt, eps), region="w"),
-)}
 
 
 @dataclass
@@ -77,7 +38,8 @@ class Launcher:
     kernel_id: int
     lo: int
     hi: int
-    time_us: float | None
+    measured_us: float | None = None  # on this device
+    modeled_us: float | None = None
 
 
 @dataclass
@@ -95,8 +57,12 @@ class Buckets:
         return None
 
 
-def _best_time(lz: Launcher) -> tuple[float, int]:
-    return (lz.time_us if lz.time_us is not None else float("inf"), lz.kernel_id)
+def _best_time(lz: Launcher) -> tuple[int, float, int]:
+    """Measured kernels first, by measured time; then modeled-only ones, by modeled time: a measured
+    and a modeled time are never compared with each other."""
+    if lz.measured_us is not None:
+        return (0, lz.measured_us, lz.kernel_id)
+    return (1, lz.modeled_us if lz.modeled_us is not None else float("inf"), lz.kernel_id)
 
 
 def disjoint(candidates: Iterable[Launcher]) -> Buckets:
@@ -131,8 +97,10 @@ class Table:
         per_op = self.ops.get(op)
         return per_op.get((dtype, dim, eps)) if per_op else None
 
-    def kernels(self) -> int:
-        return len({lz.kernel_id for per in self.ops.values() for b in per.values() for lz in b.launchers})
+    def kernels(self, ops=None) -> int:
+        """Distinct kernels, of every op or of `ops` only."""
+        return len({lz.kernel_id for op, per in self.ops.items() if ops is None or op in ops
+                    for b in per.values() for lz in b.launchers})
 
     def summary(self) -> dict[str, int]:
         """op -> number of (dtype, dim, eps) keys it serves."""
@@ -155,7 +123,7 @@ def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TI
 
     Each distinct (sGraph, params) is first loaded in a child process bounded in time and memory
     (`bounded.run_each`); only what loaded cleanly there is imported here. A kernel that is not
-    one of `OPS`' exact programs is skipped; one whose load raised anything (SystemExit too),
+    one of the region table's exact programs is skipped; one whose load raised anything (SystemExit too),
     ended the child or overran `timeout_s` (or came after `budget_s` in all) is refused, with its
     reason. Nothing here raises for a bad kernel, and only KeyboardInterrupt gets through."""
     from prism_serve.optimize.gpus import get_gpu
@@ -194,9 +162,8 @@ def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TI
             if got["dtype"] != k.dtype:
                 table.skipped.append((k.id, f"stored dtype {k.dtype} differs from its program's {got['dtype']}"))
                 continue
-            time_us = k.measured_us if k.measured_us is not None else k.modeled_us
             found.setdefault(got["op"], {}).setdefault(key, []).append(
-                Launcher(run, k.id, k.bucket_lo, k.bucket_hi, time_us))
+                Launcher(run, k.id, k.bucket_lo, k.bucket_hi, k.measured_us, k.modeled_us))
     for name, per in found.items():
         table.ops[name] = {key: disjoint(cands) for key, cands in per.items()}
     return table
@@ -219,7 +186,7 @@ def _prepare(k, spec) -> dict:
     if not (isinstance(k.sgraph.proof, dict) and k.sgraph.proof.get("ok") is True):
         raise RegistryError(f"kernel {k.id}: its sGraph's stored proof does not hold")
     prog = inst.sgraph.program
-    op = OPS.get(prog.name)
+    op = KINDS.get(prog.name)
     key = op.key_of(prog) if op else None
     if key is None:
         return {"skip": f"program {prog.name!r} is not one prism can patch into vLLM"}
@@ -233,7 +200,7 @@ def _import(got: dict) -> Callable:
     """In vLLM's process: the launcher of source that loaded cleanly in the child."""
     from prism_serve.optimize.codegen import load
 
-    if got.get("op") not in OPS or got.get("dtype") not in TORCH_DTYPES or not isinstance(got.get("source"), str):
+    if got.get("op") not in KINDS or got.get("dtype") not in TORCH_DTYPES or not isinstance(got.get("source"), str):
         raise KernelRefused("its load answered an unknown op, dtype or source")
     if got["eps"] is not None and not isinstance(got["eps"], float):
         raise KernelRefused(f"its load answered epsilon {got['eps']!r}")
@@ -242,7 +209,7 @@ def _import(got: dict) -> Callable:
 
 def _dim(dim) -> int | tuple[int, int]:
     """A key's dim as the table holds it: an int, or (hidden, projection size) for a region."""
-    ints = dim if isinstance(dim, list) and len(dim) == 2 else [dim]
+    ints = dim if isinstance(dim, list) and 2 <= len(dim) <= 4 else [dim]
     if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in ints):
         raise KernelRefused(f"its load answered dim {dim!r}")
     return tuple(ints) if isinstance(dim, list) else dim

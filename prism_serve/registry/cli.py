@@ -96,11 +96,14 @@ def list_cmd(registry: RegistryOpt = None, device: Annotated[str | None, typer.O
         typer.echo(json.dumps(rows, indent=1))
         return
     table = Table(title=f"{len(rows)} kernels in {describe(reg.url)}")
-    for col in ("id", "program", "hash", "device", "dtype", "tokens", "us", "speedup", "status", "reason"):
+    # modeled and measured times in separate columns; the speedup is measured, over the baseline named
+    for col in ("id", "program", "hash", "device", "dtype", "tokens", "modeled us", "measured us", "baseline",
+                "baseline us", "measured speedup", "status", "reason"):
         table.add_column(col)
     for r in rows:
         table.add_row(*map(shown, (str(r["id"]), r["program"], r["program_hash"][:10], r["device"], r["dtype"],
-                                   f"{r['bucket'][0]}-{r['bucket'][1]}", _fmt(r["measured_us"] or r["modeled_us"]),
+                                   f"{r['bucket'][0]}-{r['bucket'][1]}", _fmt(r["modeled_us"]), _fmt(r["measured_us"]),
+                                   r["baseline"] or "-", _fmt(r["baseline_us"]),
                                    _fmt(r["speedup"]) + ("x" if r["speedup"] else ""), r["status"], r["reason"])))
     _console().print(table)
 

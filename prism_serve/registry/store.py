@@ -233,10 +233,10 @@ def add_kernels(session: Session, results: Iterable[KernelResult]) -> list[int]:
 
 
 def _speedup(r: KernelResult) -> float | None:
-    time = r.measured_us if r.measured_us is not None else r.modeled_us
-    if r.baseline_us is None or not time:
+    """Measured over measured: `baseline_us` is vLLM's path timed beside the kernel."""
+    if r.baseline_us is None or not r.measured_us:
         return None
-    return r.baseline_us / time
+    return r.baseline_us / r.measured_us
 
 
 def set_status(session: Session, kernel_id: int, status: str, reason: str) -> None:
@@ -262,12 +262,13 @@ _BEST = (select(Kernel).join(ProgramRecord, Kernel.program_id == ProgramRecord.i
          .where(ProgramRecord.hash == bindparam("hash"), Device.fingerprint == bindparam("fp"),
                 Kernel.dtype == bindparam("dtype"), Kernel.status == "enabled",
                 Kernel.bucket_lo <= bindparam("n"), Kernel.bucket_hi >= bindparam("n"))
-         .order_by(_TIME.asc().nulls_last(), Kernel.id).limit(1))
+         .order_by(Kernel.measured_us.is_(None), _TIME.asc().nulls_last(), Kernel.id).limit(1))
 
 
 def best_kernel(session: Session, program_hash: str, dtype: str, device: DeviceInfo | str,
                 num_tokens: int) -> Kernel | None:
-    """The fastest enabled kernel whose bucket holds `num_tokens` (one indexed query)."""
+    """The fastest enabled kernel whose bucket holds `num_tokens` (one indexed query): measured ones
+    first, by measured time, then modeled-only ones by modeled time (the two are never compared)."""
     fp = device if isinstance(device, str) else device.fingerprint
     return session.scalars(_BEST, {"hash": program_hash, "fp": fp, "dtype": dtype, "n": num_tokens}).first()
 

@@ -14,10 +14,11 @@ def test_real_weights_are_loaded_and_programs_match(real_capture, real_checkpoin
     by_site = {(i.kind, i.modules[-1]): i for i in real_capture.instances if i.supported}
     for layer in (0, 1):
         p = f"model.layers.{layer}."
-        qkv = by_site[("rmsnorm_linear", f"layers.{layer}.self_attn.qkv_proj")]
+        kind = "rmsnorm_linear" if layer == 0 else "fused_add_rmsnorm_linear"  # (x, [residual,] g, w)
+        qkv = by_site[(kind, f"layers.{layer}.self_attn.qkv_proj")]
         want = torch.cat([written[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        torch.testing.assert_close(qkv.inputs[2], want, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(qkv.inputs[1], written[p + "input_layernorm.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(qkv.inputs[-1], want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(qkv.inputs[-2], written[p + "input_layernorm.weight"], rtol=0, atol=0)
         sw = by_site[("swiglu", f"layers.{layer}.mlp.act_fn")]
         torch.testing.assert_close(sw.inputs[1], written[p + "mlp.gate_proj.weight"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(sw.inputs[2], written[p + "mlp.up_proj.weight"], rtol=1e-6, atol=1e-6)

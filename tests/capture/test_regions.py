@@ -20,8 +20,10 @@ def _expected(cfg, qk_norm: bool) -> dict[str, tuple[str, list[int]]]:
     want = {
         P.rms_norm(h, "float32", eps): [0],  # layer 0's input norm has no residual yet
         P.fused_add_rms_norm(h, "float32", eps): layers,
-        P.rmsnorm_linear(h, (heads + 2 * kv) * hd, "float32", eps): layers,  # input_layernorm -> qkv_proj
-        P.rmsnorm_linear(h, 2 * inter, "float32", eps): layers,  # post_attention_layernorm -> gate_up_proj
+        P.rmsnorm_linear(h, (heads + 2 * kv) * hd, "float32", eps): [0],  # input_layernorm -> qkv_proj
+        # later layers' input norms add the residual, as does every post_attention_layernorm (-> gate_up_proj)
+        P.fused_add_rmsnorm_linear(h, (heads + 2 * kv) * hd, "float32", eps): layers[1:],
+        P.fused_add_rmsnorm_linear(h, 2 * inter, "float32", eps): layers,
         P.swiglu(h, inter, "float32"): layers,
         P.rmsnorm_swiglu(h, inter, "float32", eps): layers,  # post_attention_layernorm -> gate_up -> SiluAndMul
         P.silu_and_mul(inter, "float32"): layers,

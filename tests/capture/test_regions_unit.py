@@ -53,6 +53,38 @@ def test_norm_feeding_a_projection_is_rmsnorm_linear():
     assert rl["inputs"][2] == {"param": "layers.3.self_attn.qkv_proj"}
 
 
+def fused_add_rms_norm(x, residual, w, eps, _):  # stands in for vllm_ir.fused_add_rms_norm
+    r = x + residual
+    return rms_norm(r, w, eps, None), r
+
+
+def test_a_norm_that_adds_the_residual_feeding_a_projection_is_fused_add_rmsnorm_linear():
+    import operator
+
+    n, hidden, out = 3, 16, 40
+    g = fx.Graph()
+    x, res, w, wl = (g.placeholder(name) for name in ("x", "res", "w", "wl"))
+    x.meta["example_value"] = res.meta["example_value"] = torch.randn(n, hidden)
+    stack = {"nn_module_stack": {"layers.2.input_layernorm": ("L['self'].layers.2.input_layernorm", RMSNorm)}}
+    op = g.call_function(fused_add_rms_norm, (x, res, w, 1e-5, None))
+    y, s = (g.call_function(operator.getitem, (op, i)) for i in (0, 1))
+    for node in (op, y, s):
+        node.meta.update(stack, example_value=torch.randn(n, hidden))
+    lin = g.call_function(linear, (y, wl))
+    lin.meta.update(nn_module_stack={"layers.2.self_attn.qkv_proj": ("L['self'].layers.2.self_attn.qkv_proj",
+                                                                      QKVParallelLinear)},
+                    example_value=torch.randn(n, out))
+    g.output((lin, s))
+    kinds = {r["kind"]: r for r in find_regions(g)[0]}
+    assert set(kinds) == {"fused_add_rms_norm", "fused_add_rmsnorm_linear"}
+    fl = kinds["fused_add_rmsnorm_linear"]
+    assert fl["dims"] == {"hidden": hidden, "out": out} and fl["layer"] == 2
+    # the Program's inputs (x, residual, g, W) and outputs (y, the residual sum)
+    assert [ref.get("node", ref.get("param")) for ref in fl["inputs"]] == ["x", "res", "w",
+                                                                             "layers.2.self_attn.qkv_proj"]
+    assert [ref["node"] for ref in fl["outputs"]] == [lin.name, s.name]
+
+
 def test_a_norm_that_is_not_a_vllm_ir_op_is_reported_unsupported():
     regions, _ = find_regions(_graph(norm_target=torch.mul))
     assert [(r["kind"], r["supported"]) for r in regions] == [("rms_norm", False)]

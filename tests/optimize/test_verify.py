@@ -147,3 +147,26 @@ def test_mutant_is_numerically_wrong(mutant):
     got = compile_instance(inst)(*inputs)
     errors = [max_rel_error(a, b) for a, b in zip(got, evaluate(g.program, inputs))]
     assert max(errors) > TOLERANCE["float32"], errors
+
+
+def test_no_egraph_is_left_for_another_thread_to_drop(monkeypatch):
+    """egglog's e-graph state sits in a reference cycle; unless released where it was built, the
+    cyclic GC drops it on whatever thread runs next (warmup's progress display), where PyO3
+    refuses ("EGraph is unsendable, but is being dropped on another thread")."""
+    import gc
+    import sys
+    import threading
+
+    from prism_serve.optimize.verify import check_subterms, prove_equivalent
+    from prism_serve.optimize.workloads import programs
+    from prism_serve.optimize.workloads.oracles import oracle
+
+    caught = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: caught.append(str(u.exc_value)))
+    gc.collect()
+    prove_equivalent(oracle(programs.rms_norm(88, "float32", 3e-6)))  # dims no other test caches
+    check_subterms(oracle(programs.rms_norm(88, "float32", 3e-6)))
+    t = threading.Thread(target=gc.collect)
+    t.start()
+    t.join()
+    assert not [c for c in caught if "unsendable" in c], caught

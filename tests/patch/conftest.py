@@ -22,11 +22,14 @@ def fill(path, results) -> str:
     return url
 
 
-def model_results(status: str = "verified", regions: bool = False, **kw):
+REGIONS = seed.OP_KINDS + seed.REGION_KINDS + ("swiglu",)
+
+
+def model_results(status: str = "verified", kinds=seed.OP_KINDS, **kw):
     device = current_device(use_vllm=False)[0]
     out = []
     for m in MODELS:
-        progs = seed.model_programs(embedded_path(m) / "config.json", regions=regions)
+        progs = seed.model_programs(embedded_path(m) / "config.json", kinds=kinds)
         out += seed.results(progs, device, status=status, model=m, **kw)
     return out
 
@@ -39,5 +42,7 @@ def kernels_registry(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def regions_registry(tmp_path_factory):
-    """As `kernels_registry`, plus the SwiGLU MLP region of both models."""
-    return fill(tmp_path_factory.mktemp("reg-regions") / "registry.db", model_results(regions=True))
+    """As `kernels_registry`, plus every region kind the plugin serves in a decoder layer: the input
+    side (rmsnorm_linear, fused_add_rmsnorm_linear), the post-attention side (rmsnorm_swiglu) and
+    the SwiGLU MLP (which rmsnorm_swiglu takes in where both are stored)."""
+    return fill(tmp_path_factory.mktemp("reg-regions") / "registry.db", model_results(kinds=REGIONS))

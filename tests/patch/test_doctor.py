@@ -5,30 +5,52 @@ from __future__ import annotations
 from prism_serve.patch.doctor import patch_report, print_patch_report
 
 
+REGIONS = ("swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu")
+
+
 def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
     r = patch_report("tiny-qwen3", kernels_registry, force=True)
     assert r["plugin"] == "would patch" and r["device"].startswith("cpu:")
-    ops = [row for row in r["layers"] if row["op"] not in ("swiglu", "rmsnorm_linear")]
+    ops = [row for row in r["layers"] if row["op"] not in REGIONS]
     assert len(ops) == 2 * 5 + 1  # per layer: input norm, q norm, k norm, post norm, act; the final norm
     assert all(row["patched"] for row in ops)
     assert ops[0]["op"] == "rms_norm" and ops[0]["buckets"][0].startswith("1-8: kernel")
     assert {row["op"] for row in ops if "q_norm" in row["layer"]} == {"rms_norm"}
-    mlp = next(row for row in r["layers"] if row["layer"] == "model.layers.0.mlp")
-    assert not mlp["patched"] and "no kernel in the registry for swiglu (128, 256, float32)" in mlp["why"]
-    attn = next(row for row in r["layers"] if row["layer"] == "model.layers.0.self_attn")
-    assert not attn["patched"] and "no kernel in the registry for rmsnorm_linear (128, 256" in attn["why"]
+    by = {(row["layer"], row["op"]): row for row in r["layers"]}
+    mlp = by["model.layers.0.mlp", "rmsnorm_swiglu"]
+    assert not mlp["patched"] and "no kernel in the registry for rmsnorm_swiglu (128, 256, float32" in mlp["why"]
+    attn = by["model.layers.1.self_attn", "fused_add_rmsnorm_linear"]
+    assert not attn["patched"] and "no kernel in the registry for fused_add_rmsnorm_linear (128, 256" in attn["why"]
+    assert r["served"] == {"fused_add_rms_norm": ["model.layers.0.post_attention_layernorm",
+                                                  "model.layers.1.input_layernorm",
+                                                  "model.layers.1.post_attention_layernorm", "model.norm"],
+                           "rms_norm": ["model.layers.0.input_layernorm", "model.layers.0.self_attn.q_norm",
+                                        "model.layers.0.self_attn.k_norm", "model.layers.1.self_attn.q_norm",
+                                        "model.layers.1.self_attn.k_norm"],
+                           "silu_and_mul": ["model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"]}
+    assert r["unserved"] == []
 
 
-def test_swiglu_region_takes_the_activation_with_it(regions_registry):
+def test_decoder_regions_take_in_the_ops_they_span(regions_registry):
     r = patch_report("tiny-llama", regions_registry, force=True)
-    by = {row["layer"]: row for row in r["layers"]}
-    assert by["model.layers.1.mlp"]["patched"] and by["model.layers.1.mlp"]["buckets"]
-    assert by["model.layers.1.mlp.act_fn"]["patched"] and "inside its layer's region" in by["model.layers.1.mlp.act_fn"]["why"]
-    # the input norm + qkv projection region takes the input norms in
-    assert by["model.layers.1.self_attn"]["patched"] and by["model.layers.1.self_attn"]["buckets"]
-    for norm in ("model.layers.0.input_layernorm", "model.layers.1.input_layernorm"):
-        assert by[norm]["patched"] and "inside its layer's region" in by[norm]["why"]
-    assert "buckets" in by["model.layers.1.post_attention_layernorm"]  # still its own kernel
+    by = {(row["layer"], row["op"]): row for row in r["layers"]}
+    for i in (0, 1):
+        p = f"model.layers.{i}."
+        side = "rmsnorm_linear" if i == 0 else "fused_add_rmsnorm_linear"
+        assert by[p + "self_attn", side]["patched"] and by[p + "self_attn", side]["buckets"]
+        assert "inside its layer's " + side in by[p + "input_layernorm", "rms_norm" if i == 0 else "fused_add_rms_norm"]["why"]
+        assert by[p + "mlp", "rmsnorm_swiglu"]["patched"] and by[p + "mlp", "rmsnorm_swiglu"]["buckets"]
+        for layer, op in (("post_attention_layernorm", "fused_add_rms_norm"), ("mlp.gate_up_proj", "swiglu"),
+                          ("mlp.act_fn", "silu_and_mul")):
+            row = by[p + layer, op]
+            assert row["patched"] and "inside its layer's rmsnorm_swiglu" in row["why"] and "buckets" not in row
+    # every kind stored for the model's sizes is named with the layers it serves; swiglu, stored beside
+    # rmsnorm_swiglu, serves none (rmsnorm_swiglu takes the MLPs in), and the doctor says so
+    assert r["served"]["rmsnorm_swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert r["served"]["fused_add_rmsnorm_linear"] == ["model.layers.1.self_attn"]
+    assert r["served"]["rmsnorm_linear"] == ["model.layers.0.self_attn"]
+    assert r["served"]["fused_add_rms_norm"] == ["model.norm"]
+    assert r["unserved"] == ["rms_norm", "silu_and_mul", "swiglu"]
 
 
 def test_reasons_when_nothing_would_be_patched(kernels_registry, tmp_path):
@@ -36,7 +58,8 @@ def test_reasons_when_nothing_would_be_patched(kernels_registry, tmp_path):
     assert unforced["plugin"] == "nothing"
     assert "PRISM_SERVE_FORCE=1 would use the verified ones" in unforced["layers"][0]["why"]
     other_dtype = patch_report("tiny-llama", kernels_registry, dtype="float16", force=True)
-    assert "no kernel in the registry for rms_norm (128, float16, eps 1e-06)" in other_dtype["layers"][0]["why"]
+    norm = next(row for row in other_dtype["layers"] if row["layer"] == "model.layers.0.input_layernorm")
+    assert "no kernel in the registry for rms_norm (128, float16, eps 1e-06)" in norm["why"]
     missing = patch_report("tiny-llama", str(tmp_path / "none.db"))
     assert "no registry at" in missing["layers"][0]["why"] and not (tmp_path / "none.db").exists()
 

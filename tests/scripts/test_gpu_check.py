@@ -8,6 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PRISM_WORKLOADS = {"rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention"}
 VLLM_OPS = {"rms_norm", "fused_add_rms_norm", "silu_and_mul"}
+DECODER_REGIONS = {"fused_add_rmsnorm_linear", "rmsnorm_swiglu"}
 
 
 def test_interpret_mode_checks_every_workload(tmp_path):
@@ -18,7 +19,7 @@ def test_interpret_mode_checks_every_workload(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["interpret"] and result["all_correct"] and not result["skipped"]
     cases = result["cases"]
-    assert {c["workload"] for c in cases} == PRISM_WORKLOADS | VLLM_OPS
+    assert {c["workload"] for c in cases} == PRISM_WORKLOADS | VLLM_OPS | DECODER_REGIONS
     assert {c["dtype"] for c in cases} == {"bfloat16", "float16"}
     assert any(c["num_tokens"] == 1 for c in cases)
     for c in cases:
@@ -26,6 +27,14 @@ def test_interpret_mode_checks_every_workload(tmp_path):
         assert c["measured_us"] > 0 and c["eager_us"] > 0 and c["modeled_us"] > 0
         assert c["candidates"][0]["assignment"] == c["assignment"]
     assert any("compile_us" in c for c in cases), "the torch.compile baseline path was never exercised"
+    # every region kind is timed against vLLM's own path (vLLM is installed here) beside its modeled price
+    regions = [c for c in cases if c["workload"] in VLLM_OPS | DECODER_REGIONS | {"rmsnorm_linear", "swiglu"}]
+    for c in regions:
+        assert c["baseline"] == "vllm" and c["vllm_modeled_us"] > 0 and c["served_us"] > 0
+        assert c.get("baseline_us", 0) > 0 or c.get("baseline_error"), c
+    assert any(c.get("baseline_us") for c in regions)
+    assert not any("vllm_modeled_us" in c for c in cases if c["workload"] in {"rmsnorm_mlp", "attention"})
+    assert set(result["vllm_path_model"]) == {c["workload"] for c in regions}
     # the superoptimizer's committed plans, rebuilt for these tiny shapes, are checked beside the oracles
     searched = {c["workload"] for c in cases if c["design"] == "searched"}
     assert searched == PRISM_WORKLOADS

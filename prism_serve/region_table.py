@@ -1,0 +1,141 @@
+"""The one table of region kinds: what each region is, how vLLM runs it today, how prism serves it.
+
+Every other part reads this table rather than naming region kinds itself: capture builds a
+region's Program from its dims (`RegionKind.program`), warmup warms only what the plugin would
+serve (`served_sites`) and prices vLLM's path as the baseline (`vllm_path`, see
+`prism_serve.baseline`), the plugin's dispatch table keys kernels by it (`RegionKind.key_of`),
+and the doctor lists where each kind is served.
+
+A row is data a pattern matcher can read: `vllm_path` is the chain of vLLM ops the region
+replaces, in data-flow order (an op's output is the next one's first input), and `modules` the
+module roles of a decoder layer it spans today (the class-level hooks of `patch.hooks` find
+them by these names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Callable
+
+from prism_serve.optimize.ir import Program
+from prism_serve.optimize.workloads import programs
+
+# vLLM's kernels, as `vllm_path` names them: its fused norm kernels, its activation kernel, its GEMM
+VLLM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear")
+# how the plugin reaches vLLM for a kind (see patch.hooks): an IR provider, a CustomOp replacement,
+# a model's MLP class, or a decoder layer's modules
+HOOKS = ("ir", "custom_op", "mlp", "decoder_layer")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A named size of a region, read from axis `axis` of the Program input `input`."""
+
+    name: str
+    input: str
+    axis: int
+
+
+@dataclass(frozen=True)
+class RegionKind:
+    name: str  # the capture kind, the Program name and the prism custom op (prism::<name>)
+    build: Callable[..., Program]  # (*dims in `dims` order, dtype, [eps]) -> Program
+    dims: tuple[Dim, ...]
+    has_eps: bool
+    vllm_path: tuple[str, ...]  # vLLM's kernels for this region today (the baseline), in data-flow order
+    hook: str  # how the plugin serves it (one of HOOKS)
+    modules: tuple[str, ...] = ()  # module roles it spans in a decoder layer; () = wherever vLLM runs the op
+    doc: str = ""
+
+    def program(self, dims: dict, dtype: str, eps: float | None = None) -> Program:
+        """The exact Program for these dims (by name), dtype and epsilon."""
+        sizes = [int(dims[d.name]) for d in self.dims]
+        return self.build(*sizes, dtype, eps) if self.has_eps else self.build(*sizes, dtype)
+
+    def dims_of(self, prog: Program) -> dict[str, int]:
+        return {d.name: int(prog.by_name[d.input].attr("shape")[d.axis]) for d in self.dims}
+
+    def key_dim(self, dims: dict) -> int | tuple[int, ...]:
+        """The dispatch table's dim key: one size, or a tuple of them for a multi-dim region."""
+        sizes = tuple(int(dims[d.name]) for d in self.dims)
+        return sizes[0] if len(sizes) == 1 else sizes
+
+    def key_of(self, prog: Program) -> tuple | None:
+        """(dtype, key dim, eps) when `prog` is exactly this kind's Program for them, else None."""
+        if prog.name != self.name or any(d.input not in prog.by_name for d in self.dims):
+            return None
+        dims = self.dims_of(prog)
+        dtype = prog.by_name[self.dims[0].input].attr("dtype")
+        eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
+        try:
+            expected = self.program(dims, dtype, eps)
+        except Exception:  # noqa: BLE001 - a program that cannot even be rebuilt is not this kind
+            return None
+        return (dtype, self.key_dim(dims), eps) if expected.canonical_hash == prog.canonical_hash else None
+
+
+_H, _I = Dim("hidden", "x", -1), Dim("intermediate", "w_gate", 0)
+KINDS: dict[str, RegionKind] = {k.name: k for k in (
+    RegionKind("rms_norm", programs.rms_norm, (_H,), True, ("rms_norm",), "ir",
+               doc="an RMSNorm without residual (a layer's first input norm, q/k norm)"),
+    RegionKind("fused_add_rms_norm", programs.fused_add_rms_norm, (_H,), True, ("fused_add_rms_norm",), "ir",
+               doc="residual add + RMSNorm, writing the sum as the next residual"),
+    RegionKind("silu_and_mul", programs.silu_and_mul, (Dim("intermediate", "gate", -1),), False,
+               ("silu_and_mul",), "custom_op", doc="SiluAndMul on the two halves of gate_up's output"),
+    RegionKind("swiglu", programs.swiglu, (_H, _I), False, ("linear", "silu_and_mul"), "mlp",
+               ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + SiLU*mul"),
+    RegionKind("rmsnorm_linear", programs.rmsnorm_linear, (_H, Dim("out", "w", 0)), True, ("rms_norm", "linear"),
+               "decoder_layer", ("input_layernorm", "self_attn.qkv_proj"),
+               "a first layer's input RMSNorm (no residual yet) + qkv projection"),
+    RegionKind("fused_add_rmsnorm_linear", programs.fused_add_rmsnorm_linear, (_H, Dim("out", "w", 0)), True,
+               ("fused_add_rms_norm", "linear"), "decoder_layer", ("input_layernorm", "self_attn.qkv_proj"),
+               "a layer's input residual add + RMSNorm + qkv projection; the kernel writes the residual"),
+    RegionKind("rmsnorm_swiglu", programs.rmsnorm_swiglu, (_H, _I), True,
+               ("fused_add_rms_norm", "linear", "silu_and_mul"), "decoder_layer",
+               ("post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn"),
+               "the post-attention residual add + RMSNorm + gate_up projection + SiLU*mul; the add runs "
+               "as one elementwise kernel before it (vLLM folds it into its norm), the rest as one kernel"),
+)}
+# kinds whose served path runs a residual add beside the kernel (counted in the modeled speedup)
+SERVED_ADD = frozenset({"rmsnorm_swiglu"})
+
+
+@dataclass(frozen=True)
+class Site:
+    """One captured region instance: its kind and the modules (paths) it spans."""
+
+    kind: str
+    modules: frozenset[str]
+
+
+def servable(kind: str, modules: Iterable[str]) -> bool:
+    """Whether a plugin hook serves this kind at these modules (class-level today: by module role)."""
+    k = KINDS.get(kind)
+    if k is None:
+        return False
+    mods = list(modules)
+    return not k.modules or (len(mods) == len(k.modules)
+                             and all(m == role or m.endswith("." + role) for m, role in zip(mods, k.modules)))
+
+
+def served_sites(sites: Iterable[Site], failed: Iterable[Site] = ()) -> dict[Site, Site | None]:
+    """Each servable site -> None when the plugin would serve it with its own kernel, or the larger
+    served site whose kernel runs it instead (a region takes in the ops it spans). Sites in `failed`
+    have no kernel, so they take nothing in. Sites no hook serves are left out."""
+    failed = set(failed)
+    ok = [s for s in sites if servable(s.kind, sorted(s.modules, key=_order(s)))]
+    out: dict[Site, Site | None] = {}
+    for s in ok:
+        cover = [o for o in ok if o not in failed and s.modules < o.modules]
+        out[s] = max(cover, key=lambda o: len(o.modules)) if cover else None
+    return out
+
+
+def _order(site: Site):
+    """Module paths in the order the kind's roles list them (unknown ones last)."""
+    roles = KINDS[site.kind].modules if site.kind in KINDS else ()
+
+    def key(m: str) -> int:
+        return next((i for i, r in enumerate(roles) if m == r or m.endswith("." + r)), len(roles))
+    return key

@@ -1,0 +1,62 @@
+"""The region table: every kind's Program, key and served sites, and which sites a larger region takes in."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_serve.optimize.workloads import programs
+from prism_serve.region_table import KINDS, VLLM_OPS, HOOKS, Site, served_sites, servable
+
+DIMS = {"hidden": 96, "intermediate": 40, "out": 72}
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_each_kind_builds_its_program_and_keys_it(name):
+    kind = KINDS[name]
+    prog = kind.program(DIMS, "float16", 1e-5)
+    assert prog.name == name and set(kind.vllm_path) <= set(VLLM_OPS) and kind.hook in HOOKS
+    key = kind.key_of(prog)
+    assert key[0] == "float16" and key[2] == (1e-5 if kind.has_eps else None)
+    assert key[1] == kind.key_dim(kind.dims_of(prog))
+    if kind.has_eps:  # another epsilon is another program
+        assert kind.key_of(kind.program(DIMS, "float16", 1e-6)) != key
+
+
+def test_a_program_of_another_shape_family_is_not_the_kind():
+    assert KINDS["rmsnorm_linear"].key_of(programs.rmsnorm_mlp(96, 40, "float16")) is None
+    assert KINDS["rms_norm"].key_of(programs.fused_add_rms_norm(96, "float16")) is None
+
+
+def _layer(i: int) -> list[Site]:
+    p = f"model.layers.{i}."
+    norm, post = p + "input_layernorm", p + "post_attention_layernorm"
+    qkv, gate_up, act = p + "self_attn.qkv_proj", p + "mlp.gate_up_proj", p + "mlp.act_fn"
+    return [Site("fused_add_rms_norm", frozenset({norm})), Site("fused_add_rmsnorm_linear", frozenset({norm, qkv})),
+            Site("fused_add_rms_norm", frozenset({post})), Site("fused_add_rmsnorm_linear", frozenset({post, gate_up})),
+            Site("swiglu", frozenset({gate_up, act})), Site("rmsnorm_swiglu", frozenset({post, gate_up, act})),
+            Site("silu_and_mul", frozenset({act}))]
+
+
+def test_larger_served_regions_take_in_what_they_span():
+    sites = _layer(1) + [Site("fused_add_rms_norm", frozenset({"model.norm"}))]
+    served = served_sites(sites)
+    own = {s.kind for s, cover in served.items() if cover is None}
+    assert own == {"fused_add_rmsnorm_linear", "rmsnorm_swiglu", "fused_add_rms_norm"}
+    assert served[sites[0]] == sites[1]  # the input norm runs inside the input side's kernel
+    assert all(served[s] == sites[5] for s in (sites[2], sites[4], sites[6]))
+    assert sites[3] not in served  # no hook serves a norm feeding gate_up alone
+    assert served[sites[-1]] is None  # the final norm is its own kernel
+
+
+def test_a_failed_region_leaves_its_parts_served():
+    sites = _layer(0)
+    served = served_sites(sites, failed={sites[5]})  # rmsnorm_swiglu found no kernel
+    assert served[sites[4]] is None and served[sites[6]] == sites[4] and served[sites[2]] is None
+
+
+def test_servable_only_at_the_modules_its_hook_patches():
+    assert servable("rms_norm", ["anything.q_norm"])  # an IR provider: wherever vLLM runs the op
+    assert servable("rmsnorm_swiglu", ["m.layers.0.post_attention_layernorm", "m.layers.0.mlp.gate_up_proj",
+                                       "m.layers.0.mlp.act_fn"])
+    assert not servable("rmsnorm_linear", ["m.layers.0.post_attention_layernorm", "m.layers.0.mlp.gate_up_proj"])
+    assert not servable("attention", ["m.layers.0.self_attn.attn"])
