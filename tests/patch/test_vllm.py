@@ -269,7 +269,7 @@ def test_attacks_on_the_registry_serve_stock_tokens_with_one_line_each(attack_ru
     failed = [line for line in lines if "failed (SystemExit: 3)" in line]
     assert len(failed) == 1 and f"kernel {attack['call exits']} for silu_and_mul" in failed[0]
     summary = [line for line in lines if "patched" in line]
-    assert len(summary) == 1 and "patched SiluAndMul with 1 " in summary[0] and len(lines) == 7, lines
+    assert len(summary) == 1 and "patched SiluAndMul, fusion pass (compiled mode) with 1 " in summary[0] and len(lines) == 7, lines
     assert not any(result["runs"]["eager"]["kernel"].values())  # every bucket ran vLLM's own path
     assert result["runs"]["eager"]["fallback"]["silu_and_mul"] > 0
     assert seconds < TIMEOUT_S  # the power tower did not hold start-up

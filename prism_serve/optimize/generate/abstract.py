@@ -1,0 +1,214 @@
+"""Abstract expressions: what a tensor computes, up to the algebra, for pruning the generator.
+
+Every tensor the generator creates (a kernel tensor, or a tile of a block graph) gets a term over
+the Program's inputs, with index labels (`labels.py`) naming the dims that reductions run over:
+
+    ("var", name) | ("const", name) | (op, a[, b]) for op in add sub mul div exp silu sqrt rsqrt
+    | ("sum" | "mean" | "max", label, a)
+
+A matmul contracting label K is ``("sum", K, ("mul", a, b))``; ``square(x)`` is ``x * x``. The
+abstraction forgets which slice of a tensor a tile holds (the proof and the numeric check decide
+that), so it is an over-approximation: a tensor whose term is no subexpression of any equivalent
+form of the target cannot be part of a correct design and is pruned at once.
+
+"Subexpression of an equivalent form" is decided by egglog: the target's terms are saturated
+once per search under the rules below (commutativity and associativity of + and *, moving a
+factor independent of a label in and out of a sum / mean over it, moving a divisor out of a
+product, rsqrt as a division by sqrt) and every subterm of every form is marked ``within``.
+A query adds one term, runs the same bounded schedule, and reads the mark; results are cached
+by term.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from egglog import EGraph, Expr, StringLike, eq, relation, rewrite, rule, ruleset, seq
+from egglog.bindings import EggSmolError
+
+Term = tuple
+BINARY = ("add", "sub", "mul", "div")
+UNARY = ("exp", "silu", "sqrt", "rsqrt")
+REDUCE = ("sum", "mean", "max")
+QUERY_ITERATIONS = 2
+TARGET_ITERATIONS = 12
+
+
+class AbsLabel(Expr):
+    """An index label (a dim class of the Program)."""
+
+    def __init__(self, name: StringLike) -> None: ...
+
+
+class Abs(Expr):
+    @classmethod
+    def var(cls, name: StringLike) -> Abs: ...
+
+    @classmethod
+    def const(cls, name: StringLike) -> Abs: ...
+
+    def __add__(self, other: Abs) -> Abs: ...
+
+    def __sub__(self, other: Abs) -> Abs: ...
+
+    def __mul__(self, other: Abs) -> Abs: ...
+
+    def __truediv__(self, other: Abs) -> Abs: ...
+
+    def exp(self) -> Abs: ...
+
+    def silu(self) -> Abs: ...
+
+    def sqrt(self) -> Abs: ...
+
+    def rsqrt(self) -> Abs: ...
+
+    def rsum(self, lb: AbsLabel) -> Abs: ...
+
+    def rmean(self, lb: AbsLabel) -> Abs: ...
+
+    def rmax(self, lb: AbsLabel) -> Abs: ...
+
+
+indep = relation("abs_indep", Abs, AbsLabel)
+within = relation("abs_within", Abs)
+_OPS = {"add": Abs.__add__, "sub": Abs.__sub__, "mul": Abs.__mul__, "div": Abs.__truediv__}
+_RED = {"sum": "rsum", "mean": "rmean", "max": "rmax"}
+
+
+@ruleset
+def _facts(x: Abs, y: Abs, e: Abs, lb: AbsLabel, other: AbsLabel):
+    for op in _OPS.values():
+        yield rule(eq(e).to(op(x, y)), indep(x, lb), indep(y, lb)).then(indep(e, lb))
+    for op in UNARY:
+        yield rule(eq(e).to(getattr(x, op)()), indep(x, lb)).then(indep(e, lb))
+    for red in _RED.values():
+        yield rule(eq(e).to(getattr(x, red)(lb))).then(indep(e, lb))
+        yield rule(eq(e).to(getattr(x, red)(other)), indep(x, lb)).then(indep(e, lb))
+
+
+@ruleset
+def _algebra(x: Abs, y: Abs, z: Abs, lb: AbsLabel):
+    yield rewrite(x + y).to(y + x)
+    yield rewrite(x * y).to(y * x)
+    yield rewrite((x * y) * z).to(x * (y * z))
+    yield rewrite(x * (y * z)).to((x * y) * z)
+    yield rewrite((x + y) + z).to(x + (y + z))
+    yield rewrite((x / y) * z).to((x * z) / y)
+    yield rewrite((x * z) / y).to((x / y) * z)
+    yield rewrite(x * y.rsqrt()).to(x / y.sqrt())
+    yield rewrite(x / y.sqrt()).to(x * y.rsqrt())
+    for red in ("rsum", "rmean"):
+        yield rewrite(getattr(x * y, red)(lb)).to(getattr(x, red)(lb) * y, indep(y, lb))
+        yield rewrite(getattr(x, red)(lb) * y).to(getattr(x * y, red)(lb), indep(y, lb))
+    yield rewrite((x / y).rsum(lb)).to(x.rsum(lb) / y, indep(y, lb))
+    yield rewrite(x.rsum(lb) / y).to((x / y).rsum(lb), indep(y, lb))
+
+
+@ruleset
+def _subterms(e: Abs, x: Abs, y: Abs, lb: AbsLabel):
+    for op in _OPS.values():
+        yield rule(within(e), eq(e).to(op(x, y))).then(within(x), within(y))
+    for op in UNARY:
+        yield rule(within(e), eq(e).to(getattr(x, op)())).then(within(x))
+    for red in _RED.values():
+        yield rule(within(e), eq(e).to(getattr(x, red)(lb))).then(within(x))
+
+
+def _mean_rules(labels: list[str]):
+    """mean over a label = sum over it times the constant ``inv.<label>`` (1 / its size)."""
+    @ruleset
+    def means(y: Abs):
+        for lb in labels:
+            yield rewrite(y.rmean(AbsLabel(lb))).to(y.rsum(AbsLabel(lb)) * Abs.const(f"inv.{lb}"))
+            yield rewrite(y.rsum(AbsLabel(lb)) * Abs.const(f"inv.{lb}")).to(y.rmean(AbsLabel(lb)))
+    return means
+
+
+def _schedule(iterations: int, extra):
+    return seq(_facts.saturate(), _algebra + extra) * iterations + _facts.saturate() + _subterms.saturate()
+
+
+def to_egg(t: Term) -> Abs:
+    head = t[0]
+    if head == "var":
+        return Abs.var(t[1])
+    if head == "const":
+        return Abs.const(t[1])
+    if head in BINARY:
+        return _OPS[head](to_egg(t[1]), to_egg(t[2]))
+    if head in UNARY:
+        return getattr(to_egg(t[1]), head)()
+    if head in REDUCE:
+        return getattr(to_egg(t[2]), _RED[head])(AbsLabel(t[1]))
+    raise ValueError(f"no abstract form for {head!r}")
+
+
+def _symbols(t: Term) -> frozenset:
+    head = t[0]
+    if head in ("var", "const"):
+        return frozenset([t])
+    if head == "mean":  # the rules equate a mean with a sum times the constant inv.<label>
+        return _symbols(t[2]) | {("sum", t[1]), ("const", f"inv.{t[1]}")}
+    if head in REDUCE:
+        return _symbols(t[2]) | {(head, t[1])}
+    own = {head} if head in ("exp", "silu", "add", "sub") else set()
+    return frozenset(own).union(*(_symbols(a) for a in t[1:]))
+
+
+class Oracle:
+    """The target's terms saturated once; `within(term)` and `equals(term, output)` queries, cached."""
+
+    def __init__(self, targets: dict[str, Term], var_labels: dict[str, frozenset[str]], consts: tuple[str, ...]):
+        self.targets = targets
+        labels = sorted(set().union(*var_labels.values())) if var_labels else []
+        self.egraph = EGraph()
+        facts = [indep(Abs.var(v), AbsLabel(lb)) for v, have in var_labels.items() for lb in labels if lb not in have]
+        facts += [indep(Abs.const(c), AbsLabel(lb)) for c in consts for lb in labels]
+        self.handles = {o: self.egraph.let(f"target_{i}", to_egg(t)) for i, (o, t) in enumerate(targets.items())}
+        if facts:
+            self.egraph.register(*facts)
+        self.egraph.register(*(within(h) for h in self.handles.values()))
+        means = [c[len("inv."):] for c in consts if c.startswith("inv.")]
+        self.rules = _mean_rules(means)
+        self.egraph.run(_schedule(TARGET_ITERATIONS, self.rules))
+        self.enabled = True  # False: every term passes (to check that the rule is sound)
+        self._within: dict[Term, bool] = {}
+        self._equals: dict[tuple[Term, str], bool] = {}
+        self.queries = 0
+
+    @cached_property
+    def _symbols(self) -> frozenset:
+        return frozenset().union(*(_symbols(t) for t in self.targets.values()))
+
+    def within(self, t: Term) -> bool:
+        if not self.enabled:
+            return True
+        if t in self._within:
+            return self._within[t]
+        # a necessary condition first: no rule creates a variable, a constant, exp, silu, add, sub
+        # or a reduction over a label the target's forms lack
+        ok = _symbols(t) <= self._symbols and self._query(t, lambda h: within(h))
+        self._within[t] = ok
+        return ok
+
+    def equals(self, t: Term, output: str) -> bool:
+        key = (t, output)
+        if key not in self._equals:  # equal terms have the same symbols (no rule adds or drops one)
+            self._equals[key] = t == self.targets[output] or (
+                _symbols(t) == _symbols(self.targets[output]) and self._query(t, lambda h: eq(h).to(self.handles[output])))
+        return self._equals[key]
+
+    def _query(self, t: Term, fact) -> bool:
+        self.queries += 1
+        self.egraph.push()
+        try:
+            h = self.egraph.let(f"q{self.queries}", to_egg(t))
+            self.egraph.run(_schedule(QUERY_ITERATIONS, self.rules))
+            try:
+                self.egraph.check(fact(h))
+                return True
+            except EggSmolError:
+                return False
+        finally:
+            self.egraph.pop()

@@ -1,0 +1,338 @@
+"""The block-level generator: a graph-defined kernel built one block op at a time.
+
+For a grid (index labels, one per axis) and an optional for-loop label, `BlockGenerator` walks
+block graphs depth first. Each step adds one op over the block's tensors so far, the kernel
+tensors (each first use is an input iterator whose imap and fmap follow the labels) and the
+Program's constants: a unary or binary elementwise op, a sum / mean / max over one labelled
+dim, a matmul, or a for-loop accumulator (sum, mean, max, and the online-softmax
+``rescaled_sum`` when the value uses a running max). A reduction over the loop label inside the
+loop yields a loop-tile partial that only an accumulator may consume. Every candidate op meets
+the rules in this order, the first failure counted in `Counts`:
+
+- ``shape``: types and index labels agree (broadcast dims carry one label; a matmul contracts
+  one label), no tile holds every token, block matmuls have unit batch dims;
+- ``schedule``: no post-loop value inside the loop but a running max; one rescale per value;
+- ``abstract_expression``: the new tensor's abstract expression (`abstract.py`) is a
+  subexpression of the target's; a partial reduction used by anything but its accumulator is not;
+- ``canonical``: an op independent of the previous one comes after it in expression order,
+  and a state reached before (same tensors and uses) is not expanded again.
+
+Two bounds cut the walk without being counted as rules: at most `max_ops` ops (accumulators
+aside), and for a design's last kernel (`outputs_only`) no more unused values than the ops left
+can still join into its outputs.
+
+A state whose unused tensors can all be stored (program outputs where the abstract expression
+equals an output's, intermediates otherwise; never a loop partial) is a complete kernel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+from prism_serve.errors import ProgramError
+from prism_serve.optimize.generate.abstract import Oracle, Term
+from prism_serve.optimize.generate.design import BlockOp
+from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
+
+UNARY = ("exp", "silu", "sqrt", "rsqrt", "square")
+BINARY = ("add", "sub", "mul", "div")
+COMMUTATIVE = ("add", "mul")
+RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression")
+
+
+@dataclass
+class Counts:
+    generated: int = 0
+    pruned: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
+
+    def add(self, other: "Counts") -> None:
+        self.generated += other.generated
+        for k, v in other.pruned.items():
+            self.pruned[k] += v
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor the generator can use: a kernel tensor (``@name``), a constant (``#name``) or a
+    block op's result, with its logical type, labels, abstract expression and loop facts."""
+
+    ref: str
+    type: TensorType
+    labels: tuple
+    expr: Term
+    stage: str = "pre"  # pre | loop | post
+    partial: str | None = None  # sum | mean | max over the loop label, awaiting an accumulator
+    rescale: str | None = None  # the max accumulator whose running value it uses
+    running_max: bool = False  # a max accumulator (readable inside the loop)
+
+    @property
+    def eid(self) -> int:
+        """The expression's interned id (tuples do not cache their hash; ids make keys cheap)."""
+        return intern(self.expr)
+
+
+_INTERNED: dict[Term, int] = {}
+_SORT_KEYS: dict[int, str] = {}
+
+
+def intern(expr: Term) -> int:
+    eid = _INTERNED.get(expr)
+    if eid is None:
+        eid = _INTERNED[expr] = len(_INTERNED)
+        _SORT_KEYS[eid] = repr(expr)
+    return eid
+
+
+@dataclass(frozen=True)
+class Completion:
+    ops: tuple[BlockOp, ...]
+    sinks: tuple[Value, ...]  # the values to store, in op order
+    outputs: tuple[str | None, ...]  # per sink: the program output it equals, or None (an intermediate)
+
+
+class BlockGenerator:
+    def __init__(self, oracle: Oracle, outputs: dict[str, TensorType], tensors: dict[str, Value],
+                 consts: dict[str, Value], grid: tuple[str, ...], loop: str | None, max_ops: int,
+                 written: frozenset[str], deadline: float = float("inf"), outputs_only: bool = False):
+        self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
+        self.written, self.deadline, self.outputs_only = written, deadline, outputs_only
+        self.stopped = False
+        self.counts = Counts()
+        self.sources = [self._source(v) for v in tensors.values()] + list(consts.values())
+        self.seen: set = set()
+        self.memo: dict = {}
+        self._source_ops: list | None = None
+
+    def _source(self, v: Value) -> Value:
+        stage = "loop" if self.loop and self.loop in v.labels else "pre"
+        return Value(v.ref, v.type, v.labels, v.expr, stage)
+
+    # --- the walk --------------------------------------------------------
+    def run(self) -> Iterator[Completion]:
+        yield from self._walk((), (), {}, None)
+
+    def _walk(self, ops: tuple, values: tuple, uses: dict, last: tuple | None) -> Iterator[Completion]:
+        done = self._complete(ops, values, uses)
+        if done:
+            yield done
+            if all(o in done.outputs for o in self.outputs if o not in self.written):
+                return  # every output is written: more ops would be dead
+        left = self.max_ops - len([o for o in ops if o.op != "accum"])
+        if left <= 0:
+            return
+        if self.outputs_only:  # an op joins at most two unused values into one: the bound on ops left
+            dangling = sum(v.ref not in uses for v in values)
+            if dangling - 1 > left:
+                return
+        if time.perf_counter() > self.deadline:
+            self.stopped = True
+            return
+        pool = self.sources + [v for v in values if v.partial is None]
+        for op, ins, attrs in self._candidates(pool, values):
+            self.counts.generated += 1
+            new, rule, bop = self._apply(op, ins, attrs, len(ops))
+            if rule is None and any(v.eid == new.eid and v.stage == new.stage and v.partial == new.partial
+                                    for v in values):
+                rule = "canonical"  # the block already holds this value: reuse it
+            if rule is None and last is not None and not any(i.ref == last[1] for i in ins) and \
+                    _key(new) <= last[0]:
+                rule = "canonical"
+            if rule is None:
+                nuses = dict(uses)
+                for i in ins:
+                    nuses[i.ref] = nuses.get(i.ref, 0) + 1
+                state = (frozenset((v.eid, v.stage, v.partial, v.rescale) for v in values + (new,)),
+                         frozenset(v.eid for v in values + (new,) if v.ref not in nuses))
+                if state in self.seen:
+                    rule = "canonical"
+                else:
+                    self.seen.add(state)
+            if rule:
+                self.counts.pruned[rule] += 1
+                continue
+            yield from self._walk(ops + (bop,), values + (new,), nuses, (_key(new), new.ref))
+
+    def _candidates(self, pool: list[Value], values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
+        """Every op over the pool. Ops over kernel tensors and constants alone are judged once per
+        generator (their verdict cannot change) and only the surviving ones come back."""
+        if self._source_ops is None:
+            self._source_ops = []
+            for cand in self._raw_candidates(self.sources, ()):
+                self.counts.generated += 1
+                rule = self._judge(*cand)
+                if rule:
+                    self.counts.pruned[rule] += 1
+                else:
+                    self._source_ops.append(cand)
+        fresh = {v.ref for v in values}
+        newest = values[-1].ref if values else None
+        later = []
+        for cand in self._raw_candidates(pool, values):  # ops on the newest value first: designs come sooner
+            if any(i.ref == newest for i in cand[1]):
+                yield cand
+            elif any(i.ref in fresh for i in cand[1]):
+                later.append(cand)
+        yield from later
+        yield from self._source_ops
+
+    def _judge(self, op: str, ins: tuple, attrs: tuple) -> str | None:
+        if op == "accum":
+            return None
+        return self._apply(op, ins, attrs, 0)[1]
+
+    def _raw_candidates(self, pool: list[Value], values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
+        nonconst = [v for v in pool if v.type.dtype != "const"]
+        for v in nonconst:
+            for u in UNARY:
+                yield u, (v,), ()
+            for d, lb in enumerate(v.labels):
+                if lb is not None:
+                    for r in ("sum", "mean", "max"):
+                        yield r, (v,), (("dim", d - len(v.labels)), ("keepdim", True))
+        for a, b in itertools.product(nonconst, pool):
+            if _labels("add", {}, (a, b)) is None:  # no elementwise op aligns these dims
+                self.counts.generated += len(BINARY)
+                self.counts.pruned["shape"] += len(BINARY)
+            else:
+                for op in BINARY:
+                    if op in COMMUTATIVE and b.type.dtype != "const" and b.ref < a.ref:
+                        continue
+                    yield op, (a, b), ()
+            if b.type.dtype != "const" and len(a.labels) >= 2 and len(b.labels) >= 2:
+                for tb in (False, True):
+                    yield "matmul", (a, b), (("transpose_b", tb),)
+        for v in values:
+            if v.partial is not None:
+                yield "accum", (v,), ()
+
+    # --- one op ----------------------------------------------------------
+    def _apply(self, op: str, ins: tuple[Value, ...], attrs: tuple, index: int):
+        """(new value, None, its block op) or (None, the rule that prunes it, None)."""
+        name = f"b{index}"
+        if op == "accum":
+            return self._accum(ins[0], name)
+        key = (op, attrs, tuple((v.ref if v.running_max or v.ref[0] in "@#" else "", v.eid, v.stage, v.partial,
+                                 v.rescale, v.labels) for v in ins))
+        if key not in self.memo:  # an op's result depends on its operands' facts only
+            self.memo[key] = self._op(op, ins, attrs, name)
+        new, rule = self.memo[key]
+        if rule:
+            return None, rule, None
+        return replace(new, ref=name), None, BlockOp(name, op, tuple(i.ref for i in ins), attrs)
+
+    def _op(self, op: str, ins: tuple[Value, ...], attrs: tuple, name: str) -> tuple[Value | None, str | None]:
+        if any(v.partial for v in ins) and self.oracle.enabled:
+            return None, "abstract_expression"  # a loop-tile partial is no subexpression of the target
+        a = dict(attrs)
+        labels = _labels(op, a, ins)
+        if labels is None:
+            return None, "shape"
+        try:
+            t = infer_type(Node(name, op, tuple(f"i{j}" for j in range(len(ins))), attrs), [v.type for v in ins])
+        except ProgramError:
+            return None, "shape"
+        if NUM_TOKENS in labels and NUM_TOKENS not in self.grid:
+            return None, "shape"
+        if op == "matmul" and any(lb is not None and lb not in self.grid for lb in labels[:-2]):
+            return None, "shape"
+        stages = {v.stage for v in ins}
+        if "loop" in stages and any(v.stage == "post" and not v.running_max for v in ins):
+            return None, "schedule"
+        stage = "loop" if "loop" in stages else "post" if "post" in stages else "pre"
+        rescales = {v.rescale for v in ins if v.rescale} | {v.ref for v in ins if v.running_max and stage == "loop"}
+        if len(rescales) > 1:
+            return None, "schedule"
+        expr, reduced = _expr(op, a, ins)
+        partial = None
+        if reduced is not None:
+            if reduced in self.grid and self.oracle.enabled:  # the block holds a slice of the reduced dim only
+                return None, "abstract_expression"
+            if stage == "loop" and reduced == self.loop:
+                if op == "mean":  # accumulate it as a sum, times the constant 1/size after the loop
+                    return None, "schedule"
+                partial = "sum" if op == "matmul" else op
+        if not self.oracle.within(expr):
+            return None, "abstract_expression"
+        return Value(name, t, labels, expr, stage, partial, next(iter(rescales), None)), None
+
+    def _accum(self, v: Value, name: str):
+        kind = v.partial
+        if v.rescale:
+            if kind != "sum":
+                return None, "schedule", None
+            kind = "rescaled_sum"
+        bop = BlockOp(name, "accum", (v.ref,) + ((v.rescale,) if v.rescale else ()), (("kind", kind),))
+        return Value(name, v.type, v.labels, v.expr, "post", None, None, kind == "max"), None, bop
+
+    # --- completion ------------------------------------------------------
+    def _complete(self, ops: tuple, values: tuple, uses: dict) -> Completion | None:
+        if not ops:
+            return None
+        sinks = [v for v in values if v.ref not in uses]
+        if any(v.partial or v.stage == "loop" for v in sinks):
+            return None
+        if self.loop and not any(o.op == "accum" for o in ops):
+            return None
+        outs: list[str | None] = []
+        for v in sinks:
+            out = next((o for o, t in self.outputs.items() if o not in self.written and o not in outs
+                        and t.shape == v.type.shape and self.oracle.equals(v.expr, o)), None)
+            outs.append(out)
+        if any(outs) and not all(outs) or self.outputs_only and not all(outs):
+            return None  # a kernel writes program outputs, or intermediates for later kernels, not both
+        stored = set().union(*(set(v.labels) for v in sinks))
+        if any(lb not in stored for lb in self.grid):  # a grid axis that every store replicates
+            return None
+        return Completion(tuple(ops), tuple(sinks), tuple(outs))
+
+
+def _key(v: Value) -> tuple:
+    return (_SORT_KEYS[v.eid], v.stage, v.partial or "")
+
+
+def _labels(op: str, a: dict, ins: tuple[Value, ...]) -> tuple | None:
+    """The result's labels, or None where the operands' labels disagree."""
+    if op in BINARY:
+        x, y = ins[0].labels, ins[1].labels
+        out = []
+        for i in range(1, max(len(x), len(y)) + 1):
+            p = x[-i] if i <= len(x) else None
+            q = y[-i] if i <= len(y) else None
+            if p and q and p != q:
+                return None
+            out.append(p or q)
+        return tuple(reversed(out))
+    if op in UNARY:
+        return ins[0].labels
+    if op in ("sum", "mean", "max"):
+        x, d = ins[0].labels, a["dim"] % len(ins[0].labels)
+        return x[:d] + (None,) + x[d + 1:]
+    if op == "matmul":
+        x, y = ins[0].labels, ins[1].labels
+        k, n = (y[-1], y[-2]) if a["transpose_b"] else (y[-2], y[-1])
+        if x[-1] != k or x[-1] is None:
+            return None
+        batch = _labels("add", {}, (Value("", ins[0].type, x[:-2], ()), Value("", ins[1].type, y[:-2], ())))
+        if batch is None:
+            return None
+        return batch + (x[-2], n)
+    return None
+
+
+def _expr(op: str, a: dict, ins: tuple[Value, ...]) -> tuple[Term, str | None]:
+    """The abstract expression of an op, and the label it reduces (if any)."""
+    e = [v.expr for v in ins]
+    if op == "square":
+        return ("mul", e[0], e[0]), None
+    if op in UNARY:
+        return (op, e[0]), None
+    if op in BINARY:
+        return (op, e[0], e[1]), None
+    if op in ("sum", "mean", "max"):
+        lb = ins[0].labels[a["dim"] % len(ins[0].labels)]
+        return (op, lb, e[0]), lb
+    lb = ins[0].labels[-1]
+    return ("sum", lb, ("mul", e[0], e[1])), lb

@@ -1,0 +1,65 @@
+"""What every generator step reads: the expanded Program, its labels, the abstract expressions of
+its inputs, constants and outputs, and the oracle that answers subexpression queries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prism_serve.optimize.generate.abstract import Oracle, Term
+from prism_serve.optimize.generate.block import Value
+from prism_serve.optimize.generate.design import program_context
+from prism_serve.optimize.ir import Program, TensorType
+
+
+@dataclass
+class Context:
+    prog: Program
+    flat: Program
+    inputs: dict[str, Value]  # keyed by "@name"
+    consts: dict[str, Value]  # keyed by "#name"
+    outputs: dict[str, TensorType]
+    targets: dict[str, Term]
+    labels: tuple[str, ...]  # every index label, in order of first appearance
+    oracle: Oracle
+
+
+def program_terms(flat: Program, labels) -> dict[str, Term]:
+    """The abstract expression of every node of an expanded Program."""
+    terms: dict[str, Term] = {}
+    for n in flat.nodes:
+        e = [terms[s] for s in n.inputs]
+        if n.op == "input":
+            t = ("var", n.name)
+        elif n.op == "const":
+            t = ("const", n.name)
+        elif n.op == "square":
+            t = ("mul", e[0], e[0])
+        elif n.op in ("add", "sub", "mul", "div"):
+            t = (n.op, e[0], e[1])
+        elif n.op in ("exp", "silu", "sqrt", "rsqrt"):
+            t = (n.op, e[0])
+        elif n.op in ("sum", "mean", "max"):
+            t = (n.op, labels.reduced[n.name][0], e[0])
+        elif n.op == "matmul":
+            t = ("sum", labels.reduced[n.name][0], ("mul", e[0], e[1]))
+        else:
+            raise AssertionError(n.op)
+        terms[n.name] = t
+    return terms
+
+
+def make_context(prog: Program) -> Context:
+    flat, labels, tensors, consts = program_context(prog)
+    terms = program_terms(flat, labels)
+    inputs = {f"@{n}": Value(f"@{n}", t.type, t.labels, terms[n]) for n, t in tensors.items()}
+    const_values = {f"#{c}": Value(f"#{c}", TensorType((), "const"), (), terms.get(c, ("const", c))) for c in consts}
+    var_labels = {n: frozenset(lb for lb in t.labels if lb) for n, t in tensors.items()}
+    targets = {o: terms[o] for o in flat.outputs}
+    order: list[str] = []
+    for n in flat.nodes:
+        for lb in labels.dims.get(n.name, ()):
+            if lb and lb not in order:
+                order.append(lb)
+    oracle = Oracle(targets, var_labels, tuple(consts))
+    return Context(prog, flat, inputs, const_values, {o: flat.types[o] for o in flat.outputs}, targets,
+                   tuple(order), oracle)

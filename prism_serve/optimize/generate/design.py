@@ -1,0 +1,301 @@
+"""A design: the generator's trace of operators, and the sGraph it builds for a Program.
+
+A `Design` is a sequence of kernels. A `LibrarySpec` runs one IR op over kernel tensors. A
+`BlockSpec` is a graph-defined kernel: its grid axes are index labels (`labels.py`) and its
+for-loop walks one label; its block ops refer to kernel tensors as ``@name`` (an input
+iterator: the load's imap partitions, per grid axis, the tensor's dim with that axis' label,
+or replicates the tile where the tensor lacks it; its fmap is the dim with the loop label) and
+to the Program's constants as ``#name``. With ``split``, one more grid axis partitions the
+loop label (split-K / split-KV): see `split.py`.
+
+`build(prog, design)` is pure and depends on the Program only through its node names, index
+labels, dims and constants, so a design found for one Program of a family is replayed for
+another one (shape-generic reuse of stored designs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from prism_serve.errors import ProgramError, SGraphError
+from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, TensorType, infer_type, node
+from prism_serve.optimize.labels import Labels, index_labels
+from prism_serve.optimize.reference import expand_composites
+from prism_serve.optimize.sgraph import BlockKernel, GridAxis, Kernel, LibraryKernel, SGraph, TensorDecl, to_expr
+
+DESIGN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BlockOp:
+    name: str
+    op: str  # an IR op, "accum" (attr kind) or "store" (attr tensor)
+    inputs: tuple[str, ...]  # block op names, "@tensor" or "#const"
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def attr(self, key: str) -> Any:
+        return dict(self.attrs)[key]
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    grid: tuple[str, ...]  # one index label per grid axis
+    loop: str | None
+    ops: tuple[BlockOp, ...]
+    split: bool = False
+
+    def describe(self) -> str:
+        body = " ".join(o.op if o.op != "store" else f"->{o.attr('tensor')}" for o in self.ops)
+        loop = f" {'split+' if self.split else ''}loop({self.loop})" if self.loop else ""
+        return f"block grid({','.join(self.grid)}){loop}: {body}"
+
+
+@dataclass(frozen=True)
+class LibrarySpec:
+    out: str
+    op: str
+    inputs: tuple[str, ...]
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        return f"library {self.op}({','.join(self.inputs)})->{self.out}"
+
+
+KernelSpec = BlockSpec | LibrarySpec
+
+
+@dataclass(frozen=True)
+class Design:
+    kernels: tuple[KernelSpec, ...]
+
+    def describe(self) -> str:
+        return " | ".join(k.describe() for k in self.kernels)
+
+    def to_json(self) -> dict:
+        def op_json(o: BlockOp) -> dict:
+            return {"name": o.name, "op": o.op, "inputs": list(o.inputs), "attrs": _attrs_json(o.attrs)}
+        ks = []
+        for k in self.kernels:
+            if isinstance(k, LibrarySpec):
+                ks.append({"kind": "library", "out": k.out, "op": k.op, "inputs": list(k.inputs),
+                           "attrs": _attrs_json(k.attrs)})
+            else:
+                ks.append({"kind": "block", "grid": list(k.grid), "loop": k.loop, "split": k.split,
+                           "ops": [op_json(o) for o in k.ops]})
+        return {"design_version": DESIGN_VERSION, "kernels": ks}
+
+    @staticmethod
+    def from_json(data: Any) -> "Design":
+        try:
+            if data["design_version"] != DESIGN_VERSION:
+                raise SGraphError(f"design JSON has version {data['design_version']!r}, expected {DESIGN_VERSION}")
+            ks: list[KernelSpec] = []
+            for k in data["kernels"]:
+                if k["kind"] == "library":
+                    ks.append(LibrarySpec(str(k["out"]), str(k["op"]), tuple(map(str, k["inputs"])),
+                                          _attrs_from(k["attrs"])))
+                elif k["kind"] == "block":
+                    ops = tuple(BlockOp(str(o["name"]), str(o["op"]), tuple(map(str, o["inputs"])),
+                                        _attrs_from(o["attrs"])) for o in k["ops"])
+                    ks.append(BlockSpec(tuple(map(str, k["grid"])), None if k["loop"] is None else str(k["loop"]),
+                                        ops, bool(k["split"])))
+                else:
+                    raise SGraphError(f"design JSON: unknown kernel kind {k['kind']!r}")
+            return Design(tuple(ks))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SGraphError(f"malformed design JSON: {type(exc).__name__}: {exc}") from None
+
+
+def _attrs_json(attrs) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs}
+
+
+_ATTR_TYPES = {"dim": int, "keepdim": bool, "transpose_b": bool, "kind": str, "tensor": str}
+
+
+def _attrs_from(d: dict) -> tuple:
+    out = []
+    for k, v in dict(d).items():
+        typ = _ATTR_TYPES.get(k)
+        if typ is None or not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise SGraphError(f"malformed design JSON: attribute {k!r}={v!r}")
+        out.append((k, v))
+    return tuple(sorted(out))
+
+
+def ident(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+def axis_symbol(label: str, k: int) -> str:
+    return f"BT{k}" if label == NUM_TOKENS else f"G{k}_{ident(label)}"
+
+
+@dataclass(frozen=True)
+class KTensor:
+    """A kernel tensor as the generator sees it: logical type and index labels."""
+
+    name: str
+    type: TensorType
+    labels: tuple[str | None, ...]
+
+
+def program_context(prog: Program) -> tuple[Program, Labels, dict[str, KTensor], dict[str, float]]:
+    """The expanded Program, its labels, its input tensors and its constants."""
+    flat = expand_composites(prog)
+    labels = index_labels(flat)
+    tensors = {n.name: KTensor(n.name, flat.types[n.name], labels.dims[n.name]) for n in flat.inputs}
+    consts = {n.name: n.attr("value") for n in flat.nodes if n.op == "const"}
+    for n in flat.nodes:  # a mean over a loop accumulates as a sum times 1/size
+        if n.op == "mean":
+            consts[f"inv.{labels.reduced[n.name][0]}"] = 1.0 / flat.types[n.inputs[0]].shape[n.attr("dim")]
+    return flat, labels, tensors, consts
+
+
+def imap_of(t: KTensor, grid: tuple[str, ...]) -> tuple[int | None, ...]:
+    return tuple(t.labels.index(lb) if lb in t.labels else None for lb in grid)
+
+
+def block_types(spec: BlockSpec, tensors: dict[str, KTensor], consts: dict[str, float]
+                ) -> dict[str, tuple[TensorType, tuple]]:
+    """Logical type and labels of every block op (raises ProgramError / SGraphError)."""
+    out: dict[str, tuple[TensorType, tuple]] = {}
+    for o in spec.ops:
+        if o.op == "store":
+            continue
+        ins = [_operand(s, out, tensors, consts) for s in o.inputs]
+        if o.op == "accum":
+            out[o.name] = ins[0]
+            continue
+        n = Node(o.name, o.op, tuple(f"i{j}" for j in range(len(ins))), o.attrs)
+        t = infer_type(n, [i[0] for i in ins])
+        out[o.name] = (t, op_labels(o.op, dict(o.attrs), [i[1] for i in ins]))
+    return out
+
+
+def _operand(s: str, local: dict, tensors: dict[str, KTensor], consts: dict[str, float]):
+    if s.startswith("@"):
+        t = tensors[s[1:]]
+        return t.type, t.labels
+    if s.startswith("#"):
+        return TensorType((), "const"), ()
+    return local[s]
+
+
+def op_labels(op: str, attrs: dict, ins: list[tuple]) -> tuple:
+    """Labels of an op's result from its operands' (the operands' labels must already agree)."""
+    if op in ("add", "sub", "mul", "div"):
+        a, b = ins
+        return tuple(reversed([(a[-i] if i <= len(a) else None) or (b[-i] if i <= len(b) else None)
+                               for i in range(1, max(len(a), len(b)) + 1)]))
+    if op in ("sum", "mean", "max"):
+        x, d = ins[0], attrs["dim"] % len(ins[0])
+        return x[:d] + ((None,) if attrs["keepdim"] else ()) + x[d + 1:]
+    if op == "matmul":
+        a, b = ins
+        bn = b[-2] if attrs["transpose_b"] else b[-1]
+        batch = op_labels("add", {}, [a[:-2], b[:-2]])
+        return batch + (a[-2], bn)
+    return ins[0]
+
+
+def build(prog: Program, design: Design) -> SGraph:
+    """The sGraph a design describes for `prog` (pure; raises SGraphError on a design that does
+    not fit the Program)."""
+    from prism_serve.optimize.generate.split import split_kernel
+
+    flat, _, tensors, consts = program_context(prog)
+    decls: list[TensorDecl] = []
+    kernels: list[Kernel] = []
+    try:
+        for i, spec in enumerate(design.kernels):
+            if isinstance(spec, LibrarySpec):
+                n = node(spec.out, spec.op, *spec.inputs, **dict(spec.attrs))
+                for s in spec.inputs:
+                    if s not in tensors:
+                        raise SGraphError(f"design kernel {i}: library op reads unknown tensor '{s}'")
+                t = infer_type(n, [tensors[s].type for s in spec.inputs])
+                ins = [tensors[s].labels for s in spec.inputs]
+                tensors[spec.out] = KTensor(spec.out, t, op_labels(spec.op, dict(n.attrs), ins))
+                if spec.out not in flat.outputs:
+                    decls.append(TensorDecl(spec.out, tuple(to_expr(d) for d in t.shape), t.dtype))
+                kernels.append(LibraryKernel(n))
+                continue
+            types = block_types(spec, tensors, consts)
+            nodes = _block_nodes(spec, i, tensors, consts, types)
+            for o in spec.ops:
+                if o.op == "store" and o.attr("tensor") not in tensors:
+                    t, lbs = types[o.inputs[0]]
+                    tensors[o.attr("tensor")] = KTensor(o.attr("tensor"), t, lbs)
+                    if o.attr("tensor") not in flat.outputs:
+                        decls.append(TensorDecl(o.attr("tensor"), tuple(to_expr(d) for d in t.shape), t.dtype))
+            grid = tuple(GridAxis(axis_symbol(lb, i), lb == NUM_TOKENS) for lb in spec.grid)
+            k = BlockKernel(f"k{i}", grid, f"F{i}" if spec.loop else None, tuple(nodes))
+            if spec.split:
+                part_decls, ks = split_kernel(k, spec, i, tensors, types)
+                decls += part_decls
+                kernels += ks
+            else:
+                kernels.append(k)
+    except (ProgramError, KeyError, IndexError, ValueError) as exc:
+        raise SGraphError(f"design does not build for '{prog.name}': {type(exc).__name__}: {exc}") from None
+    digest = hashlib.sha256(json.dumps(design.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return SGraph(f"{prog.name}_{digest}", prog, tuple(decls), tuple(kernels))
+
+
+def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: dict[str, float],
+                 types: dict) -> list[Node]:
+    loads: list[Node] = []
+    body: list[Node] = []
+    seen: set[str] = set()
+
+    def ref(s: str) -> str:
+        if s.startswith("@"):
+            name = f"ld_{ident(s[1:])}"
+            if name not in seen:
+                t = tensors[s[1:]]
+                fmap = t.labels.index(spec.loop) if spec.loop in t.labels else None
+                loads.append(node(name, "load", tensor=t.name, imap=imap_of(t, spec.grid), fmap=fmap))
+                seen.add(name)
+            return name
+        if s.startswith("#"):
+            name = f"c_{ident(s[1:])}"
+            if name not in seen:
+                loads.append(node(name, "const", value=consts[s[1:]]))
+                seen.add(name)
+            return name
+        return s
+
+    stage = stages(spec, tensors)
+    for o in spec.ops:
+        ins = tuple(ref(s) for s in o.inputs)
+        if o.op == "store":
+            t = tensors.get(o.attr("tensor")) or KTensor(o.attr("tensor"), *types[o.inputs[0]])
+            lbs = types[o.inputs[0]][1]
+            fmap = lbs.index(spec.loop) if stage[o.inputs[0]] == "loop" and spec.loop in lbs else None
+            extra = {} if fmap is None else {"fmap": fmap}
+            body.append(node(o.name, "store", *ins, tensor=o.attr("tensor"), omap=imap_of(t, spec.grid), **extra))
+        else:
+            body.append(Node(o.name, o.op, ins, o.attrs))
+    return loads + body
+
+
+def stages(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, str]:
+    """'pre', 'loop' or 'post' per block op (as `BlockKernel.stages`, from the design)."""
+    out: dict[str, str] = {}
+    for o in spec.ops:
+        if o.op == "accum":
+            out[o.name] = "post"
+            continue
+        src = []
+        for s in o.inputs:
+            if s.startswith("@"):
+                src.append("loop" if spec.loop and spec.loop in tensors[s[1:]].labels else "pre")
+            elif not s.startswith("#"):
+                src.append(out[s])
+        out[o.name] = "loop" if "loop" in src else "post" if "post" in src else "pre"
+    return out

@@ -1,0 +1,89 @@
+"""Benchmark Prism's operator-by-operator generator (`optimize/generate/`, #11) on the five Prism
+workloads at their default shapes (`scripts/bench_search.py` benchmarks the plan search that
+warmup uses today).
+
+    python scripts/bench_generate.py --json FILE [--device h100] [--budget 60] [--workload NAME ...]
+
+For each workload: the time from the Program to verified, instantiated kernels
+(search_s, of which verify_s is proofs and numeric checks), the kernel graphs and block
+graphs the generator produced, the candidates each pruning rule removed, the worker
+processes, the concrete graphs (symbol assignments) the costed symbolic designs stand for,
+how many designs were verified, and
+the modeled time of the best one beside the unfused program's and the
+hand-built oracle's, all at the workload's largest default num_tokens. The best design is
+written too (designs are shape-generic JSON). Timings on a shared, loaded machine are noisy;
+rerun on a quiet one before quoting them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the numeric check runs through the interpreter on CPUs
+
+from prism_serve.optimize.gpus import get_gpu  # noqa: E402
+from prism_serve.optimize.generate.search import optimize  # noqa: E402
+from prism_serve.optimize.tune import rank  # noqa: E402
+from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
+from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, get_workload  # noqa: E402
+
+
+def bench(name: str, device: str, budget: float) -> dict:
+    w = get_workload(name)
+    prog = w.program()
+    num_tokens = (w.default_num_tokens or (1,))[-1]
+    start = time.perf_counter()
+    result = optimize(prog, device, (num_tokens,), budget_s=budget)
+    elapsed = time.perf_counter() - start
+    s = result.stats
+    best = result.found[0].kernels[0] if result.found else None
+    return {"num_tokens": num_tokens, "search_s": elapsed, "verify_s": s.verify_s,
+            "kernel_graphs": s.kernel_graphs, "block_graphs": s.block_graphs, "generated": s.generated,
+            "designs": s.designs, "concrete_graphs": s.concrete_graphs, "workers": s.workers,
+            "pruned": dict(s.pruned), "rejected": dict(s.rejected), "verified": s.verified,
+            "stopped_by_budget": s.stopped_by_budget,
+            "best_design": result.found[0].design.describe() if result.found else None,
+            "best_design_json": result.found[0].design.to_json() if result.found else None,
+            "best_params": best.assignment if best else None,
+            "best_modeled_us": best.modeled_us if best else None,
+            "unfused_modeled_us": result.unfused_us[num_tokens],
+            "oracle_modeled_us": rank(oracle(prog), get_gpu(device), num_tokens)[0].modeled_us}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, required=True, help="write the results here")
+    parser.add_argument("--device", default="h100")
+    parser.add_argument("--budget", type=float, default=60.0, help="search budget per workload, seconds")
+    parser.add_argument("--workload", action="append", help="only these workloads (default: the five Prism ones)")
+    args = parser.parse_args(argv)
+    names = args.workload or list(PRISM_WORKLOADS)
+    results = {}
+    head = (f"{'workload':<18} {'tokens':>6} {'search s':>9} {'verify s':>9} {'kernels':>7} {'blocks':>7} "
+            f"{'pruned':>8} {'abs %':>5} {'verified':>8} {'best us':>8} {'oracle us':>9} {'unfused us':>10}  best design")
+    print(head, flush=True)
+    print("-" * len(head))
+    for name in names:
+        r = results[name] = bench(name, args.device, args.budget)
+        best = f"{r['best_modeled_us']:.2f}" if r["best_modeled_us"] is not None else "-"
+        pruned = sum(r["pruned"].values())
+        share = 100.0 * r["pruned"]["abstract_expression"] / pruned if pruned else 0.0
+        print(f"{name:<18} {r['num_tokens']:>6} {r['search_s']:>9.1f} {r['verify_s']:>9.1f} {r['kernel_graphs']:>7} "
+              f"{r['block_graphs']:>7} {pruned:>8} {share:>5.1f} {r['verified']:>8} {best:>8} "
+              f"{r['oracle_modeled_us']:>9.2f} {r['unfused_modeled_us']:>10.2f}  {r['best_design']}", flush=True)
+    print("pruned by rule: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in r["pruned"].items())
+                                         for n, r in results.items()))
+    args.json.write_text(json.dumps({"device": args.device, "budget_s": args.budget, "workloads": results},
+                                    indent=1))
+    print(f"wrote {args.json}")
+    failed = [n for n, r in results.items() if r["best_modeled_us"] is None]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

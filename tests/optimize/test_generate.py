@@ -1,0 +1,141 @@
+"""The generator end to end: its pruning rules are sound, wrong candidates are pruned, it finds
+verified designs whose winners compute the reference function, and stored designs are reused."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_serve.errors import SGraphError
+from prism_serve.optimize import canonical_hash, prune
+from prism_serve.optimize.generate.block import RULES, BlockGenerator, Value
+from prism_serve.optimize.generate.context import make_context, program_terms
+from prism_serve.optimize.generate.design import Design, build
+from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.labels import index_labels
+from prism_serve.optimize.reference import TOLERANCE
+from prism_serve.optimize.generate.search import optimize
+from prism_serve.optimize.tune import rank
+from prism_serve.optimize.workloads.oracles import ORACLES, oracle
+from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, WORKLOADS
+
+from .kernel_check import check_instance
+
+H100 = get_gpu("h100")
+
+
+@pytest.mark.parametrize("name", sorted(ORACLES))
+def test_every_hand_built_design_passes_the_sgraph_rules(name):
+    g = oracle(WORKLOADS[name].program())
+    assert prune.shape(g) is None
+    assert prune.hardware(g, H100) is None
+
+
+@pytest.mark.parametrize("name", PRISM_WORKLOADS)
+def test_every_subterm_of_the_program_is_within_its_target_and_foreign_terms_are_not(name):
+    """The abstract-expression rule never rejects a tensor of the Program itself (the unfused
+    design), while a term using an op the target lacks is rejected."""
+    ctx = make_context(WORKLOADS[name].program())
+    terms = program_terms(ctx.flat, index_labels(ctx.flat))
+    for n in ctx.flat.nodes:
+        assert ctx.oracle.within(terms[n.name]), n.name
+    for o in ctx.flat.outputs:
+        assert ctx.oracle.equals(terms[o], o)
+    x = next(iter(ctx.inputs.values())).expr
+    assert not ctx.oracle.within(("silu", ("exp", x)))
+
+
+def _loop_generator(ctx):
+    return BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, ("num_tokens", "w0"), "x1", 8,
+                          frozenset())
+
+
+def test_a_reduction_used_inside_its_own_loop_is_pruned_by_its_abstract_expression():
+    """Summing x^2 over one loop tile and using it before the accumulator (the rms of one tile
+    only) is the classic wrong fusion: its term is no subexpression of the target."""
+    ctx = make_context(WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32, dtype="float32"))
+    gen = _loop_generator(ctx)
+    x = gen._source(ctx.inputs["@x"])
+    sq, _, _ = gen._apply("square", (x,), (), 0)
+    tile_sum, rule, _ = gen._apply("sum", (sq,), (("dim", -1), ("keepdim", True)), 1)
+    assert rule is None and tile_sum.partial == "sum"
+    _, rule, _ = gen._apply("mul", (x, tile_sum), (), 2)
+    assert rule == "abstract_expression"
+    acc, rule, op = gen._apply("accum", (tile_sum,), (), 2)
+    assert rule is None and op.attr("kind") == "sum" and acc.stage == "post"
+
+
+def test_mismatched_labels_and_wrong_schedules_are_pruned():
+    ctx = make_context(WORKLOADS["rmsnorm_linear"].program(hidden=64, out=64, dtype="float32"))
+    gen = _loop_generator(ctx)
+    x, w = gen._source(ctx.inputs["@x"]), gen._source(ctx.inputs["@w"])
+    assert gen._apply("matmul", (x, w), (("transpose_b", False),), 0)[1] == "shape"  # contracts x1 with w0
+    assert gen._apply("mul", (x, w), (), 0)[1] == "shape"
+    assert gen._apply("mean", (gen._apply("square", (x,), (), 0)[0],), (("dim", -1), ("keepdim", True)), 1)[1] \
+        == "schedule"  # a loop mean accumulates as a sum times 1/size
+
+
+def test_the_abstract_expression_rule_is_sound_on_a_small_program():
+    """Exhaustive runs with and without the rule (its per-tensor queries and its verdict on loop-tile
+    partials) find the same verified designs."""
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
+    runs = [optimize(prog, "h100", (4,), max_kernels=1, max_block_ops=2, budget_s=600, all_designs=True,
+                     abstract_rule=rule) for rule in (True, False)]
+    with_rule, without = ({canonical_hash(f.sgraph) for f in r.found} for r in runs)
+    assert with_rule and with_rule == without
+    assert not runs[0].stats.stopped_by_budget and not runs[1].stats.stopped_by_budget
+    assert runs[0].stats.pruned["abstract_expression"] > 0 and runs[1].stats.pruned["abstract_expression"] == 0
+
+
+def test_search_finds_a_fused_design_and_its_winner_matches_the_reference():
+    prog = WORKLOADS["rms_norm"].program(hidden=80, dtype="float32")
+    result = optimize(prog, "h100", (1, 16), max_kernels=1, budget_s=120, top=1)
+    assert result.found
+    best = result.best
+    assert best.proof.ok and best.numeric_error < TOLERANCE["float32"]
+    assert len(best.sgraph.kernels) == 1
+    for c in best.kernels:  # the hand-built design or better, in the model
+        assert c.modeled_us <= rank(oracle(prog), H100, c.num_tokens)[0].modeled_us + 1e-9
+    for num_tokens in (1, 5, 16):
+        check_instance(best.kernel_for(16).instance, num_tokens, "float32")
+    stats = result.stats
+    assert stats.kernel_graphs > 0 and stats.block_graphs > 0 and set(stats.pruned) == set(RULES)
+    assert stats.pruned["abstract_expression"] > 0
+
+
+def test_search_stops_cleanly_at_its_budget():
+    prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32)
+    result = optimize(prog, "h100", (8,), budget_s=0.0)
+    assert result.stats.stopped_by_budget and result.found == ()
+    with pytest.raises(SGraphError, match="no verified kernel"):
+        result.best
+
+
+def test_stored_designs_are_rebuilt_for_other_shapes_without_searching():
+    prog = WORKLOADS["rms_norm"].program(hidden=64, dtype="float32")
+    first = optimize(prog, "h100", (4,), max_kernels=1, top=1)
+    design = Design.from_json(first.best.to_json()["design"])
+    assert design == first.best.design
+    bigger = WORKLOADS["rms_norm"].program(hidden=96, dtype="float32")
+    again = optimize(bigger, "a100", (1, 32), known=[design])
+    assert again.stats.generated == 0 and again.best.proof.ok
+    assert again.best.sgraph.program == bigger and again.gpu == "a100"
+    assert build(bigger, design).program == bigger
+    check_instance(again.best.kernel_for(32).instance, 7, "float32")
+
+
+def test_malformed_design_json_is_rejected_with_a_reason():
+    with pytest.raises(SGraphError, match="design JSON"):
+        Design.from_json({"design_version": 1, "kernels": [{"kind": "block", "grid": ["x"]}]})
+    with pytest.raises(SGraphError, match="attribute"):
+        Design.from_json({"design_version": 1, "kernels": [{"kind": "library", "out": "y", "op": "exp",
+                                                             "inputs": ["x"], "attrs": {"code": "import os"}}]})
+
+
+def test_values_of_the_generator_carry_their_loop_facts():
+    ctx = make_context(WORKLOADS["attention"].program(batch=1, heads=2, kv_heads=1, kv_len=16, head_dim=8,
+                                                      dtype="float32"))
+    gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, ("q0", "q1"), "k2", 8, frozenset())
+    q, k = ctx.inputs["@q"], ctx.inputs["@k"]
+    assert isinstance(q, Value)
+    s, rule, _ = gen._apply("matmul", (gen._source(q), gen._source(k)), (("transpose_b", True),), 0)
+    assert rule is None and s.stage == "loop" and s.partial is None  # contracts the head dim, inside the tile
