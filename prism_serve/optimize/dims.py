@@ -7,7 +7,8 @@ sympy objects (never `sympify`, which evaluates Python):
     term  := atom (("*" | "//") atom)*
     atom  := INT | NAME | "-" atom | "(" expr ")" | "cdiv" "(" expr "," expr ")"
 
-INT is a decimal literal of at most `MAX_INT`; NAME an identifier the caller allows (the
+INT is a decimal literal of at most `MAX_VALUE` (so that whatever `render` writes, including a
+constant folded from smaller literals, reads back); NAME an identifier the caller allows (the
 sGraph's own symbols and ``num_tokens``); ``a // b`` is floor division, ``cdiv(a, b)`` ceiling
 division. The text is at most `MAX_LENGTH` characters, nests at most `MAX_DEPTH` deep, and
 every number of the result is at most `MAX_VALUE`: anything else is refused with the reason.
@@ -25,7 +26,7 @@ from prism_serve.errors import SGraphError
 
 MAX_LENGTH = 200
 MAX_DEPTH = 16
-MAX_INT = 2**31 - 1
+MAX_INT = 2**31 - 1  # a Program's fixed dims (schema.py)
 MAX_VALUE = 2**62
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _TOKEN = re.compile(r"\s*(?:(?P<int>\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>\*\*|//|[-+*(),]))")
@@ -106,8 +107,8 @@ class _Parser:
         kind, value, pos = tok
         self.i += 1
         if kind == "int":
-            if len(value) > len(str(MAX_INT)) or int(value) > MAX_INT:
-                raise self.fail(f"integer {value[:20]}{'...' if len(value) > 20 else ''} exceeds {MAX_INT}")
+            if len(value) > len(str(MAX_VALUE)) or int(value) > MAX_VALUE:
+                raise self.fail(f"integer {value[:20]}{'...' if len(value) > 20 else ''} exceeds 2**62")
             return sympy.Integer(int(value))
         if kind == "name" and value == "cdiv":
             if not self.take("("):

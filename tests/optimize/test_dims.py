@@ -50,7 +50,9 @@ def test_parsed_dims_mean_what_python_integer_arithmetic_says(tree, values):
         raise
     got = expr.subs({sym(n): v for n, v in values.items()})
     assert got == want
-    assert parse_dim(render(expr), sym) == expr
+    # render writes what reads back as the same value; sympy may regroup a negated product
+    # (-(F + 1)*(S + 1) reads back as (-F - 1)*(S + 1)), so equality is algebraic, not structural
+    assert (parse_dim(render(expr), sym) - expr).expand() == 0
 
 
 @settings(max_examples=80, deadline=None, database=None)
@@ -70,7 +72,7 @@ def test_any_text_is_parsed_or_refused_quickly(text):
     ("9**9**9**9", r"powers \(\*\*\) are not part"), ("2**2**26", "powers"), ("x.func.mro", "character '.'"),
     ("1 2", "unexpected '2'"), ("__import__('os')", "character \"'\""), ("S", "not one of this sGraph's symbols"),
     ("(" * (MAX_DEPTH + 1) + "1" + ")" * (MAX_DEPTH + 1), "nested deeper"), ("4 // 0", "division by zero"),
-    ("99999999999", "exceeds"), ("1" * 201, "longer than 200"), ("", "empty"), ("cdiv(1)", "cdiv needs"),
+    ("99999999999999999999", "exceeds"), ("1" * 201, "longer than 200"), ("", "empty"), ("cdiv(1)", "cdiv needs"),
 ])
 def test_refusals_say_why(text, message):
     with pytest.raises(SGraphError, match=message):
