@@ -180,6 +180,21 @@ def device_spec(device: Device) -> GpuSpec:
     return get_gpu(device.name)
 
 
+def stored_gpu(session: Session, name: str, compute_capability: str) -> DeviceInfo | None:
+    """The device row warmup stored for a GPU of this canonical name and compute capability, as a
+    fingerprint carrying its spec (the measured one, else the known table's); None when there is
+    none. Of several rows (one name, different SM counts) the one holding the most kernels wins."""
+    rows = session.execute(
+        select(Device, func.count(Kernel.id).label("n")).outerjoin(Kernel, Kernel.device_id == Device.id)
+        .where(Device.kind == "gpu", Device.name == name, Device.compute_capability == compute_capability)
+        .group_by(Device.id).order_by(func.count(Kernel.id).desc(), Device.id.desc())).all()
+    if not rows:
+        return None
+    row = rows[0][0]
+    spec = device_spec(row) if row.spec is not None else None
+    return DeviceInfo("gpu", row.name, row.compute_capability, row.sm_count, row.memory_bytes, spec)
+
+
 def upsert_program(session: Session, program: Program, sources: Iterable[tuple[str, str]] = ()) -> int:
     pid = _upsert_id(session, ProgramRecord, dict(hash=program.canonical_hash, name=program.name,
                                                   ir_json=canonical_json(program.to_json()), created_at=utcnow()),

@@ -1,0 +1,63 @@
+"""Inside vLLM the GPU is the device row warmup stored for it, so a GPU the known table lacks is
+served with the spec measured there. Only the device query (vLLM's platform: name and compute
+capability from NVML) is replaced; the registry, the lookup and the plugin's plan are real."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from prism_serve.optimize.gpus import GPUS, SGraphError, get_gpu
+from prism_serve.patch import device as device_mod
+from prism_serve.patch.plugin import plan
+from prism_serve.registry import open_registry
+from prism_serve.registry.store import DeviceInfo, add_kernel, kernel_instance, load_device, stored_gpu
+from tests.registry.factory import VERSIONS, result
+
+# An Ada GPU the known table does not hold; warmup measured its spec on the device.
+L20 = dataclasses.replace(GPUS["l40s"], name="l20", sms=92, mem_bandwidth_gbs=864.0, l2_mb=96.0,
+                          fp16_tensor_tflops=119.5, source="driver (NVIDIA L20); bandwidth and launch measured")
+
+
+def _query(monkeypatch, name: str, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(device_mod, "vllm_platform", lambda: ("cuda", (name, capability)))
+
+
+def test_a_gpu_absent_from_the_known_table_is_served_with_its_stored_spec(tmp_path, monkeypatch):
+    with pytest.raises(SGraphError, match="unknown GPU"):
+        get_gpu("NVIDIA L20")  # what the plugin used to do with this GPU
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    reg = open_registry(url)
+    with reg.write() as s:
+        add_kernel(s, result(device=DeviceInfo.from_spec(L20, measured=True)))
+        add_kernel(s, result(workload="fused_add_rms_norm"))  # an H200 row beside it
+    reg.close()
+    monkeypatch.setenv("PRISM_SERVE_REGISTRY", url)
+    _query(monkeypatch, "NVIDIA L20", (8, 9))
+
+    device, device_type = device_mod.current_device()
+    assert device_type == "cuda"
+    assert device.fingerprint == "gpu:l20:sm8.9:92sms" and device.spec == L20
+    reg = open_registry(url, readonly=True)
+    with reg.read() as s:
+        (k,) = load_device(s, device, VERSIONS).usable
+        assert kernel_instance(k).gpu == "l20"  # instantiated with the stored spec
+    reg.close()
+    assert plan(url).device == device.fingerprint
+
+
+def test_the_row_is_matched_by_compute_capability_and_a_known_gpu_without_one_uses_the_table(tmp_path,
+                                                                                            monkeypatch):
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    reg = open_registry(url)
+    with reg.write() as s:
+        add_kernel(s, result(device=DeviceInfo.from_spec(L20, measured=True)))
+    reg.close()
+    reg = open_registry(url, readonly=True)
+    with reg.read() as s:  # same name, another architecture: not this row
+        assert stored_gpu(s, "l20", "9.0") is None and stored_gpu(s, "l20", "8.9").sm_count == 92
+    reg.close()
+    _query(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    device, _ = device_mod.current_device(registry=url)
+    assert device == DeviceInfo.from_spec(GPUS["h100"]) and device.spec is None
