@@ -291,14 +291,14 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
         out.reason = f"differs from vLLM's output by {out.vllm_max_rel_error:.2e} (limit {TOLERANCE[dtype]:g})"
         return out
     from prism_serve.baseline import served_modeled_us, vllm_modeled_us
-    out.modeled_speedup = [vllm_modeled_us(prog, c.num_tokens, spec) / served_modeled_us(prog, c.modeled_us,
-                                                                                         c.num_tokens, spec)
-                           for c in kernels.values()]
+    vllm_modeled = {rng: vllm_modeled_us(prog, c.num_tokens, spec) for rng, c in kernels.items()}
+    out.modeled_speedup = [vllm_modeled[rng] / served_modeled_us(prog, c.modeled_us, c.num_tokens, spec)
+                           for rng, c in kernels.items()]
     against, timings = _time_against_vllm(prog, kernels) if device_type == "cuda" else (None, {})
     out.baseline = against or ""
     path = "vLLM's own path" if against == "vllm" else "torch eager (vLLM not installed)"
     results = []
-    for rng, c in kernels.items():
+    for (rng, c), modeled_speedup in zip(kernels.items(), out.modeled_speedup):
         measured, baseline = timings.get(rng, (None, None))
         faster = measured is not None and measured < baseline
         status = "enabled" if faster else "verified"
@@ -309,6 +309,7 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
             program=prog, sgraph=best.sgraph, device=device, dtype=dtype, bucket=rng, params=c.assignment,
             versions=env, status=status, reason=reason, modeled_us=c.modeled_us, measured_us=measured,
             baseline=against if baseline is not None else None, baseline_us=baseline,
+            baseline_modeled_us=vllm_modeled[rng], modeled_speedup=modeled_speedup,
             proof={"ok": best.proof.ok, "reason": best.proof.reason, "seconds": best.proof.seconds,
                    "plan": best.plan.to_json()},
             tests={"small_instance_max_rel_error": best.numeric_error,

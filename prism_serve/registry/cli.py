@@ -76,8 +76,14 @@ def _row(k) -> dict:
     return {"id": k.id, "program": k.program.name, "program_hash": k.program.hash, "sgraph": k.sgraph.name,
             "device": k.device.fingerprint, "dtype": k.dtype, "bucket": [k.bucket_lo, k.bucket_hi],
             "params": _params(k), "measured_us": k.measured_us, "modeled_us": k.modeled_us,
-            "baseline": k.baseline, "baseline_us": k.baseline_us, "speedup": k.speedup, "status": k.status,
-            "reason": k.reason, "codegen_version": k.codegen_version}
+            "baseline": k.baseline, "baseline_us": k.baseline_us, "speedup": k.speedup,
+            "baseline_modeled_us": k.baseline_modeled_us, "modeled_speedup": k.modeled_speedup,
+            "vs_vllm": _vs_vllm(k), "status": k.status, "reason": k.reason, "codegen_version": k.codegen_version}
+
+
+def _vs_vllm(k) -> dict | None:
+    found = store.speedup_vs_vllm(k)
+    return None if found is None else {"speedup": found[0], "kind": found[1]}
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -96,15 +102,18 @@ def list_cmd(registry: RegistryOpt = None, device: Annotated[str | None, typer.O
         typer.echo(json.dumps(rows, indent=1))
         return
     table = Table(title=f"{len(rows)} kernels in {describe(reg.url)}")
-    # modeled and measured times in separate columns; the speedup is measured, over the baseline named
-    for col in ("id", "program", "hash", "device", "dtype", "tokens", "modeled us", "measured us", "baseline",
-                "baseline us", "measured speedup", "status", "reason"):
+    # modeled and measured times in separate columns, vLLM's path beside each; the speedup over
+    # vLLM's path is the measured one where a device timed both, else the modeled one, and says which
+    for col in ("id", "program", "hash", "device", "dtype", "tokens", "modeled us", "vLLM modeled us",
+                "measured us", "baseline", "baseline us", "vs vLLM", "status", "reason"):
         table.add_column(col)
     for r in rows:
+        vs = r["vs_vllm"]
         table.add_row(*map(shown, (str(r["id"]), r["program"], r["program_hash"][:10], r["device"], r["dtype"],
-                                   f"{r['bucket'][0]}-{r['bucket'][1]}", _fmt(r["modeled_us"]), _fmt(r["measured_us"]),
-                                   r["baseline"] or "-", _fmt(r["baseline_us"]),
-                                   _fmt(r["speedup"]) + ("x" if r["speedup"] else ""), r["status"], r["reason"])))
+                                   f"{r['bucket'][0]}-{r['bucket'][1]}", _fmt(r["modeled_us"]),
+                                   _fmt(r["baseline_modeled_us"]), _fmt(r["measured_us"]), r["baseline"] or "-",
+                                   _fmt(r["baseline_us"]), f"{vs['speedup']:.2f}x {vs['kind']}" if vs else "-",
+                                   r["status"], r["reason"])))
     _console().print(table)
 
 

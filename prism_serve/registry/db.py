@@ -38,7 +38,7 @@ BUSY_TIMEOUT_MS = 30_000  # writers queue this long for the lock before giving u
 REGISTRY_TABLES = {"devices", "programs", "program_sources", "sgraphs", "kernels"}
 # The newest migration's revision. A registry already there opens without loading Alembic
 # (half a second at every vLLM start); a test keeps this equal to the migrations' head.
-SCHEMA_HEAD = "0003"
+SCHEMA_HEAD = "0004"
 
 
 def resolve_url(location: str | os.PathLike | None = None) -> str:

@@ -49,7 +49,7 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u206
 E = RegistryError
 
 RECORD_FIELDS = ("program", "sgraph", "device", "dtype", "bucket", "params", "versions", "status", "reason")
-OPTIONAL_FIELDS = ("modeled_us", "measured_us", "baseline", "baseline_us")
+OPTIONAL_FIELDS = ("modeled_us", "measured_us", "baseline", "baseline_us", "baseline_modeled_us", "modeled_speedup")
 
 
 def free_text(value: Any, limit: int, where: str) -> str:
@@ -110,8 +110,9 @@ def record_to_result(rec: Any, where: str) -> KernelResult:
     lo, hi = (T.int_in(b, 1, MAX_TOKENS, f"{where}.bucket", E) for b in bucket)
     if lo > hi:
         raise E(f"{where}.bucket: [{lo}, {hi}] must have lo <= hi")
-    for key in ("modeled_us", "measured_us", "baseline_us"):
+    for key in ("modeled_us", "measured_us", "baseline_us", "baseline_modeled_us"):
         _optional(rec.get(key), T.float_in, 0.0, MAX_US, f"{where}.{key}", E)
+    _optional(rec.get("modeled_speedup"), T.float_in, 0.0, MAX_US, f"{where}.modeled_speedup", E)
     try:
         program = Program.from_json(prog["ir"])
         sgraph = SGraph.from_json(sg["json"])
@@ -129,6 +130,7 @@ def record_to_result(rec: Any, where: str) -> KernelResult:
         reason=free_text(rec["reason"], 1000, f"{where}.reason"),
         modeled_us=rec.get("modeled_us"), measured_us=rec.get("measured_us"),
         baseline=_optional(rec.get("baseline"), T.name, f"{where}.baseline", E), baseline_us=rec.get("baseline_us"),
+        baseline_modeled_us=rec.get("baseline_modeled_us") or None, modeled_speedup=rec.get("modeled_speedup") or None,
         proof=sg["proof"], tests=sg["tests"], sources=_sources(prog["sources"], f"{where}.program.sources"))
     try:
         check_result(result)
@@ -181,7 +183,8 @@ def kernel_record(k) -> dict[str, Any]:
         "versions": {"torch": k.torch_version, "triton": k.triton_version, "vllm": k.vllm_version,
                      "prism": k.prism_version, "codegen": k.codegen_version},
         "status": k.status, "reason": k.reason, "modeled_us": k.modeled_us, "measured_us": k.measured_us,
-        "baseline": k.baseline, "baseline_us": k.baseline_us,
+        "baseline": k.baseline, "baseline_us": k.baseline_us, "baseline_modeled_us": k.baseline_modeled_us,
+        "modeled_speedup": k.modeled_speedup,
     }
 
 

@@ -114,7 +114,8 @@ class Gate:
             raise RegistryError(f"{where}: {exc}") from None
         if imported:
             return dataclasses.replace(r, status="verified", reason=IMPORTED_REASON, modeled_us=None,
-                                       measured_us=None, baseline=None, baseline_us=None, proof=proof,
+                                       measured_us=None, baseline=None, baseline_us=None,
+                                       baseline_modeled_us=None, modeled_speedup=None, proof=proof,
                                        tests={"recheck": tests}, warmup_run_id=None)
         return dataclasses.replace(r, proof=r.proof | proof, tests=r.tests | {"recheck": tests})
 

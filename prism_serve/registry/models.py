@@ -117,7 +117,9 @@ class Kernel(Base):
     measured_us: Mapped[float | None] = mapped_column(Float)
     baseline: Mapped[str | None] = mapped_column(String(100))
     baseline_us: Mapped[float | None] = mapped_column(Float)
-    speedup: Mapped[float | None] = mapped_column(Float)
+    speedup: Mapped[float | None] = mapped_column(Float)  # measured: baseline_us / measured_us
+    baseline_modeled_us: Mapped[float | None] = mapped_column(Float)  # vLLM's path for the region, modeled
+    modeled_speedup: Mapped[float | None] = mapped_column(Float)  # baseline_modeled_us / what the plugin runs, modeled
     status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text, default="")
     warmup_run_id: Mapped[int | None] = mapped_column(ForeignKey("warmup_runs.id", ondelete="SET NULL", name="fk_kernels_warmup_run"))

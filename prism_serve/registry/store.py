@@ -107,7 +107,9 @@ class KernelResult:
     modeled_us: float | None = None
     measured_us: float | None = None
     baseline: str | None = None
-    baseline_us: float | None = None
+    baseline_us: float | None = None  # measured beside the kernel, against `baseline`
+    baseline_modeled_us: float | None = None  # vLLM's path for the region at the bucket's size, modeled
+    modeled_speedup: float | None = None  # baseline_modeled_us over what the plugin runs for it, modeled
     proof: dict[str, Any] = field(default_factory=dict)
     tests: dict[str, Any] = field(default_factory=dict)
     sources: tuple[tuple[str, str], ...] = ()  # (model, layer path)
@@ -139,6 +141,10 @@ def check_result(r: KernelResult) -> None:
                             f"{list(r.sgraph.symbols)}")
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in r.params.values()):
         raise RegistryError(f"{where}: params must be positive ints, got {r.params}")
+    for name in ("baseline_modeled_us", "modeled_speedup"):
+        value = getattr(r, name)
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            raise RegistryError(f"{where}: {name} must be a positive finite number, got {value!r}")
     if r.device.kind not in ("gpu", "cpu"):
         raise RegistryError(f"{where}: device kind {r.device.kind!r} is neither gpu nor cpu")
 
@@ -237,6 +243,7 @@ def add_kernel(session: Session, r: KernelResult, _ids: dict | None = None) -> i
         params_json=canonical_json(r.params), codegen_version=r.versions.codegen, torch_version=r.versions.torch,
         triton_version=r.versions.triton, vllm_version=r.versions.vllm, prism_version=r.versions.prism,
         modeled_us=r.modeled_us, measured_us=r.measured_us, baseline=r.baseline, baseline_us=r.baseline_us,
+        baseline_modeled_us=r.baseline_modeled_us, modeled_speedup=r.modeled_speedup,
         speedup=_speedup(r), status=r.status, reason=r.reason, warmup_run_id=r.warmup_run_id, updated_at=utcnow())
     return _upsert_id(session, Kernel, values, KERNEL_KEY, [c for c in values if c not in KERNEL_KEY])
 
@@ -245,6 +252,17 @@ def add_kernels(session: Session, results: Iterable[KernelResult]) -> list[int]:
     """Add many results in the caller's transaction, upserting each program, sGraph and device once."""
     ids: dict = {}
     return [add_kernel(session, r, ids) for r in results]
+
+
+def speedup_vs_vllm(k: Kernel) -> tuple[float, str] | None:
+    """How a stored kernel compares with vLLM's path: (speedup, "measured") where a device timed
+    both, else (speedup, "modeled"); None for a row that holds neither (older rows). A measured
+    figure against another baseline (torch eager, without vLLM) is not vLLM's and is not used."""
+    if k.speedup is not None and k.baseline == "vllm":
+        return k.speedup, "measured"
+    if k.modeled_speedup is not None:
+        return k.modeled_speedup, "modeled"
+    return None
 
 
 def _speedup(r: KernelResult) -> float | None:
