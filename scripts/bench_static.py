@@ -122,13 +122,16 @@ def main() -> int:
               f"{r['model_smem']:>7}/{r['ptxas_shared']:<7} {r['model_dots']:>4} {r['hgmma']:>5} {r['hmma']:>5} "
               f"{r['reg_error']:+5.0%}")
     errs = sorted(abs(r["reg_error"]) for r in rows)
+    summary = {"kernels": len(rows), "median_abs_error": errs[len(errs) // 2], "worst_abs_error": errs[-1],
+               "within_tolerance": sum(e <= REG_TOLERANCE for e in errs), "tolerance": REG_TOLERANCE}
     print(f"\n{len(rows)} kernels; register estimate |error| median {errs[len(errs) // 2]:.0%}, "
-          f"worst {errs[-1]:.0%}, within {REG_TOLERANCE:.0%}: {sum(e <= REG_TOLERANCE for e in errs)}/{len(errs)}")
+          f"worst {errs[-1]:.0%}, within {REG_TOLERANCE:.0%}: {summary['within_tolerance']}/{len(errs)}")
     for name, bad in checks.items():
         print(f"{name}: {len(bad)}" + "".join(f"\n  sm_{r['sm']} {r['sgraph']}.{r['kernel']} {r['assignment']}"
                                                for r in bad[:10]))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "checks": {k: len(v) for k, v in checks.items()}}, indent=1))
+        args.json.write_text(json.dumps({"summary": summary, "checks": {k: len(v) for k, v in checks.items()},
+                                         "rows": rows}, indent=1))
     return 0
 
 

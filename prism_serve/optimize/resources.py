@@ -1,11 +1,16 @@
 """The resource model: registers, shared memory and warps of one block kernel of an instance.
 
-Registers: a walk over the block graph in the order codegen emits it (before the loop, the
-loop body, after it) weighs what a block must hold: its loaded tiles, values live across a
-reduction, matmul or the loop, accumulators, the m x k x n product of a broadcast-and-sum
-matmul (`tl.sum(a[:, :, None] * b[None, :, :], axis=1)`), the operands of a `tl.dot`. Spread
-over the block's threads, plus a base, that is the per-thread estimate (weights fitted to
-ptxas; scripts/bench_static.py prints model beside ptxas for every kernel).
+Registers: what each thread of a block holds, in 32-bit words, as Triton lays tiles out (each
+thread holds its share of a tile, at least one element) and ptxas keeps them live:
+  - loaded tiles, at their storage width (fp16 packed two to a register);
+  - loop accumulators, in fp32;
+  - the m x k x n product of a broadcast-and-sum matmul (`tl.sum(a[:, :, None] * b[None, :, :],
+    axis=1)`): every thread forms its share of the products before reducing over k;
+  - the values feeding a `tl.dot`'s left operand: Triton computes them in the MMA operand layout,
+    where every warp holds all K columns of its rows (rows are split over at most M / 16 warps,
+    the other warps hold copies), so such a chain costs rows-per-warp x K / 32 per value.
+Each kind has one weight (below), the same for every kernel; scripts/bench_static.py prints the
+estimate beside ptxas's count for every kernel warmup would store.
 
 A token tile below the MMA minimum is padded to 16 rows (masked) where that is cheaper than
 the broadcast product (see `kernel_resources`): codegen then emits `tl.dot`.
@@ -36,25 +41,42 @@ REG_ALLOC_UNIT = 8
 # (Blackwell) the fp32 peak on every architecture in gpus.ARCH, so tl.dot is never slower.
 PAD_MIN_ROWS = 4
 WARP_CHOICES = (4, 8, 16, 32)  # Triton's default is 4; fewer leave a wide tile's loads to few threads
-# Registers per thread = REG_BASE (+ LOOP_REGS with a for-loop) + weighted tile elements / threads.
-# The weights were chosen by a grid search against ptxas 12.x under Triton 3.9 on the kernels
-# scripts/bench_static.py compiles (the five workloads' and the embedded models' chosen
-# instances, sm_90 and sm_80), then the broadcast-product weight raised from the fitted 0.25
-# to 0.75 because 1-token broadcast designs spilled with it. As committed: median error 19 %,
-# 80 of 132 kernels within 25 %, worst 96 % (bench_static prints the table). Loaded tiles are
-# held at their storage width (all loads are issued up front); values live across a reduction,
-# matmul or the loop are partly re-materialised; a tl.dot's fp16 operands sit in registers.
-REG_BASE = 12
-LOOP_REGS = 8  # loop counter, advanced pointers, pipelining state
-BARRIERS = ("sum", "mean", "max", "matmul")
-W_LOADS = 1.0  # per 32-bit word of a loaded tile
-W_SPANNING = 0.5  # per fp32 element of a computed value live across a barrier or the loop
-W_ACCUMS = 0.5  # per fp32 accumulator element
-W_PRODUCT = 0.75  # per element of the largest m x k x n broadcast product
-W_OPERANDS = 1.0  # per fp16 operand pair of the largest tl.dot, packed two per register
-# The estimate may use this share of a thread's register cap: in bench_static every decode
-# kernel ptxas spilled had an estimate within 10 % of the cap (the estimate errs by ~15-20 %).
-SPILL_HEADROOM = 0.9
+# Registers per thread = REG_BASE + sum over the kinds of weight x words a thread holds. The
+# weights are one least-squares fit (relative error) against ptxas 12.x under Triton 3.9 over the
+# 302 kernels of the three best-ranked instances per bucket of scripts/bench_static.py's cases,
+# sm_90 and sm_80, with the base fixed at what the smallest kernels need; they read as: a loaded
+# word is nearly always live (loads are issued up front); an accumulator element costs itself plus
+# part of the partial result added to it; a broadcast product element about one register; a
+# dot-operand chain element a third (it is converted to half precision and packed as it is
+# formed). A fit that also weighed values live across a reduction gave them 0.02: ptxas
+# re-materialises them.
+REG_BASE = 11  # program ids, row masks, base pointers and strides, the loop counter
+W_LOADS = 0.88  # per 32-bit word of a loaded tile
+W_ACCUMS = 1.35  # per fp32 accumulator element
+W_PRODUCT = 0.94  # per element of an m x k x n broadcast product
+W_DOT_CHAIN = 0.31  # per fp32 element of a value computed in a tl.dot's operand layout
+MMA_ROWS = 16  # rows of one warp's MMA tile (mma.sync m16n8k16; Triton splits M over warps by it)
+# The estimate may use this share of a thread's register cap: ptxas may need up to a third more
+# than an estimate that is 25 % low (bench_static's tolerance), so an estimate over 75 % of the cap
+# risks spilling; and where the estimate leaves ptxas room, ptxas fills it (kernels estimated near
+# the cap compile to exactly 255 registers), which the estimate cannot follow.
+SPILL_HEADROOM = 0.75
+
+
+@dataclass(frozen=True)
+class RegisterDemand:
+    """What a block holds in registers, before it is spread over the block's threads."""
+
+    tiles: tuple[tuple[float, float], ...]  # (weight, 32-bit words the whole block holds) per tile
+    dot_chains: tuple[tuple[int, int, int], ...]  # (values, M, K) per distinct tl.dot left operand
+
+    def per_thread(self, warps: int) -> float:
+        threads = warps * 32
+        held = sum(w * max(1.0, math.ceil(words / threads)) for w, words in self.tiles)
+        for values, m, k in self.dot_chains:
+            rows = max(MMA_ROWS, m // max(1, min(warps, m // MMA_ROWS)))
+            held += W_DOT_CHAIN * values * rows * k / 32
+        return held
 
 
 @dataclass(frozen=True)
@@ -63,7 +85,7 @@ class KernelResources:
 
     smem: int  # bytes of shared memory per block
     base_registers: int  # per thread, whatever the tiles
-    tile_registers: int  # registers the whole block holds for its tiles (weighted, see REG_BASE)
+    demand: RegisterDemand
     largest: tuple[str, int]  # the largest tile: (node, padded elements)
     batched_matmul: str | None  # a matmul whose tile keeps batch dims, if any
     mma_padded: bool  # token tiles padded to 16 rows so matmuls run as tl.dot
@@ -76,7 +98,12 @@ class KernelResources:
 
     @property
     def regs_per_thread(self) -> int:
-        return regs_per_thread(self.base_registers, self.tile_registers, self.warps)
+        return regs_per_thread(self.base_registers, self.demand, self.warps)
+
+    @property
+    def block_registers(self) -> int:
+        """Registers one block holds (the two designs of a padding choice may differ in warps)."""
+        return self.regs_per_thread * self.threads
 
     @property
     def spills(self) -> bool:
@@ -93,15 +120,15 @@ def usable_regs(warps: int) -> int:
     return int(reg_cap(warps) * SPILL_HEADROOM)
 
 
-def regs_per_thread(base: int, tile_registers: int, warps: int) -> int:
-    return math.ceil(base + tile_registers / (warps * 32))
+def regs_per_thread(base: int, demand: RegisterDemand, warps: int) -> int:
+    return math.ceil(base + demand.per_thread(warps))
 
 
-def choose_warps(base: int, tile_registers: int) -> int:
+def choose_warps(base: int, demand: RegisterDemand) -> int:
     """The fewest warps (from Triton's default 4) whose threads hold the tiles without
     spilling; 32 when none can (the kernel is then infeasible, see `check`)."""
     for w in WARP_CHOICES:
-        if regs_per_thread(base, tile_registers, w) <= usable_regs(w):
+        if regs_per_thread(base, demand, w) <= usable_regs(w):
             return w
     return WARP_CHOICES[-1]
 
@@ -136,39 +163,42 @@ def _dots(k: BlockKernel, padded_of: dict) -> tuple[str, ...]:
     return tuple(n.name for n in k.nodes if n.op == "matmul" and min(_matmul_dims(padded_of, n)) >= MMA_MIN)
 
 
-def _tile_registers(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ...]) -> float:
-    """Registers a whole block holds for its tiles (see the module doc for the weights)."""
-    stages = k.stages
-    order = ([n for n in k.nodes if stages[n.name] == "pre" and n.op != "accum"]
-             + [n for n in k.nodes if stages[n.name] == "loop" or n.op == "accum"]
-             + [n for n in k.nodes if stages[n.name] == "post" and n.op != "accum"])
-    pos = {n.name: i for i, n in enumerate(order)}
-    last: dict[str, int] = {}
-    for n in order:
-        for s in n.inputs:
-            last[s] = max(last.get(s, -1), pos[n.name])
-    barriers = [pos[n.name] for n in order if n.op in BARRIERS]
-    loads = spanning = accums = product = operands = 0.0
-    for n in order:
+def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ...]) -> RegisterDemand:
+    """The tiles a block holds (see the module doc for the kinds and their weights)."""
+    tiles: list[tuple[float, float]] = []
+    chains: dict[str, tuple[int, int, int]] = {}
+    by_name = {n.name: n for n in k.nodes}
+    for n in k.nodes:
         if n.name not in padded_of:
             continue
         size = math.prod(padded_of[n.name])
         if n.op == "accum":
-            accums += size
+            tiles.append((W_ACCUMS, size))
         elif n.op == "load":
-            loads += size * BYTES.get(types[n.name].dtype, 4) / 4
-        else:
-            carried = stages[n.name] == "pre" and any(stages[u.name] == "loop" for u in order if n.name in u.inputs)
-            if carried or any(pos[n.name] < b < last.get(n.name, -1) for b in barriers):
-                spanning += size
-        if n.op == "matmul":
+            tiles.append((W_LOADS, size * BYTES.get(types[n.name].dtype, 4) / 4))
+        elif n.op == "matmul":
             m, kk, nn = _matmul_dims(padded_of, n)
-            if n.name in dots:
-                operands = max(operands, (m * kk + kk * nn) / 2)
-            else:
-                product = max(product, m * kk * nn)
-    return (W_LOADS * loads + W_SPANNING * spanning + W_ACCUMS * accums + W_PRODUCT * product
-            + W_OPERANDS * operands)
+            if n.name not in dots:
+                tiles.append((W_PRODUCT, m * kk * nn))
+            elif n.inputs[0] not in chains:
+                chains[n.inputs[0]] = (len(_operand_chain(by_name, padded_of, n.inputs[0], m * kk)), m, kk)
+    return RegisterDemand(tuple(tiles), tuple(chains.values()))
+
+
+def _operand_chain(by_name: dict, padded_of: dict, start: str, elements: int) -> set[str]:
+    """The full-size values a dot's left operand is computed from in the kernel (back to its
+    loads, a matmul or an accumulator): Triton moves that elementwise chain into the operand
+    layout. Smaller tiles (a broadcast row of weights) are not counted."""
+    chain: set[str] = set()
+    stack = [start]
+    while stack:
+        name = stack.pop()
+        if name in chain or name not in padded_of or math.prod(padded_of[name]) < elements:
+            continue
+        chain.add(name)
+        if by_name[name].op not in ("load", "matmul", "accum"):
+            stack.extend(by_name[name].inputs)
+    return chain
 
 
 def _smem(g: SGraph, k: BlockKernel, types, padded_of: dict, dots: tuple[str, ...], warps: int) -> int:
@@ -188,20 +218,20 @@ def _smem(g: SGraph, k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
 def _resources(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool) -> KernelResources:
     types, dims_of, padded_of = _analyse(g, k, values, pad)
     dots = _dots(k, padded_of)
-    live = math.ceil(_tile_registers(k, types, padded_of, dots))
+    demand = _register_demand(k, types, padded_of, dots)
     largest = max(((n, math.prod(p)) for n, p in padded_of.items()), key=lambda t: t[1], default=("", 0))
     batched = next((n.name for n in k.nodes if n.op == "matmul"
                     and any(d != 1 for s in n.inputs for d in dims_of[s][:-2])), None)
-    base = REG_BASE + (LOOP_REGS if k.forloop else 0)
-    warps = choose_warps(base, live)
-    return KernelResources(_smem(g, k, types, padded_of, dots, warps), base, live, largest, batched, pad, dots,
+    base = REG_BASE
+    warps = choose_warps(base, demand)
+    return KernelResources(_smem(g, k, types, padded_of, dots, warps), base, demand, largest, batched, pad, dots,
                            warps)
 
 
 def kernel_resources(g: SGraph, k: BlockKernel, values: Mapping[str, int]) -> KernelResources:
     """Resources of `k` under `values`, with the token tile padded to the MMA minimum where a
     matmul would otherwise fall back to broadcast-and-sum and padding is cheaper: it needs no
-    more registers, or the tile has at least PAD_MIN_ROWS rows (see there); never where the
+    more registers a block, or the tile has at least PAD_MIN_ROWS rows (see there); never where the
     padded kernel would spill."""
     return _kernel_resources(g, k, tuple(sorted(values.items())))
 
@@ -220,7 +250,7 @@ def _kernel_resources(g: SGraph, k: BlockKernel, assignment: tuple[tuple[str, in
     padded = _resources(g, k, values, True)
     if len(padded.dots) <= len(plain.dots) or padded.spills:
         return plain
-    cheaper = padded.regs_per_thread <= plain.regs_per_thread or values[tok] >= PAD_MIN_ROWS
+    cheaper = padded.block_registers <= plain.block_registers or values[tok] >= PAD_MIN_ROWS
     return padded if cheaper else plain
 
 
@@ -238,9 +268,8 @@ def check(g: SGraph, k: BlockKernel, values: Mapping[str, int], gpu) -> KernelRe
         raise SGraphError(f"{where}: tiles need {r.smem} bytes of shared memory, {gpu.name} allows "
                           f"{gpu.smem_per_block} per block")
     if r.spills:
-        raise SGraphError(f"{where}: tiles need about {r.tile_registers} registers, "
-                          f"{r.regs_per_thread} per thread over {r.threads} threads, over the {usable_regs(r.warps)} "
-                          f"a thread may hold without spilling")
+        raise SGraphError(f"{where}: tiles need about {r.regs_per_thread} registers per thread over "
+                          f"{r.threads} threads, over the {usable_regs(r.warps)} a thread may hold without spilling")
     return r
 
 
