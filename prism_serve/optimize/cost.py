@@ -32,7 +32,8 @@ LAUNCH_US = GRAPH_LAUNCH_US  # the default mode's launch cost (CUDA-graph replay
 SECTOR_BYTES = 32  # DRAM / L2 access granularity (CUDA C++ Best Practices Guide, "Coalesced Access")
 # L2 bandwidth over DRAM bandwidth: about 2.5x on A100 and H100 (Jia et al., "Dissecting the
 # Ampere GPU Architecture through Microbenchmarking", GTC 2021; Chips and Cheese, "Nvidia's H100:
-# Funny L2, and Tons of Bandwidth", 2023).
+# Funny L2, and Tons of Bandwidth", 2023). Unchecked: the pages at hand give the articles' opening
+# only, not their bandwidth figures.
 L2_BANDWIDTH_FACTOR = 2.5
 # Share of the L2 a re-read set may count on: A100 / H100 split the L2 in two partitions and an
 # SM sees the far one at higher cost (A100 whitepaper, "L2 cache"; the H100 latency step at half
@@ -40,7 +41,8 @@ L2_BANDWIDTH_FACTOR = 2.5
 L2_USABLE_FRACTION = 0.5
 # Loaded DRAM latency, ns: pointer-chase measurements put the unloaded latency at 400-600 ns on
 # A100 and H100 (Jia et al. 2021; Chips and Cheese 2023, above). Little's law with it gives the
-# bytes that must be in flight to reach peak bandwidth.
+# bytes that must be in flight to reach peak bandwidth. Unchecked, like the L2 factor above: the
+# latency plots of those articles could not be read this session; a GPU run should measure it.
 DRAM_LATENCY_NS = 600.0
 # Bytes an SM's L1 returns per clock (A100 and H100 whitepapers: 128 B/clk/SM): a cap on how
 # fast one busy SM can pull data, so a small grid cannot reach the GPU's peak.

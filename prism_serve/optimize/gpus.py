@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 # per short kernel launched back to back on a stream, including ~2.9 us of kernel work and the
 # driver; Triton's Python launcher adds more on the host). Graph replay: the same blog measured
 # the per-kernel cost falling by about 0.5 us when the launches are one graph; the remaining GPU-side
-# launch gap is of the order of 1 us. Both are replaced by the device's own figures from the
-# warmup microbenchmark (`devbench`) on a real GPU.
+# launch gap is of the order of 1 us. Not checked against a public page this session (the blog's
+# figures could not be retrieved); the warmup microbenchmark (`devbench`) measures both on a GPU.
 EAGER_LAUNCH_US = 3.0
 GRAPH_LAUNCH_US = 1.0
 
@@ -110,19 +110,41 @@ def _known(name: str, cc: tuple[int, int], sms: int, bandwidth_gbs: float, l2_mb
 
 
 # The one table of known GPUs: (name, cc, SMs, DRAM GB/s, L2 MB, dense fp16 tensor TFLOPS, fp32 TFLOPS).
-# Tensor rates are the datasheets' dense figures (half the "with sparsity" ones).
+# Tensor rates are the datasheets' dense figures (half the "with sparsity" ones). Each row's source
+# names where its figures were checked (2026-12-03, with public pages); "unchecked" marks what no
+# public source at hand confirmed. On a device, the driver's figures and the warmup microbenchmark
+# replace every one of them (`spec_from_device`).
 KNOWN: tuple[GpuSpec, ...] = (
-    _known("h100", (9, 0), 132, 3350.0, 50.0, 989.4, 66.9, "NVIDIA H100 datasheet (2023), SXM5; SMs and L2: H100 whitepaper"),
-    _known("h200", (9, 0), 132, 4800.0, 50.0, 989.4, 66.9, "NVIDIA H200 datasheet (2024), SXM; GH100 die as H100 SXM5"),
-    _known("a100", (8, 0), 108, 2039.0, 40.0, 312.0, 19.5, "NVIDIA A100 datasheet (2021), SXM4 80GB; A100 whitepaper"),
-    _known("l40s", (8, 9), 142, 864.0, 96.0, 362.0, 91.6, "NVIDIA L40S datasheet (2023); AD102 per the Ada whitepaper"),
+    _known("h100", (9, 0), 132, 3350.0, 50.0, 989.4, 66.9,
+           "NVIDIA H100 datasheet, SXM5 (3,350 GB/s; FP16 tensor 1,979 TF sparse; FP32 67 TF) as tabulated at "
+           "archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html; 132 SMs, 50 MB L2, 989.4 / 66.9 TF: "
+           "glennklockwood.com/garden/processors/h100"),
+    _known("h200", (9, 0), 132, 4800.0, 50.0, 989.4, 66.9,
+           "NVIDIA H200 datasheet (2024), SXM, 4.8 TB/s; same GH100 configuration as H100 SXM5 "
+           "(glennklockwood.com/garden/processors/h100: H200 is H100 with HBM3e)"),
+    _known("a100", (8, 0), 108, 2039.0, 40.0, 312.0, 19.5,
+           "NVIDIA A100 datasheet (2021), SXM4 80GB, 2,039 GB/s; 108 SMs, 40 MB L2, 312 TF FP16 tensor, 19.5 TF "
+           "FP32: A100 whitepaper (as in fudzilla.com A100 launch report and datacrunch.io A100 specs)"),
+    _known("l40s", (8, 9), 142, 864.0, 96.0, 362.0, 91.6,
+           "NVIDIA L40S datasheet: 864 GB/s, 91.6 TF FP32, 733 TF FP16 tensor sparse, 142 SMs (568 tensor cores) "
+           "(grokipedia 'NVIDIA L4 vs L40S'; store.sourcecode.com L4/L40S comparison); 96 MB L2: "
+           "hmc-tech.com L40 (98.3 MB = 96 MiB)"),
     _known("h100-pcie", (9, 0), 114, 2000.0, 50.0, 756.0, 51.2,
-           "NVIDIA H100 datasheet (2023), PCIe 80GB; SMs and L2: H100 whitepaper"),
-    _known("a10g", (8, 6), 80, 600.0, 6.0, 140.0, 35.0,
-           "AWS EC2 G5 documentation (80 SMs, 24 GB GDDR6, 600 GB/s); rates derived as ARCH[8.6] x 80 SMs x 1.71 GHz"),
-    _known("l4", (8, 9), 58, 300.0, 48.0, 121.0, 30.3, "NVIDIA L4 datasheet (2023); AD104 per the Ada whitepaper"),
-    _known("b200", (10, 0), 148, 8000.0, 126.0, 2250.0, 75.0,
-           "NVIDIA HGX B200 datasheet (2024), per GPU; SMs and L2 as reported for B200, unverified here"),
+           "NVIDIA H100 datasheet, PCIe 80GB (114 SMs, 2,000 GB/s, 50 MB L2, FP16 tensor 1,513 TF sparse, FP32 "
+           "51 TF) as tabulated at archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html; 114 SMs and 50 MB L2 "
+           "also in Chips and Cheese, 'Nvidia's H100: Funny L2, and Tons of Bandwidth' (2023)"),
+    _known("a10g", (8, 6), 80, 600.0, 6.0, 70.0, 35.0,
+           "600 GB/s GDDR6: Baseten, 'NVIDIA A10 vs A10G for ML model inference' (which also says the A10G has "
+           "less tensor compute than the A10's 125 TF dense and more FP32); rates as 80 SMs x 1.71 GHz x 512 "
+           "(fp16 with fp32 accumulate, half the A10's per-SM rate) / 256 FLOP per clock; 80 SMs and 6 MB L2 "
+           "unchecked"),
+    _known("l4", (8, 9), 58, 300.0, 48.0, 121.0, 30.3,
+           "NVIDIA L4 datasheet: 300 GB/s, FP16 tensor 242 TF sparse (grokipedia 'NVIDIA L4 vs L40S'); 48 MB L2, "
+           "30.3 TF FP32 (fpsbench.com L4); 58 SMs = 7,424 CUDA cores / 128 (pages disagree: some list 60)"),
+    _known("b200", (10, 0), 148, 8000.0, 65.5, 2250.0, 75.0,
+           "NVIDIA B200 datasheet, 8 TB/s (knlb.pages.dev/ai/numbers); 148 SMs, 65.5 MB L2, FP16 tensor 2.25 PF "
+           "dense, FP32 75 TF: hmc-tech.com 'NVIDIA B200 vs B100' (other pages give 96-126 MB of L2: the smaller "
+           "figure is kept, so L2 reuse is not overstated)"),
 )
 GPUS: dict[str, GpuSpec] = {g.name: g for g in KNOWN}
 ALIASES = {"h100-sxm": "h100", "nvidia h100 80gb hbm3": "h100", "nvidia h100 pcie": "h100-pcie",
