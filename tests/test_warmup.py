@@ -83,6 +83,9 @@ def test_the_registry_holds_each_kernel_with_its_proof_plan_and_checks(warmed):
         for k in kernels:
             assert k.status == "verified" and k.sgraph.proof["ok"] and "plan" in k.sgraph.proof
             assert k.sgraph.tests["vllm_max_rel_error"] < 1e-4
+            assert k.baseline_modeled_us > 0 and k.speedup is None  # vLLM's path modeled; nothing measured here
+        reported = sorted(round(x, 9) for r in first.regions if r.status != "skipped" for x in r.modeled_speedup)
+        assert sorted(round(k.modeled_speedup, 9) for k in kernels) == reported
         # shape-generic reuse: the stored rmsnorm_linear plan builds for other dims of the family
         other = rmsnorm_linear(256, 384, "float32")
         plans = known_plans(s, other)
