@@ -255,6 +255,7 @@ class Linear:
     out: fx.Node  # the node holding its result
     out_features: int
     nodes: tuple[fx.Node, ...]
+    done: fx.Node | None = None  # where `out` is written in place (Dynamo's graph): the call; else None
 
 
 @dataclass(frozen=True)
@@ -265,8 +266,9 @@ class Region:
     key: Key | None  # None: the structure matched but the region cannot be served (see `why`)
     norm: Norm | None
     linear: Linear | None
-    act: fx.Node | None  # the SiLU*mul op node
+    act: fx.Node | None  # the SiLU*mul node (prism's op, or the `mul` of vLLM's torch form)
     why: str | None = None
+    act_nodes: tuple[fx.Node, ...] = ()  # the activation's own nodes
 
     @property
     def nodes(self) -> frozenset[fx.Node]:
@@ -276,7 +278,7 @@ class Region:
             ns.add(self.norm.node)
             ns.update(u for u in self.norm.node.users if u.target is operator.getitem)
         if self.act is not None:
-            ns.add(self.act)
+            ns.update((self.act, *self.act_nodes))
         return frozenset(ns)
 
 
@@ -285,17 +287,26 @@ def _val(n) -> Tensor | None:
     return v if isinstance(v, Tensor) else None
 
 
+def _packet(target):
+    return getattr(target, "_overloadpacket", target)
+
+
+def _is(n: fx.Node, *names: str) -> bool:
+    """`n` calls one of the ops `names` (any overload)."""
+    return n.op == "call_function" and _packet(n.target) in {_packet(t) for t in _targets(*names)}
+
+
 def norm_at(n: fx.Node) -> Norm | None:
-    """`n` as an RMSNorm op (prism's, or vLLM's IR op before its lowering), or None."""
+    """`n` as an RMSNorm op (prism's, or vLLM's IR op: in Dynamo's graph and before its lowering), or None."""
     if n.op != "call_function":
         return None
     args = list(n.args) + [n.kwargs[k] for k in ("epsilon", "variance_size") if k in n.kwargs]
-    if n.target in _targets("prism::rms_norm", "vllm_ir::rms_norm"):
+    if _is(n, "prism::rms_norm", "vllm_ir::rms_norm"):
         x, w, eps, *rest = args
         if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
             return None
         return Norm(n, x, None, w, eps, n, None)
-    if n.target in _targets("prism::fused_add_rms_norm", "vllm_ir::fused_add_rms_norm"):
+    if _is(n, "prism::fused_add_rms_norm", "vllm_ir::fused_add_rms_norm"):
         x, r, w, eps, *rest = args
         if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
             return None
@@ -310,10 +321,15 @@ def _only_user(n: fx.Node) -> fx.Node | None:
     return next(iter(n.users)) if len(n.users) == 1 else None
 
 
+def _is_view(n: fx.Node) -> bool:
+    return (n.op == "call_method" and n.target in ("view", "reshape")) or n.target in _targets(*VIEWS) \
+        or n.target is torch.reshape
+
+
 def _same_shape_views(n: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """Follow `n` through views that keep its shape and have no other consumer."""
     views = []
-    while (u := _only_user(n)) is not None and u.target in _targets(*VIEWS) and u.args[0] is n:
+    while (u := _only_user(n)) is not None and _is_view(u) and u.args[0] is n:
         if _val(u) is None or _val(n) is None or tuple(_val(u).shape) != tuple(_val(n).shape):
             break
         views.append(u)
@@ -332,38 +348,85 @@ def _transposed(w) -> fx.Node | None:
     return None
 
 
-def linear_from(x: fx.Node) -> Linear | None:
-    """The projection that alone consumes `x` (through same-shape views), or None."""
-    end, views = _same_shape_views(x)
-    u = _only_user(end)
-    if u is None or u.op != "call_function":
+def linear_at(u: fx.Node) -> Linear | None:
+    """`u` as a projection (torch's mm / addmm on a transposed plain weight, or vLLM CPU's oneDNN
+    GEMM), whose activation is its `x`; or None."""
+    if u.op != "call_function":
         return None
-    val = _val(u)
     if u.target is torch.ops.higher_order.auto_functionalized and u.args and u.args[0] == _op("_C::onednn_mm"):
         kw = u.kwargs
-        if kw.get("a") is not end or not isinstance(kw.get("handler_tensor"), fx.Node):
+        if not isinstance(kw.get("a"), fx.Node) or not isinstance(kw.get("handler_tensor"), fx.Node):
             return None
         items = {i.args[1]: i for i in u.users if i.target is operator.getitem}
         # its output is item 1 (the written `c`); an item 0 (the op's own None) may linger unused
         if 1 not in items or len(items) != len(u.users) or any(i != 1 and items[i].users for i in items):
             return None
-        out, own = items[1], [*views, u, *items.values()]  # `c` (an empty buffer) is left to Inductor's DCE
-        val = _val(out)
-        if val is None:
-            return None
-        return Linear(x, kw["handler_tensor"], kw.get("bias"), out, int(val.shape[-1]), tuple(own))
-    if u.target in _targets("aten::mm") and u.args[0] is end and (w := _transposed(u.args[1])) is not None:
-        return Linear(x, w, None, u, int(val.shape[-1]), (*views, u.args[1], u)) if val is not None else None
-    if u.target in _targets("aten::addmm") and u.args[1] is end and not u.kwargs \
-            and (w := _transposed(u.args[2])) is not None and len(u.args) == 3:
-        return Linear(x, w, u.args[0], u, int(val.shape[-1]), (*views, u.args[2], u)) if val is not None else None
+        val = _val(items[1])  # `c`, an empty buffer, is left to Inductor's DCE
+        return Linear(kw["a"], kw["handler_tensor"], kw.get("bias"), items[1], int(val.shape[-1]),
+                      (u, *items.values())) if val is not None else None
+    if _is(u, "_C::onednn_mm") and len(u.args) == 4 and all(isinstance(a, fx.Node) for a in u.args[::3]):
+        c, a, bias, handle = u.args  # Dynamo's graph: the call writes `c` in place
+        val = _val(c)
+        return Linear(a, handle, bias, c, int(val.shape[-1]), (u,), u) if val is not None else None
+    val = _val(u)
+    if val is None:
+        return None
+    if u.target in (torch._C._nn.linear, torch.nn.functional.linear) and not u.kwargs and len(u.args) in (2, 3):
+        return Linear(u.args[0], u.args[1], u.args[2] if len(u.args) == 3 else None, u, int(val.shape[-1]), (u,))
+    if u.target in _targets("aten::mm") and (w := _transposed(u.args[1])) is not None:
+        return Linear(u.args[0], w, None, u, int(val.shape[-1]), (u.args[1], u))
+    if u.target in _targets("aten::addmm") and len(u.args) == 3 and not u.kwargs \
+            and (w := _transposed(u.args[2])) is not None:
+        return Linear(u.args[1], w, u.args[0], u, int(val.shape[-1]), (u.args[2], u))
     return None
 
 
-def silu_after(n: fx.Node) -> fx.Node | None:
-    """The SiLU*mul op (prism's) that alone consumes `n`, or None."""
-    u = _only_user(n)
-    return u if u is not None and u.target in _targets("prism::silu_and_mul") and u.args[0] is n else None
+def linear_from(x: fx.Node) -> Linear | None:
+    """The projection that alone consumes `x` (through same-shape views, which it then owns), or None."""
+    end, views = _same_shape_views(x)
+    u = _only_user(end)
+    lin = linear_at(u) if u is not None else None
+    if lin is None or lin.x is not end:
+        return None
+    return Linear(x, lin.weight, lin.bias, lin.out, lin.out_features, (*views, *lin.nodes), lin.done)
+
+
+def _consumers(lin: Linear) -> list[fx.Node]:
+    return [u for u in lin.out.users if u is not lin.done]
+
+
+def _halves(x: fx.Node, a, b) -> bool:
+    """`a` and `b` read the first and the second half of `x`'s last dim (`x[..., :d]`, `x[..., d:]`)."""
+    def last(n):
+        if not (isinstance(n, fx.Node) and n.target is operator.getitem and n.args[0] is x):
+            return None
+        idx = n.args[1]
+        return idx[-1] if isinstance(idx, tuple) and idx and idx[0] is Ellipsis and len(idx) == 2 else None
+    sa, sb, val = last(a), last(b), _val(x)
+    if not (isinstance(sa, slice) and isinstance(sb, slice)) or val is None:
+        return False
+    d = int(val.shape[-1]) // 2
+    return (sa.start, sa.stop, sa.step, sb.start, sb.stop, sb.step) == (None, d, None, d, None, None)
+
+
+def act_after(lin: Linear) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
+    """The SiLU*mul that alone consumes the projection's result: (its output node, its own nodes);
+    prism's op (the pass's graph), or vLLM's torch form `silu(x[..., :d]) * x[..., d:]` (Dynamo's)."""
+    users = _consumers(lin)
+    if len(users) == 1 and _is(users[0], "prism::silu_and_mul") and users[0].args[0] is lin.out:
+        return users[0], ()
+    if len(users) != 2 or any(len(u.users) != 1 for u in users):
+        return None
+    silus = [u for u in users if next(iter(u.users)).target in (torch.nn.functional.silu, torch.ops.aten.silu.default)]
+    if len(silus) != 1:
+        return None
+    silu = next(iter(silus[0].users))
+    mul = _only_user(silu)
+    up = next(u for u in users if u is not silus[0])
+    if mul is None or mul.target not in (operator.mul, torch.mul) or list(mul.args) != [silu, up] \
+            or _only_user(up) is not mul or not _halves(lin.out, silus[0], up):
+        return None
+    return mul, (*users, silu)
 
 
 def _weight_ok(lin: Linear, x: Tensor) -> str | None:
@@ -380,7 +443,8 @@ def _weight_ok(lin: Linear, x: Tensor) -> str | None:
     return None
 
 
-def _region(kind: str, norm: Norm | None, lin: Linear, act: fx.Node | None) -> Region:
+def _region(kind: str, norm: Norm | None, lin: Linear, act_found: tuple | None) -> Region:
+    act, act_nodes = act_found or (None, ())
     x = _val(norm.x if norm else lin.x)
     why = None
     if x is None or x.dim() != 2:
@@ -399,10 +463,10 @@ def _region(kind: str, norm: Norm | None, lin: Linear, act: fx.Node | None) -> R
     else:
         why = _weight_ok(lin, x)
     if why is not None:
-        return Region(kind, None, norm, lin, act, why)
+        return Region(kind, None, norm, lin, act, why, act_nodes)
     hidden, n = int(x.shape[-1]), lin.out_features
     dims = (hidden, n // 2) if act is not None else (hidden, n)
-    return Region(kind, (x.dtype, dims, norm.eps if norm else None), norm, lin, act)
+    return Region(kind, (x.dtype, dims, norm.eps if norm else None), norm, lin, act, None, act_nodes)
 
 
 def find_regions(graph: fx.Graph) -> list[Region]:
@@ -416,30 +480,14 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             lin = linear_from(norm.out)
             if lin is None:
                 continue
-            act = silu_after(lin.out)
+            act = act_after(lin)
             if act is not None:
                 out.append(_region("rmsnorm_swiglu", norm, lin, act))
             out.append(_region("fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear",
                                norm, lin, None))
-        elif n.target in _targets("prism::silu_and_mul"):
-            src = n.args[0]
-            # the projection feeding this activation: found from its input, through its producer
-            lin = next((lin for a in _inputs_of_projection(src) if (lin := linear_from(a)) and lin.out is src), None)
-            if lin is not None:
-                out.append(_region("swiglu", None, lin, n))
+            continue
+        lin = linear_at(n)
+        act = act_after(lin) if lin is not None else None
+        if act is not None:
+            out.append(_region("swiglu", None, lin, act))
     return out
-
-
-def _inputs_of_projection(out: fx.Node) -> list[fx.Node]:
-    """Candidate activations of the projection whose result is `out` (walking back over its nodes)."""
-    n = out
-    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        n = n.args[0]  # auto_functionalized(onednn_mm)
-        a = n.kwargs.get("a") if n.target is torch.ops.higher_order.auto_functionalized else None
-    else:
-        a = n.args[1] if n.target in _targets("aten::addmm") else n.args[0] if n.args else None
-    cands = []
-    while isinstance(a, fx.Node):
-        cands.append(a)
-        a = a.args[0] if a.target in _targets(*VIEWS) and a.args else None
-    return cands[::-1]
