@@ -277,6 +277,13 @@ def test_region_kernels_run_on_the_weights_vllm_packed(regions_registry, monkeyp
     ran = {k: ops.COUNTS[k] - before[0][k] for k in ("fused_add_rmsnorm_linear", "rmsnorm_swiglu")}
     assert ran == {"fused_add_rmsnorm_linear": 3, "rmsnorm_swiglu": 3}
     assert ops.MISSES == before[1]
+    # a handle packed before the plugin was there (no plain weight recorded): vLLM's path, oneDNN included
+    unrecorded = Proj("onednn", qkv_out, hidden=h)
+    x, g = torch.randn(4, h), w_(h)
+    got = torch.ops.prism.rmsnorm_linear(x, g, unrecorded.arg, 1e-6, -1, qkv_out)
+    torch.testing.assert_close(got, F.linear(native_rms(x, g, 1e-6), unrecorded.w), rtol=1e-4, atol=1e-4)
+    assert ops.COUNTS["rmsnorm_linear"] == before[0]["rmsnorm_linear"]
+    assert ops.MISSES["rmsnorm_linear"] == before[1]["rmsnorm_linear"] + 1
 
 
 def _silu_mul(gu, d):
