@@ -9,9 +9,9 @@ model's classes), so capture reports exactly the regions the pass would replace:
 RMSNorm -> projection is ``rmsnorm_linear`` (or ``fused_add_rmsnorm_linear`` when the
 norm adds a residual), projection -> SiLU*mul is ``swiglu``, RMSNorm -> projection ->
 SiLU*mul is ``rmsnorm_swiglu``; one the pass would refuse (a weight of another dtype, a
-biased gate_up, ...) is reported unsupported with the matcher's reason. Every region instance carries its dims, read from
-the traced fake tensors (so they are the sharded, per-rank dims), and *refs*: where
-to read its inputs and outputs at run time, in the argument order of the
+biased gate_up, ...) is reported unsupported with the matcher's reason. Every region
+instance carries its dims, read from the traced fake tensors (so they are the sharded,
+per-rank dims), and *refs*: where to read its inputs and outputs at run time, in the argument order of the
 optimizer's Program builder. Rotary embedding and attention are found as vLLM's
 own ops and reported unsupported (the IR has no gather, slice or mask), with their
 dims and refs to the op's own tensor arguments, so what is reported can be checked.

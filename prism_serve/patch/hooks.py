@@ -11,7 +11,8 @@
   weights for oneDNN and drops them; `_install_packed` records the plain weight of each projection
   whose shape a region kernel serves, under vLLM's oneDNN handle, which is what the graph holds.
 - In eager mode (`enforce_eager`, where no pass runs) only: whole regions, by class. The decoder
-  MLP classes of Llama and Qwen2/3 (looked up by name in their model modules when a model is built) replaced by subclasses whose gate_up projection and activation
+  MLP classes of Llama and Qwen2/3 (looked up by name in their model modules when a model is
+  built) replaced by subclasses whose gate_up projection and activation
   run as one `prism::swiglu` kernel where the table has one for that layer; and in Llama and
   Qwen3 decoder layers, the input side (residual add, RMSNorm, qkv projection) as one
   `prism::fused_add_rmsnorm_linear` or `prism::rmsnorm_linear`, and the post-attention side

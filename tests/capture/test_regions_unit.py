@@ -240,7 +240,8 @@ class GeluAndMul:
     pass
 
 
-def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=torch.float32, n=3, hidden=16, inter=24):
+def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=torch.float32, n=3, hidden=16,
+                          inter=24):
     """A post-attention side as vLLM's CPU build traces it in Dynamo: residual add + RMSNorm (the IR op),
     gate_up as vLLM's in-place oneDNN call on its handle (or torch's linear), `act(x[..., :d]) * x[..., d:]`."""
     import operator
@@ -260,7 +261,8 @@ def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=
         node.meta.update(nn_module_stack={path: (f"L['self'].{path}", cls)}, example_value=val)
         return node
 
-    norm_path, lin_path, act_path = "layers.0.post_attention_layernorm", "layers.0.mlp.gate_up_proj", "layers.0.mlp.act_fn"
+    norm_path, lin_path = "layers.0.post_attention_layernorm", "layers.0.mlp.gate_up_proj"
+    act_path = "layers.0.mlp.act_fn"
     op = call(fused_add_rms_norm, (x, res, w, 1e-6, None), norm_path, RMSNorm, None)
     y, s = (call(operator.getitem, (op, i), norm_path, RMSNorm, torch.randn(n, hidden)) for i in (0, 1))
     if gemm == "onednn":
