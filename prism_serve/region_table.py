@@ -8,8 +8,8 @@ and the doctor lists where each kind is served.
 
 A row is data a pattern matcher can read: `vllm_path` is the chain of vLLM ops the region
 replaces, in data-flow order (an op's output is the next one's first input), and `modules` the
-module roles of a decoder layer it spans today (the class-level hooks of `patch.hooks` find
-them by these names).
+module roles of a decoder layer it spans (the eager-mode class hooks of `patch.hooks` find them
+by these names; the compiled-mode fusion pass matches vLLM's ops instead, see `patch.patterns`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ class Site:
 
 
 def servable(kind: str, modules: Iterable[str]) -> bool:
-    """Whether a plugin hook serves this kind at these modules (class-level today: by module role)."""
+    """Whether a plugin hook serves this kind at these modules, by module role: the eager-mode class
+    hooks' rule, which warmup and the doctor follow. In compiled mode the fusion pass serves a region
+    wherever capture reports it (both use `patch.patterns.find_regions`), whatever the roles."""
     k = KINDS.get(kind)
     if k is None:
         return False

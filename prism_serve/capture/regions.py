@@ -2,13 +2,16 @@
 
 Runs in the capture child process on the graph vLLM's Dynamo trace hands to the
 capture backend. Each leaf module instance (``layers.0.input_layernorm``) becomes a
-group of nodes; a group's external inputs and outputs give the data flow between
-modules, from which regions are chained: RMSNorm -> Linear is ``rmsnorm_linear`` (or
-``fused_add_rmsnorm_linear`` when the norm adds a residual),
-Linear -> SiluAndMul is ``swiglu``, RMSNorm -> Linear -> SiluAndMul is
-``rmsnorm_swiglu``, and so on. Every region instance carries its dims, read from
-the traced fake tensors (so they are the sharded, per-rank dims), and *refs*: where
-to read its inputs and outputs at run time, in the argument order of the
+group of nodes (for time per module and the single ops: RMSNorm, residual add + RMSNorm,
+SiluAndMul). The regions holding a projection are found by the fusion pass's own matcher
+(`prism_serve.patch.patterns.find_regions`, by data flow over vLLM's ops, whatever the
+model's classes), so capture reports exactly the regions the pass would replace:
+RMSNorm -> projection is ``rmsnorm_linear`` (or ``fused_add_rmsnorm_linear`` when the
+norm adds a residual), projection -> SiLU*mul is ``swiglu``, RMSNorm -> projection ->
+SiLU*mul is ``rmsnorm_swiglu``; one the pass would refuse (a weight of another dtype, a
+biased gate_up, ...) is reported unsupported with the matcher's reason. Every region
+instance carries its dims, read from the traced fake tensors (so they are the sharded,
+per-rank dims), and *refs*: where to read its inputs and outputs at run time, in the argument order of the
 optimizer's Program builder. Rotary embedding and attention are found as vLLM's
 own ops and reported unsupported (the IR has no gather, slice or mask), with their
 dims and refs to the op's own tensor arguments, so what is reported can be checked.
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
+
+from prism_serve.patch import patterns
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -145,14 +150,10 @@ def _region(kind: str, g: list[Group], dims: dict, dtype: str, inputs: list, out
 def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
     """All region instances of the graph, in graph order."""
     groups = module_groups(graph)
-    by_input: dict[fx.Node, Group] = {}
-    for g in groups.values():
-        for a in g.ext_inputs:
-            by_input.setdefault(a, g)
     regions: list[dict] = []
     for g in groups.values():
         if g.cls == "RMSNorm":
-            regions += _norm_regions(g, by_input)
+            regions += _norm_regions(g)
         elif g.cls == "SiluAndMul" and g.ext_inputs and g.ext_outputs:
             x, y = g.ext_inputs[0], g.ext_outputs[0]
             inter = _last(y)
@@ -164,10 +165,10 @@ def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
             regions.append(_rotary_region(g))
         elif g.cls == "Attention":
             regions.append(_attention_region(g))
-    return regions + swiglu_regions(groups), groups
+    return regions + projection_regions(graph), groups
 
 
-def _norm_regions(g: Group, by_input: dict[fx.Node, Group]) -> list[dict]:
+def _norm_regions(g: Group) -> list[dict]:
     nm = _norm(g)
     if nm is None:
         return [_region("rms_norm", [g], {}, "float32", [], [], supported=False,
@@ -179,52 +180,59 @@ def _norm_regions(g: Group, by_input: dict[fx.Node, Group]) -> list[dict]:
     w = _before(nm.weight, nm.op)
     if nm.fused:
         out = [_after(nm.out)] + ([_after(nm.sum)] if nm.sum is not None else [])
-        regions = [_region("fused_add_rms_norm", [g], dims, dtype,
-                           [_before(nm.x, nm.op, **extra), _before(nm.residual, nm.op, **extra), w], out, nm.eps)]
-        x_ref = _after(nm.sum) if nm.sum is not None else None
-    else:
-        regions = [_region("rms_norm", [g], dims, dtype, [_before(nm.x, nm.op, **extra), w],
-                           [_after(nm.out, **extra)], nm.eps)]
-        x_ref = _before(nm.x, nm.op)
-    lin = by_input.get(nm.out)
-    if lin is None or not lin.cls.endswith("Linear") or not lin.ext_outputs or rows or x_ref is None:
-        return regions
-    y = lin.ext_outputs[0]
-    out = _last(y)
-    if nm.fused:  # the residual add comes with it: the kernel also writes the sum (the next residual)
-        regions.append(_region("fused_add_rmsnorm_linear", [g, lin], {"hidden": hidden, "out": out}, dtype,
-                               [_before(nm.x, nm.op), _before(nm.residual, nm.op), w, {"param": lin.path}],
-                               [_after(y, lin.nodes[-1]), x_ref], nm.eps))
-    else:
-        regions.append(_region("rmsnorm_linear", [g, lin], {"hidden": hidden, "out": out}, dtype,
-                               [x_ref, w, {"param": lin.path}], [_after(y, lin.nodes[-1])], nm.eps))
-    act = by_input.get(y)
-    if act is not None and act.cls == "SiluAndMul" and act.ext_outputs:
-        inter = out // 2
-        regions.append(_region("rmsnorm_swiglu", [g, lin, act], {"hidden": hidden, "intermediate": inter}, dtype,
-                               [x_ref, w, {"param": lin.path, "slice": [0, inter]},
-                                {"param": lin.path, "slice": [inter, 2 * inter]}],
-                               [_after(act.ext_outputs[0], act.nodes[-1])], nm.eps))
-    return regions
+        return [_region("fused_add_rms_norm", [g], dims, dtype,
+                        [_before(nm.x, nm.op, **extra), _before(nm.residual, nm.op, **extra), w], out, nm.eps)]
+    return [_region("rms_norm", [g], dims, dtype, [_before(nm.x, nm.op, **extra), w],
+                    [_after(nm.out, **extra)], nm.eps)]
 
 
-def swiglu_regions(groups: dict[str, Group]) -> list[dict]:
-    """gate_up_proj (merged Linear) feeding SiluAndMul: swiglu(hidden, intermediate)."""
-    out = []
-    by_input = {a: g for g in groups.values() for a in g.ext_inputs}
-    for lin in groups.values():
-        if not lin.cls.endswith("Linear") or not lin.ext_outputs or not lin.ext_inputs:
-            continue
-        y = lin.ext_outputs[0]
-        act = by_input.get(y)
-        if act is None or act.cls != "SiluAndMul" or not act.ext_outputs:
-            continue
-        x, inter = lin.ext_inputs[0], _last(y) // 2
-        out.append(_region("swiglu", [lin, act], {"hidden": _last(x), "intermediate": inter}, _dtype(y),
-                           [_before(x, lin.nodes[0]), {"param": lin.path, "slice": [0, inter]},
-                            {"param": lin.path, "slice": [inter, 2 * inter]}],
-                           [_after(act.ext_outputs[0], act.nodes[-1])]))
-    return out
+def _path(n: fx.Node | None) -> str | None:
+    mod = _module_of(n) if n is not None else None
+    return mod[0] if mod else None
+
+
+def _projection_region(r: patterns.Region) -> dict | None:
+    """A matched region as capture reports it: modules, dims, and refs in the Program builder's order."""
+    lin, norm = r.linear, r.norm
+    at = lin.done or lin.out  # where the projection's result is complete
+    paths = [p for p in (_path(norm.node) if norm else None, _path(at), _path(r.act)) if p]
+    if not paths or _path(at) is None:
+        return None
+    x = norm.x if norm else lin.x
+    dtype = _dtype(x)
+    layer = _layer(paths[0])
+    if r.key is None:
+        return {"kind": r.kind, "layer": layer, "modules": paths, "dims": {}, "eps": norm.eps if norm else None,
+                "dtype": dtype, "supported": False, "reason": r.why, "inputs": [], "outputs": []}
+    hidden, n = r.key[1]
+    param = {"param": _path(at)}
+    halves = [param | {"slice": [0, n]}, param | {"slice": [n, 2 * n]}]
+    if r.kind == "swiglu":
+        first = lin.nodes[0]
+        inputs, dims = [_before(lin.x, first), *halves], {"hidden": hidden, "intermediate": n}
+    else:
+        if norm.residual is not None and norm.sum is None:
+            return None  # the residual sum is never read: nothing to record it from
+        w = _before(norm.weight, norm.node)
+        x_ref = _after(norm.sum) if norm.residual is not None else _before(norm.x, norm.node)
+        if r.kind == "rmsnorm_swiglu":
+            inputs, dims = [x_ref, w, *halves], {"hidden": hidden, "intermediate": n}
+        elif r.kind == "fused_add_rmsnorm_linear":
+            inputs, dims = [_before(norm.x, norm.node), _before(norm.residual, norm.node), w, param], \
+                {"hidden": hidden, "out": n}
+        else:
+            inputs, dims = [x_ref, w, param], {"hidden": hidden, "out": n}
+    if r.act is not None:
+        outputs = [_after(r.act)]
+    else:
+        outputs = [_after(lin.out, at)] + ([_after(norm.sum)] if r.kind == "fused_add_rmsnorm_linear" else [])
+    return {"kind": r.kind, "layer": layer, "modules": paths, "dims": dims, "eps": norm.eps if norm else None,
+            "dtype": dtype, "supported": True, "reason": None, "inputs": inputs, "outputs": outputs}
+
+
+def projection_regions(graph: fx.Graph) -> list[dict]:
+    """The regions holding a projection, as the fusion pass's matcher finds them."""
+    return [d for d in map(_projection_region, patterns.find_regions(graph)) if d is not None]
 
 
 ROTARY_REASON = ("rotary gathers cos/sin rows of cos_sin_cache by position and rotates the {style} of "

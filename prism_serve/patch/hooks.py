@@ -5,17 +5,19 @@
   under torch.compile vLLM's IR lowering pass traces the provider into the graph as the opaque
   `prism::` op.
 - `CustomOp.register_oot` replacement of `SiluAndMul`, whose every forward runs `prism::silu_and_mul`.
-- Whole regions: the decoder MLP classes of Llama and Qwen2/3 (looked up by name in their model
-  modules when a model is built) replaced by subclasses whose gate_up projection and activation
+- In compiled mode, the fusion pass (`fusion.py`), which vLLM's config carries into Inductor:
+  every region kind matched by FX pattern on the model's graph and replaced by its `prism::` op
+  where the table has a kernel, whatever the architecture. On the CPU build vLLM packs projection
+  weights for oneDNN and drops them; `_install_packed` records the plain weight of each projection
+  whose shape a region kernel serves, under vLLM's oneDNN handle, which is what the graph holds.
+- In eager mode (`enforce_eager`, where no pass runs) only: whole regions, by class. The decoder
+  MLP classes of Llama and Qwen2/3 (looked up by name in their model modules when a model is
+  built) replaced by subclasses whose gate_up projection and activation
   run as one `prism::swiglu` kernel where the table has one for that layer; and in Llama and
   Qwen3 decoder layers, the input side (residual add, RMSNorm, qkv projection) as one
   `prism::fused_add_rmsnorm_linear` or `prism::rmsnorm_linear`, and the post-attention side
   (RMSNorm of the residual sum, gate_up projection, SiLU*mul) as one `prism::rmsnorm_swiglu`.
-  Which kinds exist and what they span is `prism_serve.region_table`'s; #14 replaces these
-  class-level hooks with FX patterns read from it.
-
-- In compiled mode, the fusion pass (`fusion.py`), which vLLM's config carries into Inductor:
-  regions matched by FX pattern and replaced by `prism::` ops where the table has a kernel.
+  A model built under a config that carries the fusion pass keeps vLLM's classes untouched.
 
 Each provider's `supports_args` accepts only calls the table has kernels for (dtype, size,
 epsilon, device); inside the op a num_tokens miss runs the next provider in vLLM's priority.
@@ -223,7 +225,7 @@ def _region_class(base):
             self._prism_site = -1
             self._prism_gate_up_cls = type(self.gate_up_proj)  # LoRA swaps the layer later: then stand down
             try:
-                served = _swiglu_served(self)
+                served = not fusion.in_current_config() and _swiglu_served(self)
             except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
                 served = False
             if served:
@@ -275,7 +277,7 @@ def _install_regions(table: Table, done: Installed) -> None:
             continue
         setattr(module, cls_name, _region_class(base))
         done.undo.append(lambda m=module, n=cls_name, b=base: setattr(m, n, b))
-        done.names.append(f"{cls_name} (swiglu region)")
+        done.names.append(f"{cls_name} (swiglu region) in eager mode")
         done.kinds.add("swiglu")
 
 
@@ -375,6 +377,8 @@ def _attach_post_side(layer, site: int) -> None:
 def _attach_decoder_layer(layer) -> None:
     site = len(LAYER_SITES)
     layer._prism_originals = {}
+    if fusion.in_current_config():  # compiled mode: the fusion pass serves this layer's regions
+        return
     for attach in (_attach_input_side, _attach_post_side):
         try:
             attach(layer, site)
@@ -440,11 +444,49 @@ def _install_decoder_layers(table: Table, done: Installed) -> None:
         # patched in place: models take their layer class as a default argument bound at import
         cls.__init__, cls._prism_init = __init__, original
         done.undo.append(lambda c=cls, o=original: (setattr(c, "__init__", o), delattr(c, "_prism_init")))
-        done.names.append(f"{cls_name} ({', '.join(served)})")
+        done.names.append(f"{cls_name} ({', '.join(served)}) in eager mode")
         done.kinds.update(served)
 
 
-HOOKS = (_install_ir, _install_silu, _install_regions, _install_decoder_layers, fusion.install)
+# --- plain weights of the projections vLLM's CPU build packs for oneDNN ---------------------
+
+def _projection_shapes(table: Table) -> set[tuple]:
+    """(dtype, out, in) of every projection weight some region kernel of the table multiplies with."""
+    shapes = set()
+    for kind in ("rmsnorm_linear", "fused_add_rmsnorm_linear", "swiglu", "rmsnorm_swiglu"):
+        for dtype, (hidden, n), _ in table.ops.get(kind, {}):
+            shapes.add((dtype, 2 * n if "swiglu" in kind else n, hidden))
+    return shapes
+
+
+def _install_packed(table: Table, done: Installed) -> None:
+    """Record, under vLLM's oneDNN handle, the plain weight of each projection vLLM packs whose
+    shape a region kernel serves (vLLM then drops the plain weight; its handle is what the compiled
+    graph holds). An entry goes with its handle."""
+    try:
+        from vllm import _custom_ops as vops
+    except ImportError:
+        return
+    shapes = _projection_shapes(table)
+    inner = getattr(vops, "create_onednn_mm", None)
+    if not shapes or inner is None or getattr(inner, "_prism", False):
+        return
+
+    def create_onednn_mm(weight: Tensor, *args, **kwargs):
+        handler = inner(weight, *args, **kwargs)
+        plain = weight.t()  # vLLM packs the [in, out] transpose of the layer's [out, in] weight
+        if (plain.dtype, *plain.shape) in shapes and plain.device.type == "cpu":
+            key = int(handler.handler_tensor.item())
+            ops.PACKED[key] = plain.detach()
+            weakref.finalize(handler, ops.PACKED.pop, key, None)
+        return handler
+
+    create_onednn_mm._prism = True
+    vops.create_onednn_mm = create_onednn_mm
+    done.undo.append(lambda: setattr(vops, "create_onednn_mm", inner))
+
+
+HOOKS = (_install_ir, _install_silu, _install_regions, _install_decoder_layers, _install_packed, fusion.install)
 
 
 def install(table: Table) -> Installed:

@@ -6,6 +6,11 @@ fake impls, dispatching by num_tokens.
 Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
 startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
 vLLM's own path (`FALLBACKS`, set by the vLLM hooks; the torch references below otherwise).
+The four ops holding a projection take its weight either as the plain [out, in] tensor or, where
+vLLM's CPU build packed it for oneDNN, as vLLM's 0-d oneDNN handle tensor plus `out_features` (the
+fusion pass finds only the handle in the graph): the kernel then runs on the plain weight recorded
+when vLLM packed it (`PACKED`), and a miss runs vLLM's own path, oneDNN GEMM included.
+
 Calls are counted per op (`COUNTS`: kernel launches, `MISSES`: fallbacks) and written as JSON
 to $PRISM_SERVE_COUNTERS (at exit, and every half second while serving), so tests can prove
 the kernels ran.
@@ -93,6 +98,52 @@ FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm"
                                   "rmsnorm_swiglu": ref_rmsnorm_swiglu}
 
 
+# --- a projection's weight: the plain tensor, or vLLM's oneDNN handle on the CPU build ----------
+
+# oneDNN handle (the pointer value vLLM keeps in its handler tensor) -> the plain [out, in] weight it
+# was packed from, recorded by the plugin while vLLM loads the weights (`hooks._install_packed`)
+PACKED: dict[int, Tensor] = {}
+
+
+def is_handle(weight: Tensor) -> bool:
+    """vLLM's oneDNN handler tensor: a 0-d int64 tensor holding the packed GEMM's pointer."""
+    return weight.dim() == 0 and weight.dtype == torch.int64
+
+
+def plain_weight(weight: Tensor) -> Tensor | None:
+    """The [out, in] weight a kernel multiplies with, or None where none was recorded."""
+    return PACKED.get(int(weight.item())) if is_handle(weight) else weight
+
+
+def _out_features(weight: Tensor, out_features: int) -> int:
+    return out_features if is_handle(weight) else weight.shape[0]
+
+
+def vllm_linear(x: Tensor, weight: Tensor, out_features: int) -> Tensor:
+    """vLLM's projection without bias: its oneDNN GEMM on the handle, or torch's linear."""
+    if not is_handle(weight):
+        return torch.nn.functional.linear(x, weight)
+    out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype, device=x.device)
+    torch.ops._C.onednn_mm(out, x.reshape(-1, x.shape[-1]), None, weight)
+    return out
+
+
+def _vllm_region(kind: str, site: int, weight: Tensor, out_features: int, *args):
+    """vLLM's own path for a region kernel miss: the class-level hook's (site >= 0, eager mode), or
+    vLLM's ops in order (regions the fusion pass made): its norm, its projection, its activation."""
+    if site >= 0:
+        return FALLBACKS[kind](*args)
+    if kind == "swiglu":
+        return FALLBACKS["silu_and_mul"](vllm_linear(args[0], weight, out_features))
+    if kind == "fused_add_rmsnorm_linear":
+        x, residual, norm_weight, _, eps, _ = args
+        y, r = FALLBACKS["fused_add_rms_norm"](x, residual, norm_weight, eps)
+        return vllm_linear(y, weight, out_features), r
+    x, norm_weight, _, eps, _ = args
+    y = vllm_linear(FALLBACKS["rms_norm"](x, norm_weight, eps), weight, out_features)
+    return FALLBACKS["silu_and_mul"](y) if kind == "rmsnorm_swiglu" else y
+
+
 # --- dispatch --------------------------------------------------------------------------
 
 def pick(op: str, x: Tensor, dim: int, eps: float | None):
@@ -170,62 +221,81 @@ def silu_and_mul_impl(x: Tensor) -> Tensor:
     return FALLBACKS["silu_and_mul"](x)
 
 
-def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
-    inter = w_gate_up.shape[0] // 2
+def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1) -> Tensor:
+    inter = _out_features(w_gate_up, out_features) // 2
     launcher = pick("swiglu", x, (x.shape[-1], inter), None)
-    if launcher is not None:
+    w = plain_weight(w_gate_up) if launcher is not None else None
+    if w is not None:
         try:
-            (y,) = launcher.run(_rows(x, x.shape[-1]), w_gate_up[:inter], w_gate_up[inter:])
+            (y,) = launcher.run(_rows(x, x.shape[-1]), w[:inter], w[inter:])
             return y if x.dim() == 2 else y.view(*x.shape[:-1], inter)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("swiglu", launcher, exc)
+    elif launcher is not None:
+        COUNTS["swiglu"] -= 1  # no plain weight was recorded for this handle
     MISSES["swiglu"] += 1
-    return FALLBACKS["swiglu"](x, w_gate_up, site)
+    return _vllm_region("swiglu", site, w_gate_up, 2 * inter, x, w_gate_up, site)
 
 
-def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
-    hidden, out = x.shape[-1], weight.shape[0]
+def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
+                        out_features: int = -1) -> Tensor:
+    hidden, out = x.shape[-1], _out_features(weight, out_features)
     launcher = pick("rmsnorm_linear", x, (hidden, out), epsilon)
-    if launcher is not None:
+    w = plain_weight(weight) if launcher is not None else None
+    if w is not None:
         try:
-            (y,) = launcher.run(_rows(x, hidden), norm_weight, weight)
+            (y,) = launcher.run(_rows(x, hidden), norm_weight, w)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("rmsnorm_linear", launcher, exc)
+    elif launcher is not None:
+        COUNTS["rmsnorm_linear"] -= 1
     MISSES["rmsnorm_linear"] += 1
-    return FALLBACKS["rmsnorm_linear"](x, norm_weight, weight, epsilon, site)
+    return _vllm_region("rmsnorm_linear", site, weight, out, x, norm_weight, weight, epsilon, site)
 
 
 def fused_add_rmsnorm_linear_impl(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
-                                  site: int) -> tuple[Tensor, Tensor]:
-    hidden, out = x.shape[-1], weight.shape[0]
+                                  site: int, out_features: int = -1) -> tuple[Tensor, Tensor]:
+    hidden, out = x.shape[-1], _out_features(weight, out_features)
     same = residual.shape == x.shape and residual.dtype == x.dtype
     launcher = pick("fused_add_rmsnorm_linear", x, (hidden, out), epsilon) if same else None
-    if launcher is not None:
+    w = plain_weight(weight) if launcher is not None else None
+    if w is not None:
         try:
-            y, r = launcher.run(_rows(x, hidden), _rows(residual, hidden), norm_weight, weight)
+            y, r = launcher.run(_rows(x, hidden), _rows(residual, hidden), norm_weight, w)
             return (y, r) if x.dim() == 2 else (y.view(*x.shape[:-1], out), r.view(x.shape))
-        except Exception as exc:  # noqa: BLE001
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("fused_add_rmsnorm_linear", launcher, exc)
+    elif launcher is not None:
+        COUNTS["fused_add_rmsnorm_linear"] -= 1
     MISSES["fused_add_rmsnorm_linear"] += 1
-    return FALLBACKS["fused_add_rmsnorm_linear"](x, residual, norm_weight, weight, epsilon, site)
+    return _vllm_region("fused_add_rmsnorm_linear", site, weight, out, x, residual, norm_weight, weight, epsilon,
+                        site)
 
 
-def rmsnorm_swiglu_impl(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
-    inter = w_gate_up.shape[0] // 2
+def rmsnorm_swiglu_impl(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
+                        out_features: int = -1) -> Tensor:
+    inter = _out_features(w_gate_up, out_features) // 2
     launcher = pick("rmsnorm_swiglu", x, (x.shape[-1], inter), epsilon)
-    if launcher is not None:
+    w = plain_weight(w_gate_up) if launcher is not None else None
+    if w is not None:
         try:
-            (y,) = launcher.run(_rows(x, x.shape[-1]), norm_weight, w_gate_up[:inter], w_gate_up[inter:])
+            (y,) = launcher.run(_rows(x, x.shape[-1]), norm_weight, w[:inter], w[inter:])
             return y if x.dim() == 2 else y.view(*x.shape[:-1], inter)
-        except Exception as exc:  # noqa: BLE001
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             _failed("rmsnorm_swiglu", launcher, exc)
+    elif launcher is not None:
+        COUNTS["rmsnorm_swiglu"] -= 1
     MISSES["rmsnorm_swiglu"] += 1
-    return FALLBACKS["rmsnorm_swiglu"](x, norm_weight, w_gate_up, epsilon, site)
+    return _vllm_region("rmsnorm_swiglu", site, w_gate_up, 2 * inter, x, norm_weight, w_gate_up, epsilon, site)
 
 
 # --- torch custom ops: opaque to Dynamo, with fake impls for torch.compile -------------------
@@ -257,38 +327,41 @@ def _define() -> dict[str, object]:
     def _(x):
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
+    # the projection's weight: a plain [out, in] tensor, or vLLM's oneDNN handle and `out_features`
     @torch.library.custom_op("prism::swiglu", mutates_args=())
-    def swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
-        return swiglu_impl(x, w_gate_up, site)
+    def swiglu(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1) -> Tensor:
+        return swiglu_impl(x, w_gate_up, site, out_features)
 
     @swiglu.register_fake
-    def _(x, w_gate_up, site):
-        return x.new_empty((*x.shape[:-1], w_gate_up.shape[0] // 2))
+    def _(x, w_gate_up, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
 
     @torch.library.custom_op("prism::rmsnorm_linear", mutates_args=())
-    def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
-        return rmsnorm_linear_impl(x, norm_weight, weight, epsilon, site)
+    def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
+                       out_features: int = -1) -> Tensor:
+        return rmsnorm_linear_impl(x, norm_weight, weight, epsilon, site, out_features)
 
     @rmsnorm_linear.register_fake
-    def _(x, norm_weight, weight, epsilon, site):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    def _(x, norm_weight, weight, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features)))
 
     @torch.library.custom_op("prism::fused_add_rmsnorm_linear", mutates_args=())
     def fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
-                                 site: int) -> tuple[Tensor, Tensor]:
-        return fused_add_rmsnorm_linear_impl(x, residual, norm_weight, weight, epsilon, site)
+                                 site: int, out_features: int = -1) -> tuple[Tensor, Tensor]:
+        return fused_add_rmsnorm_linear_impl(x, residual, norm_weight, weight, epsilon, site, out_features)
 
     @fused_add_rmsnorm_linear.register_fake
-    def _(x, residual, norm_weight, weight, epsilon, site):
-        return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
+    def _(x, residual, norm_weight, weight, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features))), torch.empty_like(x)
 
     @torch.library.custom_op("prism::rmsnorm_swiglu", mutates_args=())
-    def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
-        return rmsnorm_swiglu_impl(x, norm_weight, w_gate_up, epsilon, site)
+    def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
+                       out_features: int = -1) -> Tensor:
+        return rmsnorm_swiglu_impl(x, norm_weight, w_gate_up, epsilon, site, out_features)
 
     @rmsnorm_swiglu.register_fake
-    def _(x, norm_weight, w_gate_up, epsilon, site):
-        return x.new_empty((*x.shape[:-1], w_gate_up.shape[0] // 2))
+    def _(x, norm_weight, w_gate_up, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
 
     defined.update(fused_add_rmsnorm_linear=fused_add_rmsnorm_linear, rmsnorm_swiglu=rmsnorm_swiglu)
     defined.update(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, silu_and_mul=silu_and_mul,

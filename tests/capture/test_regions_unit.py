@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 
@@ -9,12 +10,9 @@ from prism_serve.capture import backend
 from prism_serve.capture.regions import find_regions, module_groups
 
 
-def rms_norm(x, w, eps, _):  # stands in for vllm_ir.rms_norm; matched by name
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def linear(x, w):
-    return x @ w.t()
+vllm_ir = pytest.importorskip("vllm.ir")  # registers vLLM's IR ops, which the graphs call as Dynamo traces them
+rms_norm = torch.ops.vllm_ir.rms_norm.default
+linear = torch._C._nn.linear  # torch's linear, as Dynamo traces F.linear
 
 
 class RMSNorm:  # classes named like vLLM's, for nn_module_stack
@@ -28,7 +26,8 @@ class QKVParallelLinear:
 def _graph(norm_target=rms_norm, n=5, hidden=16, out=48):
     g = fx.Graph()
     x, w, wl = g.placeholder("x"), g.placeholder("w"), g.placeholder("wl")
-    x.meta["example_value"] = torch.randn(n, hidden)
+    x.meta["example_value"], w.meta["example_value"] = torch.randn(n, hidden), torch.randn(hidden)
+    wl.meta["example_value"] = torch.randn(out, hidden)
 
     def call(fn, args, path, cls, val):
         node = g.call_function(fn, args)
@@ -53,9 +52,7 @@ def test_norm_feeding_a_projection_is_rmsnorm_linear():
     assert rl["inputs"][2] == {"param": "layers.3.self_attn.qkv_proj"}
 
 
-def fused_add_rms_norm(x, residual, w, eps, _):  # stands in for vllm_ir.fused_add_rms_norm
-    r = x + residual
-    return rms_norm(r, w, eps, None), r
+fused_add_rms_norm = torch.ops.vllm_ir.fused_add_rms_norm.default
 
 
 def test_a_norm_that_adds_the_residual_feeding_a_projection_is_fused_add_rmsnorm_linear():
@@ -65,6 +62,7 @@ def test_a_norm_that_adds_the_residual_feeding_a_projection_is_fused_add_rmsnorm
     g = fx.Graph()
     x, res, w, wl = (g.placeholder(name) for name in ("x", "res", "w", "wl"))
     x.meta["example_value"] = res.meta["example_value"] = torch.randn(n, hidden)
+    w.meta["example_value"], wl.meta["example_value"] = torch.randn(hidden), torch.randn(out, hidden)
     stack = {"nn_module_stack": {"layers.2.input_layernorm": ("L['self'].layers.2.input_layernorm", RMSNorm)}}
     op = g.call_function(fused_add_rms_norm, (x, res, w, 1e-5, None))
     y, s = (g.call_function(operator.getitem, (op, i)) for i in (0, 1))
@@ -226,3 +224,98 @@ def test_a_rotary_op_without_traced_shapes_is_unsupported_not_a_crash():
     rot = next(r for r in regions if r["kind"] == "rotary_embedding")
     assert rot["dims"] == {} and not rot["supported"] and "without tensor shapes" in rot["reason"]
     assert next(r for r in regions if r["kind"] == "attention")["dims"]  # the rest is still found
+
+
+# --- the regions holding a projection, found by the fusion pass's matcher on Dynamo's graph ----------
+
+class MergedColumnParallelLinear:
+    pass
+
+
+class SiluAndMul:
+    pass
+
+
+class GeluAndMul:
+    pass
+
+
+def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=torch.float32, n=3, hidden=16,
+                          inter=24):
+    """A post-attention side as vLLM's CPU build traces it in Dynamo: residual add + RMSNorm (the IR op),
+    gate_up as vLLM's in-place oneDNN call on its handle (or torch's linear), `act(x[..., :d]) * x[..., d:]`."""
+    import operator
+
+    from vllm import _custom_ops as vops
+
+    g = fx.Graph()
+    x, res, w, wl = (g.placeholder(name) for name in ("x", "res", "w", "wl"))
+    weight = torch.randn(2 * inter, hidden).to(weight_dtype) / 4
+    handler = vops.create_onednn_mm(weight.t(), 32) if gemm == "onednn" else None
+    for p, val in ((x, torch.randn(n, hidden)), (res, torch.randn(n, hidden)), (w, torch.randn(hidden)),
+                   (wl, handler.handler_tensor if handler else weight)):
+        p.meta["example_value"] = val
+
+    def call(fn, args, path, cls, val, method=False):
+        node = g.call_method(fn, args) if method else g.call_function(fn, args)
+        node.meta.update(nn_module_stack={path: (f"L['self'].{path}", cls)}, example_value=val)
+        return node
+
+    norm_path, lin_path = "layers.0.post_attention_layernorm", "layers.0.mlp.gate_up_proj"
+    act_path = "layers.0.mlp.act_fn"
+    op = call(fused_add_rms_norm, (x, res, w, 1e-6, None), norm_path, RMSNorm, None)
+    y, s = (call(operator.getitem, (op, i), norm_path, RMSNorm, torch.randn(n, hidden)) for i in (0, 1))
+    if gemm == "onednn":
+        c = call(torch.empty, ((n, 2 * inter),), lin_path, MergedColumnParallelLinear, torch.randn(n, 2 * inter))
+        a = call("reshape", (y, -1, hidden), lin_path, MergedColumnParallelLinear, torch.randn(n, hidden), method=True)
+        call(torch.ops._C.onednn_mm, (c, a, None, wl), lin_path, MergedColumnParallelLinear, None)
+    else:
+        c = call(linear, (y, wl), lin_path, MergedColumnParallelLinear, torch.randn(n, 2 * inter).to(weight_dtype))
+    cls = SiluAndMul if act == "silu" else GeluAndMul
+    gate = call(operator.getitem, (c, (Ellipsis, slice(None, inter))), act_path, cls, torch.randn(n, inter))
+    up = call(operator.getitem, (c, (Ellipsis, slice(inter, None))), act_path, cls, torch.randn(n, inter))
+    fn = torch.nn.functional.silu if act == "silu" else torch.nn.functional.gelu
+    h = call(fn, (gate,), act_path, cls, torch.randn(n, inter))
+    out = call(operator.mul, (h, up), act_path, cls, torch.randn(n, inter))
+    g.output((out, s))
+    return g, handler
+
+
+def _projection_kinds(graph) -> dict[str, dict]:
+    from prism_serve.capture.regions import projection_regions
+    return {r["kind"]: r for r in projection_regions(graph)}
+
+
+def test_capture_reports_the_regions_the_pass_would_replace_on_vllms_onednn_call(monkeypatch):
+    g, handler = _post_attention_graph()
+    regions, _ = find_regions(g)
+    kinds = sorted(r["kind"] for r in regions if r["supported"])
+    assert kinds == ["fused_add_rms_norm", "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "silu_and_mul", "swiglu"]
+    rs = next(r for r in regions if r["kind"] == "rmsnorm_swiglu")
+    assert rs["modules"] == ["layers.0.post_attention_layernorm", "layers.0.mlp.gate_up_proj", "layers.0.mlp.act_fn"]
+    assert rs["dims"] == {"hidden": 16, "intermediate": 24} and rs["eps"] == 1e-6 and rs["layer"] == 0
+    assert rs["inputs"][2:] == [{"param": "layers.0.mlp.gate_up_proj", "slice": [0, 24]},
+                                {"param": "layers.0.mlp.gate_up_proj", "slice": [24, 48]}]
+    # the recorder reads the region's values where the refs say, around vLLM's in-place GEMM
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    run = backend.capture_backend(gm, [])
+    x, res, w = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16)
+    backend.STATE.record_pending = 1
+    want, s = run(x, res, w, handler.handler_tensor)
+    recorded = backend.STATE.recorded[0][1]
+    got = recorded[[r["kind"] for r in backend.STATE.regions].index("rmsnorm_swiglu")]
+    torch.testing.assert_close(got["inputs"][0], x + res)  # the residual sum the region starts from
+    torch.testing.assert_close(got["outputs"], [want])
+
+
+def test_capture_reports_no_swiglu_region_for_another_activation():
+    kinds = _projection_kinds(_post_attention_graph(act="gelu")[0])
+    assert set(kinds) == {"fused_add_rmsnorm_linear"}  # the norm and the projection, but no SiLU region
+
+
+def test_capture_reports_a_projection_whose_weight_is_not_the_activation_dtype_unsupported():
+    kinds = _projection_kinds(_post_attention_graph(gemm="linear", weight_dtype=torch.bfloat16)[0])
+    assert kinds and all(not r["supported"] and "bfloat16" in r["reason"] for r in kinds.values())
+    assert _projection_kinds(_post_attention_graph(gemm="linear")[0]).keys() == {
+        "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "swiglu"}

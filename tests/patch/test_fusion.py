@@ -16,7 +16,7 @@ from prism_serve.patch.table import Buckets, Table
 
 vllm_ir = pytest.importorskip("vllm.ir")
 F32, EPS = torch.float32, 1e-6
-H, INTER, QKV = 24, 40, 56  # awkward sizes, none a power of two
+H, INTER, QKV = 24, 40, 56  # awkward sizes, none a power of two (the oneDNN GEMM takes any)
 native_rms = vllm_ir.ops.rms_norm.impls["native"].impl_fn
 native_add_rms = vllm_ir.ops.fused_add_rms_norm.impls["native"].impl_fn
 
@@ -30,8 +30,11 @@ def table(*entries, device: str = "cpu") -> Table:
 
 
 def graph_of(fn, *args):
+    """`fn`'s graph as Inductor hands it to a post-grad pass (dead nodes eliminated, as there)."""
     ops.define_ops()
-    return make_fx(fn, select_decomp_table(), tracing_mode="symbolic")(*args)
+    gm = make_fx(fn, select_decomp_table(), tracing_mode="symbolic")(*args)
+    gm.graph.eliminate_dead_code()
+    return gm
 
 
 def rewrite(fn, args, tab: Table):
@@ -120,94 +123,232 @@ def test_rmsnorm_alone_and_in_vllm_ir_form():
     assert rewrite(native, [x_(), w_(H)], table(("rms_norm", (F32, H, 1e-5))))[0] == {}  # other epsilon
 
 
+# --- regions holding a projection: on torch's GEMM (mm / addmm) and on vLLM CPU's oneDNN GEMM -------
+
 NORM_LINEAR = ("rmsnorm_linear", (F32, (H, QKV), EPS))
-
-
-def test_rmsnorm_then_projection_becomes_rmsnorm_linear():
-    def fn(x, g, w):
-        return F.linear(native_rms(x, g, EPS), w)
-    assert rewrite(fn, [x_(), w_(H), w_(QKV, H)], table(NORM_LINEAR)) == ({"rmsnorm_linear": 1}, {"rmsnorm_linear"})
-
-
-def test_a_norm_that_also_feeds_another_consumer_is_not_fused_into_the_projection():
-    def fn(x, g, w):
-        y = native_rms(x, g, EPS)
-        return F.linear(y, w), y  # the normed tensor is needed outside the region
-    assert rewrite(fn, [x_(), w_(H), w_(QKV, H)], table(NORM_LINEAR))[0] == {}
-
-
-@pytest.mark.parametrize("near_miss", ["bias", "weight of another dtype", "other projection size"])
-def test_rmsnorm_projection_near_misses_stay_vllms(near_miss):
-    args = [x_(), w_(H), w_(QKV, H)]
-    if near_miss == "bias":  # no prism kernel kind takes a bias yet: addmm is not a pattern
-        def fn(x, g, w, b):
-            return F.linear(native_rms(x, g, EPS), w, b)
-        args.append(w_(QKV))
-    elif near_miss == "weight of another dtype":  # a quantized stand-in: the activation is cast to it
-        def fn(x, g, w):
-            return F.linear(native_rms(x, g, EPS).to(torch.bfloat16), w).float()
-        args[2] = w_(QKV, H, dtype=torch.bfloat16)
-    else:
-        def fn(x, g, w):
-            return F.linear(native_rms(x, g, EPS), w)
-        args[2] = w_(QKV + 8, H)
-    assert rewrite(fn, args, table(NORM_LINEAR)) == ({}, set())
-
-
-def test_the_key_rejects_a_weight_whose_dtype_differs_from_the_activation():
-    # where the structure matches, the key is what keeps a mixed-dtype weight out
-    p = patterns.rmsnorm_linear(F32, EPS)
-    vals = {"x": x_(), "norm_weight": w_(H), "weight": w_(QKV, H)}
-    assert p.key(vals) == (F32, (H, QKV), EPS)
-    assert p.key(vals | {"weight": w_(QKV, H, dtype=torch.bfloat16)}) is None
-    assert patterns.swiglu(F32, INTER).key({"x": x_(), "w_gate_up": w_(2 * INTER, H, dtype=torch.int8)}) is None
-
-
-# --- gate_up projection + SiLU*mul ---------------------------------------------------------
-
+ADD_NORM_LINEAR = ("fused_add_rmsnorm_linear", (F32, (H, QKV), EPS))
 SWIGLU = ("swiglu", (F32, (H, INTER), None))
+NORM_SWIGLU = ("rmsnorm_swiglu", (F32, (H, INTER), EPS))
 SILU = ("silu_and_mul", (F32, INTER, None))
+GEMMS = ("mm", "onednn")
+_auto = torch.ops.higher_order.auto_functionalized
 
 
-def gate_up_silu(x, w):
-    gu = F.linear(x, w)
+class Proj:
+    """A projection's weight as a graph input, in the form vLLM runs it: the plain weight (torch's
+    linear) or, on the CPU build, vLLM's oneDNN handle made from it (vLLM's own create_onednn_mm)."""
+
+    def __init__(self, gemm: str, out: int, dtype=F32, bias: bool = False, hidden: int = H):
+        self.gemm, self.out, self.w = gemm, out, w_(out, hidden, dtype=dtype)
+        self.b = w_(out) if bias else None
+        if gemm == "onednn":
+            from vllm import _custom_ops as vops
+            self._handler = vops.create_onednn_mm(self.w.t(), 32)  # keeps the handle alive
+            self.arg = self._handler.handler_tensor
+        else:
+            self.arg = self.w
+
+    def args(self) -> list:
+        return [self.arg] + ([self.b] if self.b is not None else [])
+
+    def __call__(self, x, arg, b=None):
+        if self.gemm == "mm":
+            return F.linear(x, arg, b)
+        c = torch.empty(x.shape[0], self.out)  # what vLLM's ops.onednn_mm traces to
+        return _auto(torch.ops._C.onednn_mm.default, c=c, a=x, bias=b, handler_tensor=arg)[1]
+
+
+def silu_mul(gu):
     return F.silu(gu[..., :INTER]) * gu[..., INTER:]
 
 
-def test_gate_up_and_silu_mul_become_swiglu():
-    assert rewrite(gate_up_silu, [x_(), w_(2 * INTER, H)], table(SWIGLU, SILU)) == ({"swiglu": 1}, {"swiglu"})
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_input_norm_and_qkv_become_rmsnorm_linear(gemm):
+    qkv = Proj(gemm, QKV)
+
+    def fn(x, g, w):
+        return qkv(native_rms(x, g, EPS), w)
+    assert rewrite(fn, [x_(), w_(H), qkv.arg], table(NORM_LINEAR)) == ({"rmsnorm_linear": 1}, {"rmsnorm_linear"})
 
 
-def test_silu_mul_alone_when_only_the_activation_has_a_kernel():
-    assert rewrite(gate_up_silu, [x_(), w_(2 * INTER, H)], table(SILU)) == ({"silu_and_mul": 1}, {"silu_and_mul"})
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_projection_bias_is_added_after_the_kernel(gemm):
+    qkv = Proj(gemm, QKV, bias=True)
+
+    def fn(x, g, w, b):
+        return qkv(native_rms(x, g, EPS), w, b)
+    assert rewrite(fn, [x_(), w_(H), *qkv.args()], table(NORM_LINEAR)) == ({"rmsnorm_linear": 1}, {"rmsnorm_linear"})
 
 
-@pytest.mark.parametrize("near_miss", ["bias", "other intermediate size"])
-def test_gate_up_near_misses_stay_vllms(near_miss):
-    if near_miss == "bias":
-        def fn(x, w, b):
-            gu = F.linear(x, w, b)
-            return F.silu(gu[..., :INTER]) * gu[..., INTER:]
-        args = [x_(), w_(2 * INTER, H), w_(2 * INTER)]
-        assert rewrite(fn, args, table(SWIGLU)) == ({}, set())
-    else:
-        assert rewrite(gate_up_silu, [x_(), w_(2 * INTER, H)], table(("swiglu", (F32, (H, INTER + 8), None)))) == (
-            {}, set())
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_residual_add_norm_and_qkv_become_fused_add_rmsnorm_linear(gemm):
+    qkv = Proj(gemm, QKV)
+
+    def fn(x, r, g, w):
+        y, s = native_add_rms(x, r, g, EPS)
+        return qkv(y, w), s  # the sum is the next residual
+    args = [x_(), x_(), w_(H), qkv.arg]
+    assert rewrite(fn, args, table(ADD_NORM_LINEAR)) == ({"fused_add_rmsnorm_linear": 1}, {"fused_add_rmsnorm_linear"})
+    # with only the plain region's kernel, the residual add runs beside it
+    assert rewrite(fn, args, table(NORM_LINEAR)) == ({"rmsnorm_linear": 1}, {"rmsnorm_linear"})
 
 
-# --- a decoder layer: larger regions first ------------------------------------------------
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_gate_up_and_silu_mul_become_swiglu(gemm):
+    gate_up = Proj(gemm, 2 * INTER)
 
-def test_a_decoder_layer_is_served_region_by_region():
-    def layer(x, r, g1, wqkv, g2, wgu):
-        y, s = native_add_rms(x, r, g1, EPS)
-        attn = F.linear(y, wqkv)[:, :H]  # stands in for attention
-        h, s2 = native_add_rms(attn, s, g2, EPS)
-        return gate_up_silu(h, wgu), s2
-    args = [x_(), x_(), w_(H), w_(QKV, H), w_(H), w_(2 * INTER, H)]
-    done, _ = rewrite(layer, args, table(ADD_RMS, NORM_LINEAR, SWIGLU, SILU))
-    # the input norm goes with its projection (the residual add stays an add), the MLP is one kernel
-    assert done == {"rmsnorm_linear": 1, "fused_add_rms_norm": 1, "swiglu": 1}
-    assert rewrite(layer, args, table(ADD_RMS, SILU))[0] == {"fused_add_rms_norm": 2, "silu_and_mul": 1}
+    def fn(x, w):
+        return silu_mul(gate_up(x, w))
+    assert rewrite(fn, [x_(), gate_up.arg], table(SWIGLU, SILU)) == ({"swiglu": 1}, {"swiglu"})
+    assert rewrite(fn, [x_(), gate_up.arg], table(SILU)) == ({"silu_and_mul": 1}, {"silu_and_mul"})
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_post_attention_add_norm_gate_up_and_silu_mul_become_rmsnorm_swiglu(gemm):
+    gate_up = Proj(gemm, 2 * INTER)
+
+    def fn(x, r, g, w):
+        h, s = native_add_rms(x, r, g, EPS)
+        return silu_mul(gate_up(h, w)), s
+    args = [x_(), x_(), w_(H), gate_up.arg]
+    # the larger region wins over the MLP alone; its residual add runs as one add before the kernel
+    got = rewrite(fn, args, table(NORM_SWIGLU, SWIGLU, ADD_RMS, SILU))
+    assert got == ({"rmsnorm_swiglu": 1}, {"rmsnorm_swiglu"})
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_decoder_is_served_region_by_region(gemm):
+    qkv0, gu0, qkv1, gu1 = Proj(gemm, QKV), Proj(gemm, 2 * INTER), Proj(gemm, QKV), Proj(gemm, 2 * INTER)
+
+    def layers(x, g1, wq0, g2, wg0, g3, wq1, g4, wg1, g5):
+        attn = qkv0(native_rms(x, g1, EPS), wq0)[:, :H]  # [:, :H] stands in for attention
+        h, s = native_add_rms(attn, x, g2, EPS)
+        m = silu_mul(gu0(h, wg0))[:, :H]  # stands in for down_proj
+        y, s = native_add_rms(m, s, g3, EPS)
+        attn = qkv1(y, wq1)[:, :H]
+        h, s = native_add_rms(attn, s, g4, EPS)
+        m = silu_mul(gu1(h, wg1))[:, :H]
+        return native_add_rms(m, s, g5, EPS)[0]  # the final norm
+    args = [x_(), w_(H), qkv0.arg, w_(H), gu0.arg, w_(H), qkv1.arg, w_(H), gu1.arg, w_(H)]
+    every = table(NORM_LINEAR, ADD_NORM_LINEAR, NORM_SWIGLU, SWIGLU, ADD_RMS, SILU, ("rms_norm", (F32, H, EPS)))
+    done, left = rewrite(layers, args, every)
+    assert done == {"rmsnorm_linear": 1, "fused_add_rmsnorm_linear": 1, "rmsnorm_swiglu": 2, "fused_add_rms_norm": 1}
+    assert left == {"rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "fused_add_rms_norm"}
+    # op kernels only: each op alone
+    done, _ = rewrite(layers, args, table(ADD_RMS, SILU, ("rms_norm", (F32, H, EPS))))
+    assert done == {"rms_norm": 1, "fused_add_rms_norm": 4, "silu_and_mul": 2}
+
+
+def test_region_kernels_run_on_the_weights_vllm_packed(regions_registry, monkeypatch):
+    """Real kernels (tiny-llama's sizes): the pass puts vLLM's oneDNN handles in the region ops, and
+    the kernels run on the plain weights the plugin recorded when vLLM's create_onednn_mm packed them."""
+    from prism_serve.patch import hooks
+    from prism_serve.patch.plugin import plan
+
+    tab = plan(regions_registry, force=True).table
+    h, qkv_out, inter = 128, 256, 256
+    done = hooks.Installed([], [])
+    hooks._install_packed(tab, done)
+    try:
+        qkv, gate_up = Proj("onednn", qkv_out, hidden=h), Proj("onednn", 2 * inter, hidden=h)
+        other = Proj("onednn", 96, hidden=h)  # no region kernel has this shape: not recorded
+    finally:
+        done.revert()
+    for proj in (qkv, gate_up):  # the layer's own weight (its storage, kept), not a copy
+        got = ops.plain_weight(proj.arg)
+        assert got.shape == proj.w.shape and got.data_ptr() == proj.w.data_ptr() and got.is_contiguous()
+    assert ops.plain_weight(other.arg) is None
+
+    def layer(x, r, g1, wq, g2, wg):
+        y, s = native_add_rms(x, r, g1, 1e-6)
+        attn = qkv(y, wq)[:, :h]
+        hh, s2 = native_add_rms(attn, s, g2, 1e-6)
+        return _silu_mul(gate_up(hh, wg), inter), s2
+    args = [torch.randn(5, h), torch.randn(5, h), w_(h), qkv.arg, w_(h), gate_up.arg]
+    monkeypatch.setattr(ops.STATE, "table", tab)
+    gm = graph_of(layer, *args)
+    assert dict(fusion.rewrite(gm.graph, tab)) == {"fused_add_rmsnorm_linear": 1, "rmsnorm_swiglu": 1}
+    gm.recompile()
+    before = dict(ops.COUNTS), dict(ops.MISSES)
+    for rows in (1, 7, 12):  # both buckets
+        fresh = [torch.randn(rows, h), torch.randn(rows, h), *args[2:]]
+        for got, want in zip(gm(*fresh), layer(*fresh), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ran = {k: ops.COUNTS[k] - before[0][k] for k in ("fused_add_rmsnorm_linear", "rmsnorm_swiglu")}
+    assert ran == {"fused_add_rmsnorm_linear": 3, "rmsnorm_swiglu": 3}
+    assert ops.MISSES == before[1]
+    # a handle packed before the plugin was there (no plain weight recorded): vLLM's path, oneDNN included
+    unrecorded = Proj("onednn", qkv_out, hidden=h)
+    x, g = torch.randn(4, h), w_(h)
+    got = torch.ops.prism.rmsnorm_linear(x, g, unrecorded.arg, 1e-6, -1, qkv_out)
+    torch.testing.assert_close(got, F.linear(native_rms(x, g, 1e-6), unrecorded.w), rtol=1e-4, atol=1e-4)
+    assert ops.COUNTS["rmsnorm_linear"] == before[0]["rmsnorm_linear"]
+    assert ops.MISSES["rmsnorm_linear"] == before[1]["rmsnorm_linear"] + 1
+
+
+def _silu_mul(gu, d):
+    return F.silu(gu[..., :d]) * gu[..., d:]
+
+
+def _near_miss(name: str, gemm: str):
+    """(fn, args, table) for a graph one detail away from a region the table has a kernel for."""
+    qkv, gate_up = Proj(gemm, QKV), Proj(gemm, 2 * INTER)
+    if name == "other epsilon":
+        return (lambda x, g, w: qkv(native_rms(x, g, 1e-5), w)), [x_(), w_(H), qkv.arg], table(NORM_LINEAR)
+    if name == "epsilon from a tensor":
+        def fn(x, g, w, eps):
+            return qkv(x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * g, w)
+        return fn, [x_(), w_(H), qkv.arg, torch.full((1,), EPS)], table(NORM_LINEAR)
+    if name == "quantized weight":  # a low-precision weight: the activation is cast to it, the result back
+        low = Proj("mm", QKV, dtype=torch.bfloat16)
+
+        def fn(x, g, w):
+            return F.linear(native_rms(x, g, EPS).to(torch.bfloat16), w).float()
+        return fn, [x_(), w_(H), low.arg], table(NORM_LINEAR)
+    if name == "another activation":  # GELU * mul (GeGLU) is not the SiLU region
+        def fn(x, r, g, w):
+            h, s = native_add_rms(x, r, g, EPS)
+            gu = gate_up(h, w)
+            return F.gelu(gu[..., :INTER], approximate="tanh") * gu[..., INTER:], s
+        return fn, [x_(), x_(), w_(H), gate_up.arg], table(NORM_SWIGLU, SWIGLU)
+    if name == "gate_up with a bias":
+        biased = Proj(gemm, 2 * INTER, bias=True)
+        return (lambda x, w, b: silu_mul(biased(x, w, b))), [x_(), *biased.args()], table(SWIGLU)
+    if name == "normed value used twice":
+        def fn(x, g, w):
+            y = native_rms(x, g, EPS)
+            return qkv(y, w), y
+        return fn, [x_(), w_(H), qkv.arg], table(NORM_LINEAR)
+    if name == "no kernel for the size":
+        return (lambda x, g, w: qkv(native_rms(x, g, EPS), w)), [x_(), w_(H), qkv.arg], \
+            table(("rmsnorm_linear", (F32, (H, QKV + 8), EPS)))
+    assert name == "kernels for another device"
+    return (lambda x, g, w: qkv(native_rms(x, g, EPS), w)), [x_(), w_(H), qkv.arg], table(NORM_LINEAR, device="cuda")
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+@pytest.mark.parametrize("name", ["other epsilon", "epsilon from a tensor", "quantized weight", "another activation",
+                                  "gate_up with a bias", "normed value used twice", "no kernel for the size",
+                                  "kernels for another device"])
+def test_region_near_misses_stay_vllms(name, gemm):
+    if name == "quantized weight" and gemm == "onednn":
+        pytest.skip("vLLM packs only unquantized weights of the model's dtype for oneDNN")
+    fn, args, tab = _near_miss(name, gemm)
+    assert rewrite(fn, args, tab) == ({}, set())  # not even a marker op is left behind
+
+
+def test_the_region_key_refuses_a_weight_of_another_dtype():
+    # where the structure matches, the key is what keeps a quantized (int8) weight out
+    gm = graph_of(lambda x, g, w: F.linear(native_rms(x, g, EPS), w.float()), x_(), w_(H), w_(QKV, H))
+    ops_ = fusion.matchers(table(NORM_LINEAR))[0]
+    for p in ops_:
+        p.apply(gm.graph)
+    assert [(r.kind, r.key) for r in patterns.find_regions(gm.graph)] == [("rmsnorm_linear", NORM_LINEAR[1])]
+    gm = graph_of(lambda x, g, w: F.linear(native_rms(x, g, EPS), w), x_(), w_(H), w_(QKV, H, dtype=torch.int8))
+    for p in fusion.matchers(table(NORM_LINEAR))[0]:
+        p.apply(gm.graph)
+    found = patterns.find_regions(gm.graph)
+    assert [(r.kind, r.key) for r in found] == [("rmsnorm_linear", None)] and "int8" in found[0].why
 
 
 # --- the pass in vLLM's config and its cache key ---------------------------------------------
