@@ -80,7 +80,7 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     path = resolve_model(model)
     cfg = json.loads((path / "config.json").read_text())
     arch = (cfg.get("architectures") or [""])[0]
-    dtype = dtype or _dtype(cfg)
+    dtype = dtype or _dtype(cfg, path)
     device, device_type = current_device(use_vllm=False)
     url = resolve_url(registry)
     p = plan(url, device, device_type, force)
@@ -120,9 +120,36 @@ def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dic
     return served, [op for op, layers in served.items() if not layers]
 
 
-def _dtype(cfg: dict) -> str:
-    dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", "")
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _dtype(cfg: dict, path: Path) -> str:
+    """The dtype vLLM's `dtype="auto"` starts from: config.json's, else the weights' own (the
+    floating dtype most of their elements have, read from the safetensors headers), else float16."""
+    dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or _weights_dtype(path) or "float16").replace("torch.", "")
     return dt if dt in TORCH_DTYPES else "float16"
+
+
+def _weights_dtype(path: Path) -> str | None:
+    """The floating dtype holding most weight elements of the model's safetensors files, if any."""
+    count: dict[str, int] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                if not 0 < size <= 100 << 20:
+                    continue
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError):
+            continue
+        for name, t in header.items():
+            if name == "__metadata__" or not isinstance(t, dict) or t.get("dtype") not in SAFETENSORS_DTYPES:
+                continue
+            n = 1
+            for d in t.get("shape") or []:
+                n *= int(d)
+            count[SAFETENSORS_DTYPES[t["dtype"]]] = count.get(SAFETENSORS_DTYPES[t["dtype"]], 0) + n
+    return max(count, key=count.get) if count else None
 
 
 def _explain(s: Site, dtype: str, p, url: str, device) -> dict:

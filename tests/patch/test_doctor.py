@@ -71,3 +71,17 @@ def test_report_prints_as_a_table(kernels_registry):
     print_patch_report(patch_report("tiny-llama", kernels_registry, force=True), console)
     text = console.export_text()
     assert "model.layers.1.mlp.act_fn" in text and "1-8: kernel" in text and "would patch" in text
+
+
+def test_dtype_comes_from_the_weights_when_config_json_has_none(kernels_registry, tmp_path):
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint("tiny-llama", tmp_path / "fp32", drop_dtype=True)
+    r = patch_report(tmp_path / "fp32", kernels_registry, force=True)
+    assert r["dtype"] == "float32"  # the weights are float32; float16 was the old guess
+    norm = next(row for row in r["layers"] if row["layer"] == "model.layers.0.input_layernorm")
+    assert norm["patched"]  # so the float32 kernels are found
+    half = {k: v.half() for k, v in write_checkpoint("tiny-llama", tmp_path / "fp16", drop_dtype=True).items()}
+    from safetensors.torch import save_file
+    save_file(half, str(tmp_path / "fp16" / "model.safetensors"))
+    assert patch_report(tmp_path / "fp16", kernels_registry, force=True)["dtype"] == "float16"
