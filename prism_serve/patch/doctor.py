@@ -70,9 +70,12 @@ def sites(cfg: dict) -> list[Site]:
 
 
 def patch_report(model: str | Path | None = None, registry: str | None = None, dtype: str | None = None,
-                 force: bool | None = None) -> dict:
+                 force: bool | None = None, lora: bool = False) -> dict:
     """What the plugin would patch for `model` (default: the embedded tiny model) on this device,
-    and, per region kind the registry holds for the model's sizes, the layers it would serve."""
+    and, per region kind the registry holds for the model's sizes, the layers it would serve.
+    Each row names the region kind (`op`) and the chain of vLLM ops it matches (`pattern`); a
+    patched row the kernels serving it, any other row why not. `lora`: vLLM runs the model with
+    LoRA adapters (they wrap its projections)."""
     from prism_serve.patch.device import current_device
     from prism_serve.patch.plugin import plan
     from prism_serve.registry.db import resolve_url
@@ -91,7 +94,8 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
         report["message"] = f"architecture {arch!r} is not one whose layers prism knows ({', '.join(sorted(ARCHITECTURES))})"
         return report
     all_sites = sites(cfg)
-    rows = [_explain(s, dtype, p, url, device) for s in all_sites]
+    quant = cfg.get("quantization_config") or None
+    rows = [_explain(s, dtype, p, url, device, _unmatched(s, dtype, quant, lora)) for s in all_sites]
     taken: list[Site] = []  # sites served by their own kernel, larger regions first
     for s, r in zip(all_sites, rows):
         inside = next((t for t in taken if s.modules < t.modules), None)
@@ -111,7 +115,7 @@ def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dic
     model's sizes; and the kinds among them that serve no layer."""
     if p.table is None:
         return {}, []
-    want = TORCH_DTYPES[dtype]
+    want = TORCH_DTYPES.get(dtype)
     keys = {(s.op, s.dim, s.eps) for s in all_sites} | {("rmsnorm_linear", s.dim, s.eps) for s in all_sites
                                                          if s.op == "fused_add_rmsnorm_linear"}
     stored = sorted({op for op, per in p.table.ops.items() for (dt, dim, eps) in per
@@ -126,8 +130,22 @@ SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 def _dtype(cfg: dict, path: Path) -> str:
     """The dtype vLLM's `dtype="auto"` starts from: config.json's, else the weights' own (the
     floating dtype most of their elements have, read from the safetensors headers), else float16."""
-    dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or _weights_dtype(path) or "float16").replace("torch.", "")
-    return dt if dt in TORCH_DTYPES else "float16"
+    return str(cfg.get("torch_dtype") or cfg.get("dtype") or _weights_dtype(path) or "float16").replace("torch.", "")
+
+
+def _unmatched(s: Site, dtype: str, quant: dict | None, lora: bool) -> str | None:
+    """Why the plugin would never match this site, whatever the registry holds; None if it could."""
+    if dtype not in TORCH_DTYPES:
+        return f"unsupported dtype {dtype}: prism's kernels are {', '.join(TORCH_DTYPES)} only"
+    if "linear" not in KINDS[s.op].vllm_path:
+        return None
+    if quant is not None:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        return (f"quantized weight ({method}): the projection's weight is not in the activation dtype, so "
+                f"{s.op} is never matched (its norm and activation still are)")
+    if lora:
+        return f"LoRA: adapters wrap the projection, so {s.op} is never matched (its norm and activation still are)"
+    return None
 
 
 def _weights_dtype(path: Path) -> str | None:
@@ -152,10 +170,14 @@ def _weights_dtype(path: Path) -> str | None:
     return max(count, key=count.get) if count else None
 
 
-def _explain(s: Site, dtype: str, p, url: str, device) -> dict:
-    row = {"layer": s.layer, "op": s.op, "dim": s.dim, "patched": False}
+def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dict:
+    row = {"layer": s.layer, "op": s.op, "pattern": " -> ".join(KINDS[s.op].vllm_path), "dim": s.dim,
+           "patched": False}
     if s.note:
         row["note"] = s.note
+    if never is not None:
+        row["why"] = never
+        return row
     kernel, entry = s.op, p.table.entry(s.op, TORCH_DTYPES[dtype], s.dim, s.eps) if p.table is not None else None
     if entry is None and s.op == "fused_add_rmsnorm_linear" and p.table is not None:
         # the plugin adds the residual in torch and runs the norm + projection kernel on the sum
