@@ -233,7 +233,11 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
                 outcomes.append(RegionOutcome(region.kind, region.program.canonical_hash, region.layers,
                                               reason=f"not searched: {why}"))
                 continue
-            outcome = _warm_region(region, captured, name, reg, device, device_type, env, run_id, budget_s)
+            try:
+                outcome = _warm_region(region, captured, name, reg, device, device_type, env, run_id, budget_s)
+            except Exception as exc:  # noqa: BLE001 - one region's failure is reported, the run goes on
+                outcome = RegionOutcome(region.kind, region.program.canonical_hash, region.layers, status="failed",
+                                        reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
             if outcome.status == "failed":
                 failed |= set(_sites(region.to_json()))
             outcomes.append(outcome)

@@ -185,10 +185,17 @@ def _instances(result: dict, record: dict) -> list[Instance]:
                     value = weights.get(ref["param"])
                     if value is not None and "slice" in ref:
                         value = value[ref["slice"][0]:ref["slice"][1]].contiguous()
-                inputs.append(value)
-            inst.recordings.append((n, inputs, list(forward[i]["outputs"])))
+                inputs.append(_rows(value) if inst.supported and "param" not in ref else value)
+            outputs = [_rows(v) if inst.supported else v for v in forward[i]["outputs"]]
+            inst.recordings.append((n, inputs, outputs))
         out.append(inst)
     return out
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An activation as the Programs take it, (rows, features): vLLM's Transformers backend
+    keeps a leading batch dim, (1, tokens, features)."""
+    return t.reshape(-1, t.shape[-1]) if t is not None and t.dim() > 2 else t
 
 
 def _merge(instances: list[Instance], total_us: float, hist: dict[int, int],

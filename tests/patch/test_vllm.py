@@ -46,7 +46,7 @@ def run_vllm(model: Path, tmp: Path, configs: list[dict]) -> dict:
     full.update(TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(CHILD), str(model), str(out), str(spec)], check=False, env=full,
                           cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=TIMEOUT_S * len(configs))
+                          timeout=TIMEOUT_S * sum(len(c["modes"]) for c in configs))  # per engine
     assert proc.returncode == 0, proc.stdout[-4000:]
     results = json.loads(out.read_text())
     current = None
