@@ -2,7 +2,8 @@
 
 Starts vLLM on the model with the capture backend, records one prefill forward
 (the region inputs/outputs for fidelity checks), then times a short batched
-generation with mixed prompt lengths under torch.profiler. Writes
+generation with mixed prompt lengths under torch.profiler (a pooling model, which vLLM
+runs with its tokenizer, embeds the prompts instead and is reported as no prism target). Writes
 ``OUT_DIR/result.json`` (always; ``{"ok": false, "error": ...}`` on failure) and,
 on success, ``OUT_DIR/record.pt`` with recorded tensors and the regions' weights.
 """
