@@ -9,7 +9,8 @@ generic: a plan of the same Program family is re-instantiated, not searched agai
 else search; instantiate the best design for this device and each num_tokens bucket;
 check it on the layer's real weights and the inputs vLLM saw against vLLM's own
 outputs; on a GPU, time it against vLLM's own path (`baseline`); store every kernel with
-its proof, checks and timings. Every speedup is against vLLM's path for the region
+its proof, checks and timings. A region that fails (search, proof, its check against vLLM) is
+reported with the reason and skipped, and the run goes on (`run_status`). Every speedup is against vLLM's path for the region
 (`baseline`), modeled by the same cost model and, on a GPU, measured; a kernel is `enabled`
 only when it measured faster;
 on the CPU nothing is measured, so kernels stay `verified` (PRISM_SERVE_FORCE=1 uses them).
@@ -232,7 +233,11 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
                 outcomes.append(RegionOutcome(region.kind, region.program.canonical_hash, region.layers,
                                               reason=f"not searched: {why}"))
                 continue
-            outcome = _warm_region(region, captured, name, reg, device, device_type, env, run_id, budget_s)
+            try:
+                outcome = _warm_region(region, captured, name, reg, device, device_type, env, run_id, budget_s)
+            except Exception as exc:  # noqa: BLE001 - one region's failure is reported, the run goes on
+                outcome = RegionOutcome(region.kind, region.program.canonical_hash, region.layers, status="failed",
+                                        reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
             if outcome.status == "failed":
                 failed |= set(_sites(region.to_json()))
             outcomes.append(outcome)
@@ -242,12 +247,20 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
             progress("done", len(supported), len(supported))
         report = WarmupReport(name, device.fingerprint, time.perf_counter() - start, False, outcomes)
         with reg.write() as s:
-            finish_warmup(s, run_id, "failed" if any(o.status == "failed" for o in outcomes) else "ok",
-                          report.to_json())
+            finish_warmup(s, run_id, run_status(outcomes), report.to_json())
         _store_capture(key, captured.to_json())
         return report
     finally:
         reg.close()
+
+
+def run_status(outcomes: list[RegionOutcome]) -> str:
+    """A warmup run is "ok" when no region failed, "partial" when some failed but others were
+    stored (each failure is reported and skipped, its parts warmed instead: one region never fails
+    the whole run), "failed" when regions failed and none was stored."""
+    if not any(o.status == "failed" for o in outcomes):
+        return "ok"
+    return "partial" if any(o.status in ("enabled", "verified") for o in outcomes) else "failed"
 
 
 def _warm_region(region, captured, model: str, reg, device, device_type: str, env, run_id: int,

@@ -1,5 +1,11 @@
-"""Random-weight safetensors checkpoints of the embedded tiny models (Hugging Face layouts), so
-greedy tokens depend on every layer (vLLM's dummy weights make near-constant logits)."""
+"""Random-weight safetensors checkpoints of tiny models (Hugging Face layouts), so greedy tokens
+depend on every layer (vLLM's dummy weights make near-constant logits).
+
+The embedded tiny models (tiny-llama, tiny-qwen3) keep their shipped config; the other
+architectures take tiny-llama's sizes (2 layers, hidden 128, head_dim 32, vocab 256) with the
+fields their Hugging Face config needs (`ARCH_CONFIGS`). Weight names and shapes follow each
+architecture's Hugging Face layout (`_layer_tensors`).
+"""
 
 from __future__ import annotations
 
@@ -8,36 +14,157 @@ from pathlib import Path
 
 import torch
 
-from prism_serve.capture.embedded import embedded_path
+from prism_serve.capture.embedded import EMBEDDED, embedded_path
+
+_BASE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "vocab_size": 256, "tie_word_embeddings": False,
+         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+
+# decoder architectures beyond the embedded ones: what each adds to tiny-llama's sizes
+ARCH_CONFIGS: dict[str, dict] = {
+    "tiny-mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
+    "tiny-qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
+    "tiny-gemma": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu_pytorch_tanh",
+                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "tiny-gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                    "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                    "tie_word_embeddings": True, "query_pre_attn_scalar": 32, "sliding_window": 4096,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "layer_types": ["full_attention", "full_attention"]},
+    "tiny-phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rms_norm_eps": 1e-05,
+                  "sliding_window": None, "pad_token_id": 0},
+    "tiny-granite": {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "embedding_multiplier": 4.0,
+                     "residual_multiplier": 0.5, "attention_multiplier": 0.125, "logits_scaling": 2.0,
+                     "attention_bias": False, "mlp_bias": False},
+    "tiny-olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
+                   "pad_token_id": 0},
+}
+# an encoder for the pooling runner (not a prism target): BERT layout, its own tokenizer
+BERT_CONFIG = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 128, "intermediate_size": 256,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "gelu", "max_position_embeddings": 256,
+               "type_vocab_size": 2, "layer_norm_eps": 1e-12, "vocab_size": 256, "pad_token_id": 0,
+               "torch_dtype": "float32"}
 
 
-def write_checkpoint(model: str, path: Path, seed: int = 0, embed_scale: float = 0.2) -> dict[str, torch.Tensor]:
-    """Write `model`'s config and random weights to `path`; return the weights written."""
-    cfg = json.loads((embedded_path(model) / "config.json").read_text())
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    heads, kv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+def config_of(model: str) -> dict:
+    if model in EMBEDDED:
+        return json.loads((embedded_path(model) / "config.json").read_text())
+    if model == "tiny-bert":
+        return dict(BERT_CONFIG)
+    if model not in ARCH_CONFIGS:
+        raise ValueError(f"no tiny checkpoint recipe for {model!r}")
+    return {**_BASE, **ARCH_CONFIGS[model]}
+
+
+def write_checkpoint(model: str, path: Path, seed: int = 0, embed_scale: float = 0.2,
+                     drop_dtype: bool = False) -> dict[str, torch.Tensor]:
+    """Write `model`'s config and random weights to `path`; return the weights written.
+    `drop_dtype`: leave the dtype out of config.json (the weights are float32 all the same)."""
+    cfg = config_of(model)
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=None):
         return (torch.randn(*shape, generator=gen) * (scale or shape[-1] ** -0.5)).contiguous()
 
+    if cfg["model_type"] == "bert":
+        tensors = _bert_tensors(cfg, rand)
+    else:
+        tensors = _decoder_tensors(cfg, rand, embed_scale)
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    if drop_dtype:
+        cfg = {k: v for k, v in cfg.items() if k not in ("torch_dtype", "dtype")}
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(path / "model.safetensors"))
+    if cfg["model_type"] == "bert":
+        _write_tokenizer(path, cfg["vocab_size"])
+    return tensors
+
+
+def _decoder_tensors(cfg: dict, rand, embed_scale: float) -> dict[str, torch.Tensor]:
+    h, vocab, kind = cfg["hidden_size"], cfg["vocab_size"], cfg["model_type"]
+    # Gemma's norms scale by (1 + weight): stored near 0, so the scale is near 1 like the others'
+    one = 0.0 if kind in ("gemma", "gemma2") else 1.0
+
     def norm(n):
-        return 1 + rand(n, scale=0.1)
+        return one + rand(n, scale=0.1)
 
     tensors = {"model.embed_tokens.weight": rand(vocab, h, scale=embed_scale), "model.norm.weight": norm(h)}
     if not cfg.get("tie_word_embeddings"):
         tensors["lm_head.weight"] = rand(vocab, h)
     for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": rand(heads * hd, h), p + "self_attn.k_proj.weight": rand(kv * hd, h),
-                    p + "self_attn.v_proj.weight": rand(kv * hd, h), p + "self_attn.o_proj.weight": rand(h, heads * hd),
-                    p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-                    p + "mlp.down_proj.weight": rand(h, inter),
-                    p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h)}
-        if cfg["model_type"] == "qwen3":
-            tensors |= {p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)}
-    from safetensors.torch import save_file
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    save_file(tensors, str(path / "model.safetensors"))
+        tensors |= {f"model.layers.{i}.{k}": v for k, v in _layer_tensors(cfg, rand, norm).items()}
     return tensors
+
+
+def _layer_tensors(cfg: dict, rand, norm) -> dict[str, torch.Tensor]:
+    """One decoder layer's weights, by the architecture's Hugging Face names."""
+    h, inter, hd, kind = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"], cfg["model_type"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    if kind == "phi3":  # merged projections
+        t = {"self_attn.qkv_proj.weight": rand(q + 2 * kv, h), "self_attn.o_proj.weight": rand(h, q),
+             "mlp.gate_up_proj.weight": rand(2 * inter, h)}
+    else:
+        t = {"self_attn.q_proj.weight": rand(q, h), "self_attn.k_proj.weight": rand(kv, h),
+             "self_attn.v_proj.weight": rand(kv, h), "self_attn.o_proj.weight": rand(h, q),
+             "mlp.gate_proj.weight": rand(inter, h), "mlp.up_proj.weight": rand(inter, h)}
+    t["mlp.down_proj.weight"] = rand(h, inter)
+    if kind != "olmo2":  # OLMo 2 normalises after attention and MLP, not before
+        t["input_layernorm.weight"] = norm(h)
+    t["post_attention_layernorm.weight"] = norm(h)
+    if kind == "qwen2":  # qkv bias
+        t |= {"self_attn.q_proj.bias": rand(q, scale=0.5), "self_attn.k_proj.bias": rand(kv, scale=0.5),
+              "self_attn.v_proj.bias": rand(kv, scale=0.5)}
+    if kind == "qwen3":
+        t |= {"self_attn.q_norm.weight": norm(hd), "self_attn.k_norm.weight": norm(hd)}
+    if kind == "olmo2":  # q/k norm over all heads at once
+        t |= {"self_attn.q_norm.weight": norm(q), "self_attn.k_norm.weight": norm(kv),
+              "post_feedforward_layernorm.weight": norm(h)}
+    if kind == "gemma2":
+        t |= {"pre_feedforward_layernorm.weight": norm(h), "post_feedforward_layernorm.weight": norm(h)}
+    return t
+
+
+def _bert_tensors(cfg: dict, rand) -> dict[str, torch.Tensor]:
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+
+    def ln(p):
+        return {p + ".weight": 1 + rand(h, scale=0.1), p + ".bias": rand(h, scale=0.1)}
+
+    def lin(p, o, i):
+        return {p + ".weight": rand(o, i), p + ".bias": rand(o, scale=0.1)}
+
+    t = {"embeddings.word_embeddings.weight": rand(vocab, h, scale=0.2),
+         "embeddings.position_embeddings.weight": rand(cfg["max_position_embeddings"], h, scale=0.2),
+         "embeddings.token_type_embeddings.weight": rand(cfg["type_vocab_size"], h, scale=0.2),
+         **ln("embeddings.LayerNorm"), **lin("pooler.dense", h, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        t |= {**lin(p + "attention.self.query", h, h), **lin(p + "attention.self.key", h, h),
+              **lin(p + "attention.self.value", h, h), **lin(p + "attention.output.dense", h, h),
+              **ln(p + "attention.output.LayerNorm"), **lin(p + "intermediate.dense", inter, h),
+              **lin(p + "output.dense", h, inter), **ln(p + "output.LayerNorm")}
+    return t
+
+
+def _write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A WordPiece tokenizer over `vocab_size` made-up tokens (BERT's special tokens first), built
+    with `tokenizers` here: the pooling runner needs a tokenizer, and nothing is downloaded."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    words = specials + letters + [a + b for a in letters for b in letters]
+    vocab = {w: i for i, w in enumerate(words[:vocab_size])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizerFast", "do_lower_case": True, "model_max_length": 256,
+        "pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+        "mask_token": "[MASK]"}))

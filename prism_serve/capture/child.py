@@ -2,7 +2,8 @@
 
 Starts vLLM on the model with the capture backend, records one prefill forward
 (the region inputs/outputs for fidelity checks), then times a short batched
-generation with mixed prompt lengths under torch.profiler. Writes
+generation with mixed prompt lengths under torch.profiler (a pooling model, which vLLM
+runs with its tokenizer, embeds the prompts instead and is reported as no prism target). Writes
 ``OUT_DIR/result.json`` (always; ``{"ok": false, "error": ...}`` on failure) and,
 on success, ``OUT_DIR/record.pt`` with recorded tensors and the regions' weights.
 """
@@ -24,6 +25,7 @@ RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89]  # 7 tokens: its prefill and one dec
 HOT_PROMPT_LENS = (3, 9, 17, 33, 60)  # mixed lengths, batched
 HOT_MAX_TOKENS = 6
 MAX_MODEL_LEN = 256  # capture needs only short prompts
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt")
 # PRISM_SERVE_DISABLE: capture traces vLLM's own ops, which are also what warmup checks kernels
 # against, even when the registry already holds kernels the plugin would patch in.
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
@@ -57,12 +59,14 @@ def _check_architecture(config: dict) -> str | None:
     return f"architecture {unknown[0]!r} is not one vLLM knows" if unknown else None
 
 
-def _weights(llm, regions: list[dict]) -> dict[str, torch.Tensor]:
-    """Each projection's weight (out, in), read back through the layer itself.
+def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each projection's weight (out, in), read back through the layer itself, and the
+    projections that add a bias (path -> why that matters).
 
-    vLLM's CPU linear packs weights for oneDNN and leaves `weight` empty, so the
-    weight is recovered as the transpose of the layer applied to the identity
-    (exact in fp32, and bias-free layers only: a bias would show up as an offset).
+    vLLM's CPU linear packs weights for oneDNN and leaves `weight` empty, so the weight is
+    recovered from the layer applied to zero and to the identity: y(0) is the bias, y(I) - y(0)
+    the transposed weight (exact in fp32). A projection with a bias is not the bias-free
+    projection of the region Programs, so its regions are reported unsupported (`_unsupported`).
     """
     paths = sorted({ref["param"] for r in regions for ref in r["inputs"] if "param" in ref})
 
@@ -70,23 +74,85 @@ def _weights(llm, regions: list[dict]) -> dict[str, torch.Tensor]:
         import torch
 
         mods = dict(model.named_modules())
-        found = {}
+        found, biased = {}, {}
         for path in paths:
-            name = next((k for k in mods if k == path or k.endswith(f".{path}")), None)
+            # Dynamo names a module reached through a bound method (vLLM's Transformers backend)
+            # `mlp.forward.__self__.gate_up_proj`; named_modules() calls it `mlp.gate_up_proj`
+            plain = path.replace(".forward.__self__", "")
+            name = next((k for k in mods if k == plain or k.endswith(f".{plain}")), None)
             if name is None:
                 continue
             mod = mods[name]
+            b = getattr(mod, "bias", None)
             w = getattr(mod, "weight", None)
             if w is not None and w.dim() == 2 and w.numel() > 0:
-                found[path] = w.detach().clone().cpu()
-                continue
-            with torch.no_grad():
-                y = mod(torch.eye(int(mod.input_size_per_partition), dtype=torch.float32))
-            found[path] = (y[0] if isinstance(y, tuple) else y).t().contiguous().cpu()
-        return found
+                found[path], bias = w.detach().clone().cpu(), b
+            else:
+                n = int(mod.input_size_per_partition)
+                with torch.no_grad():
+                    y = mod(torch.cat([torch.zeros(1, n), torch.eye(n)]).to(torch.float32))
+                y = y[0] if isinstance(y, tuple) else y
+                found[path], bias = (y[1:] - y[:1]).t().contiguous().cpu(), y[0]
+            if bias is not None and bias.numel() > 0 and bool(bias.detach().abs().max() > 0):
+                biased[path] = f"{path} adds a bias, which the region's Program has no input for"
+        return found, biased
 
     res = llm.apply_model(grab)
     return res[0] if isinstance(res, list) else res
+
+
+def _unsupported(regions: list[dict], weights: dict, biased: dict[str, str]) -> None:
+    """Mark the regions whose projection has a bias, or whose weight could not be read, as
+    unsupported with the reason (in place): they are reported, never searched or stored."""
+    for r in regions:
+        if not r["supported"]:
+            continue
+        for ref in r["inputs"]:
+            path = ref.get("param")
+            if path is None:
+                continue
+            if path in biased:
+                r["supported"], r["reason"] = False, biased[path]
+            elif path not in weights:
+                r["supported"], r["reason"] = False, f"the weight of {path} could not be read back from vLLM"
+            else:
+                continue
+            break
+
+
+# leaf modules of a decoder layer that a region kind would cover if prism matched their class
+NEAR_MISS = re.compile(r"Norm|AndMul")
+
+
+def _uncovered(regions: list[dict], groups: dict, keep, reason) -> list[dict]:
+    """An unsupported region for each leaf module no region covers and `keep(cls)` selects."""
+    covered = {m for r in regions for m in r["modules"]}
+    return [{"kind": g.cls, "layer": _layer_of(path), "modules": [path], "dims": {}, "eps": None, "dtype": "float32",
+             "supported": False, "reason": reason(g.cls), "inputs": [], "outputs": []}
+            for path, g in groups.items() if path not in covered and keep(g.cls)]
+
+
+def _not_a_target(regions: list[dict], groups: dict, runner: str, arch: str) -> list[dict]:
+    """A model vLLM does not run for generation (a pooling model, an encoder) is no prism target:
+    every region found, and every other leaf module of its graph (its LayerNorms, GELUs, ...,
+    which no region kind names), is reported unsupported with the reason, so nothing is searched,
+    stored or patched for it."""
+    why = (f"{arch} runs with vLLM's {runner!r} runner; prism serves decoder generation only, so nothing "
+           f"is searched, stored or patched for it")
+    return [{**r, "supported": False, "reason": why} for r in regions] + _uncovered(
+        regions, groups, lambda cls: True, lambda cls: why)
+
+
+def _near_misses(regions: list[dict], groups: dict) -> list[dict]:
+    """A decoder's norms and gated activations of classes the region finder does not match (e.g.
+    GemmaRMSNorm, GeluAndMul), reported unsupported rather than left out of the report."""
+    return _uncovered(regions, groups, NEAR_MISS.search,
+                      lambda cls: f"{cls} is not a module class prism's regions match (RMSNorm, SiluAndMul)")
+
+
+def _layer_of(path: str) -> int | None:
+    m = re.search(r"(?:^|\.)(?:layers|layer)\.(\d+)\.", "." + path)
+    return int(m.group(1)) if m else None
 
 
 def _group_times(prof) -> tuple[dict[str, float], float]:
@@ -122,16 +188,28 @@ def main(argv: list[str]) -> int:
             return _fail(out, bad)
         t0 = time.time()
         max_len = min(MAX_MODEL_LEN, int(config.get("max_position_embeddings") or MAX_MODEL_LEN))
-        llm = LLM(model=str(model_dir), load_format="auto" if has_weights else "dummy", skip_tokenizer_init=True,
-                  max_model_len=max_len, dtype="float32", enforce_eager=False, seed=0,
+        # vLLM's pooling runner needs the model's tokenizer; a decoder needs none (prompts are token ids)
+        tokenizer = any((model_dir / f).is_file() for f in TOKENIZER_FILES)
+        llm = LLM(model=str(model_dir), load_format="auto" if has_weights else "dummy",
+                  skip_tokenizer_init=not tokenizer, max_model_len=max_len, dtype="float32", enforce_eager=False, seed=0,
                   compilation_config={"mode": 2, "backend": "prism_serve.capture.backend.capture_backend",
                                       "ir_enable_torch_wrap": True})
     except Exception as exc:  # vLLM rejected the model or config
         return _fail(out, f"vLLM rejected the model: {_one_line(exc)}")
+    runner = str(getattr(llm.llm_engine.model_config, "runner_type", "generate"))
+    if runner == "pooling" and not tokenizer:
+        return _fail(out, f"vLLM runs {model_dir} as a pooling model, which needs its tokenizer: the directory "
+                          f"has none of {', '.join(TOKENIZER_FILES)}")
     try:
         greedy = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
+
+        def run(prompts, params):
+            if runner == "pooling":  # one forward per prompt, no generation
+                return llm.embed(prompts, use_tqdm=False)
+            return llm.generate(prompts, params, use_tqdm=False)
+
         backend.STATE.record_pending = 2
-        llm.generate([TokensPrompt(prompt_token_ids=RECORD_PROMPT[:max(1, max_len - 2)])], greedy, use_tqdm=False)
+        run([TokensPrompt(prompt_token_ids=RECORD_PROMPT[:max(1, max_len - 2)])], greedy)
         backend.STATE.num_tokens.clear()
         backend.STATE.attention_shapes.clear()
         vocab = int(config.get("vocab_size", 256))
@@ -140,14 +218,19 @@ def main(argv: list[str]) -> int:
                    for i, n in enumerate(HOT_PROMPT_LENS)]
         params = SamplingParams(max_tokens=HOT_MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            llm.generate(prompts, params, use_tqdm=False)
+            run(prompts, params)
         times, total = _group_times(prof)
         st = backend.STATE
         regions = st.regions
-        weights = _weights(llm, regions)
+        weights, biased = _weights(llm, regions)
+        _unsupported(regions, weights, biased)
+        if runner != "generate":
+            regions = _not_a_target(regions, st.groups, runner, (config.get("architectures") or [""])[0])
+        else:
+            regions = regions + _near_misses(regions, st.groups)
         torch.save({"recorded": st.recorded, "weights": weights}, out / "record.pt")
         result = {"ok": True, "model": str(model_dir), "architecture": (config.get("architectures") or [""])[0],
-                  "load_format": "auto" if has_weights else "dummy", "graph_nodes": st.graph_nodes,
+                  "load_format": "auto" if has_weights else "dummy", "runner": runner, "graph_nodes": st.graph_nodes,
                   "regions": regions, "module_time_us": times, "forward_time_us": total,
                   "num_tokens": {str(k): v for k, v in sorted(st.num_tokens.items())},
                   "attention_shapes": [[*k, v] for k, v in sorted(st.attention_shapes.items())],

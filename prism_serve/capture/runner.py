@@ -106,9 +106,11 @@ class CaptureResult:
     recorded_num_tokens: list[int]
     seconds: float
     attention_shapes: list[dict] = field(default_factory=list)
+    runner: str = "generate"  # vLLM's runner for the model: "generate", or "pooling" (no prism target)
 
     def to_json(self) -> dict:
         return {"model": self.model, "architecture": self.architecture, "load_format": self.load_format,
+                "runner": self.runner,
                 "num_tokens_histogram": {str(k): v for k, v in self.num_tokens.items()}, "buckets": self.buckets,
                 "attention_shapes": self.attention_shapes, "regions": [r.to_json() for r in self.regions]}
 
@@ -183,10 +185,17 @@ def _instances(result: dict, record: dict) -> list[Instance]:
                     value = weights.get(ref["param"])
                     if value is not None and "slice" in ref:
                         value = value[ref["slice"][0]:ref["slice"][1]].contiguous()
-                inputs.append(value)
-            inst.recordings.append((n, inputs, list(forward[i]["outputs"])))
+                inputs.append(_rows(value) if inst.supported and "param" not in ref else value)
+            outputs = [_rows(v) if inst.supported else v for v in forward[i]["outputs"]]
+            inst.recordings.append((n, inputs, outputs))
         out.append(inst)
     return out
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An activation as the Programs take it, (rows, features): vLLM's Transformers backend
+    keeps a leading batch dim, (1, tokens, features)."""
+    return t.reshape(-1, t.shape[-1]) if t is not None and t.dim() > 2 else t
 
 
 def _merge(instances: list[Instance], total_us: float, hist: dict[int, int],
@@ -229,4 +238,4 @@ def capture(model: str | Path | None = None) -> CaptureResult:
     regions = _merge(instances, result["forward_time_us"], hist, shapes)
     return CaptureResult(str(model) if model is not None else str(model_dir), result["architecture"],
                          result["load_format"], regions, instances, hist, buckets,
-                         result["recorded_num_tokens"], result["seconds"], shapes)
+                         result["recorded_num_tokens"], result["seconds"], shapes, result.get("runner", "generate"))

@@ -70,9 +70,12 @@ def sites(cfg: dict) -> list[Site]:
 
 
 def patch_report(model: str | Path | None = None, registry: str | None = None, dtype: str | None = None,
-                 force: bool | None = None) -> dict:
+                 force: bool | None = None, lora: bool = False) -> dict:
     """What the plugin would patch for `model` (default: the embedded tiny model) on this device,
-    and, per region kind the registry holds for the model's sizes, the layers it would serve."""
+    and, per region kind the registry holds for the model's sizes, the layers it would serve.
+    Each row names the region kind (`op`) and the chain of vLLM ops it matches (`pattern`); a
+    patched row the kernels serving it, any other row why not. `lora`: vLLM runs the model with
+    LoRA adapters (they wrap its projections)."""
     from prism_serve.patch.device import current_device
     from prism_serve.patch.plugin import plan
     from prism_serve.registry.db import resolve_url
@@ -80,7 +83,7 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     path = resolve_model(model)
     cfg = json.loads((path / "config.json").read_text())
     arch = (cfg.get("architectures") or [""])[0]
-    dtype = dtype or _dtype(cfg)
+    dtype = dtype or _dtype(cfg, path)
     device, device_type = current_device(use_vllm=False)
     url = resolve_url(registry)
     p = plan(url, device, device_type, force)
@@ -91,7 +94,8 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
         report["message"] = f"architecture {arch!r} is not one whose layers prism knows ({', '.join(sorted(ARCHITECTURES))})"
         return report
     all_sites = sites(cfg)
-    rows = [_explain(s, dtype, p, url, device) for s in all_sites]
+    quant = cfg.get("quantization_config") or None
+    rows = [_explain(s, dtype, p, url, device, _unmatched(s, dtype, quant, lora)) for s in all_sites]
     taken: list[Site] = []  # sites served by their own kernel, larger regions first
     for s, r in zip(all_sites, rows):
         inside = next((t for t in taken if s.modules < t.modules), None)
@@ -111,7 +115,7 @@ def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dic
     model's sizes; and the kinds among them that serve no layer."""
     if p.table is None:
         return {}, []
-    want = TORCH_DTYPES[dtype]
+    want = TORCH_DTYPES.get(dtype)
     keys = {(s.op, s.dim, s.eps) for s in all_sites} | {("rmsnorm_linear", s.dim, s.eps) for s in all_sites
                                                          if s.op == "fused_add_rmsnorm_linear"}
     stored = sorted({op for op, per in p.table.ops.items() for (dt, dim, eps) in per
@@ -120,15 +124,60 @@ def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dic
     return served, [op for op, layers in served.items() if not layers]
 
 
-def _dtype(cfg: dict) -> str:
-    dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", "")
-    return dt if dt in TORCH_DTYPES else "float16"
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def _explain(s: Site, dtype: str, p, url: str, device) -> dict:
-    row = {"layer": s.layer, "op": s.op, "dim": s.dim, "patched": False}
+def _dtype(cfg: dict, path: Path) -> str:
+    """The dtype vLLM's `dtype="auto"` starts from: config.json's, else the weights' own (the
+    floating dtype most of their elements have, read from the safetensors headers), else float16."""
+    return str(cfg.get("torch_dtype") or cfg.get("dtype") or _weights_dtype(path) or "float16").replace("torch.", "")
+
+
+def _unmatched(s: Site, dtype: str, quant: dict | None, lora: bool) -> str | None:
+    """Why the plugin would never match this site, whatever the registry holds; None if it could."""
+    if dtype not in TORCH_DTYPES:
+        return f"unsupported dtype {dtype}: prism's kernels are {', '.join(TORCH_DTYPES)} only"
+    if "linear" not in KINDS[s.op].vllm_path:
+        return None
+    if quant is not None:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        return (f"quantized weight ({method}): the projection's weight is not in the activation dtype, so "
+                f"{s.op} is never matched (its norm and activation still are)")
+    if lora:
+        return f"LoRA: adapters wrap the projection, so {s.op} is never matched (its norm and activation still are)"
+    return None
+
+
+def _weights_dtype(path: Path) -> str | None:
+    """The floating dtype holding most weight elements of the model's safetensors files, if any."""
+    count: dict[str, int] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                if not 0 < size <= 100 << 20:
+                    continue
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError):
+            continue
+        for name, t in header.items():
+            if name == "__metadata__" or not isinstance(t, dict) or t.get("dtype") not in SAFETENSORS_DTYPES:
+                continue
+            n = 1
+            for d in t.get("shape") or []:
+                n *= int(d)
+            count[SAFETENSORS_DTYPES[t["dtype"]]] = count.get(SAFETENSORS_DTYPES[t["dtype"]], 0) + n
+    return max(count, key=count.get) if count else None
+
+
+def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dict:
+    row = {"layer": s.layer, "op": s.op, "pattern": " -> ".join(KINDS[s.op].vllm_path), "dim": s.dim,
+           "patched": False}
     if s.note:
         row["note"] = s.note
+    if never is not None:
+        row["why"] = never
+        return row
     kernel, entry = s.op, p.table.entry(s.op, TORCH_DTYPES[dtype], s.dim, s.eps) if p.table is not None else None
     if entry is None and s.op == "fused_add_rmsnorm_linear" and p.table is not None:
         # the plugin adds the residual in torch and runs the norm + projection kernel on the sum

@@ -71,3 +71,32 @@ def test_bad_input_one_line_nonzero_nothing_written(case, tmp_path):
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.output
     assert not out.exists()
+
+
+def test_a_pooling_model_is_reported_region_by_region_with_nothing_stored_or_patched(tmp_path, monkeypatch):
+    """A BERT embedder runs with vLLM's pooling runner (which needs its tokenizer): warmup captures
+    it, reports each of its regions unsupported with the reason, and stores nothing, so the
+    plugin has nothing to patch."""
+    from prism_serve.cli import app as root
+    from prism_serve.patch.device import current_device
+    from prism_serve.patch.plugin import plan
+    from prism_serve.registry import open_registry
+    from prism_serve.registry.store import list_kernels
+
+    from ..checkpoints import write_checkpoint
+
+    model, out, url = tmp_path / "bert", tmp_path / "report.json", f"sqlite:///{tmp_path / 'registry.db'}"
+    write_checkpoint("tiny-bert", model)
+    monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
+    res = CliRunner().invoke(root, ["warmup", str(model), "--registry", url, "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    regions = json.loads(out.read_text())["regions"]
+    assert regions and all(r["status"] == "skipped" and "'pooling' runner" in r["reason"] for r in regions)
+    # the encoder's own modules, as vLLM's BERT builds them, each reported
+    assert {"LayerNorm", "QKVParallelLinear", "GELU", "EncoderOnlyAttention"} <= {r["kind"] for r in regions}
+    reg = open_registry(url, readonly=True)
+    with reg.read() as s:
+        assert list_kernels(s) == []
+    reg.close()
+    device, device_type = current_device(use_vllm=False)
+    assert plan(url, device, device_type, force=True).state == "nothing"

@@ -71,3 +71,71 @@ def test_report_prints_as_a_table(kernels_registry):
     print_patch_report(patch_report("tiny-llama", kernels_registry, force=True), console)
     text = console.export_text()
     assert "model.layers.1.mlp.act_fn" in text and "1-8: kernel" in text and "would patch" in text
+
+
+def test_dtype_comes_from_the_weights_when_config_json_has_none(kernels_registry, tmp_path):
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint("tiny-llama", tmp_path / "fp32", drop_dtype=True)
+    r = patch_report(tmp_path / "fp32", kernels_registry, force=True)
+    assert r["dtype"] == "float32"  # the weights are float32; float16 was the old guess
+    norm = next(row for row in r["layers"] if row["layer"] == "model.layers.0.input_layernorm")
+    assert norm["patched"]  # so the float32 kernels are found
+    half = {k: v.half() for k, v in write_checkpoint("tiny-llama", tmp_path / "fp16", drop_dtype=True).items()}
+    from safetensors.torch import save_file
+    save_file(half, str(tmp_path / "fp16" / "model.safetensors"))
+    assert patch_report(tmp_path / "fp16", kernels_registry, force=True)["dtype"] == "float16"
+
+
+def test_json_names_each_rows_pattern_its_kernels_or_why_not(regions_registry, monkeypatch):
+    """`prism-serve doctor tiny-llama --json`: tiny-llama has a site of every region kind; each row
+    names the vLLM op chain it matches, a served row the registry's kernels for it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from prism_serve.cli import app
+    from prism_serve.region_table import KINDS
+    from prism_serve.registry import open_registry
+    from prism_serve.registry.store import list_kernels
+
+    monkeypatch.setenv("PRISM_SERVE_REGISTRY", regions_registry)
+    monkeypatch.setenv("PRISM_SERVE_FORCE", "1")
+    res = CliRunner().invoke(app, ["doctor", "tiny-llama", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["patch"]["layers"]
+    assert {r["op"] for r in rows} == set(KINDS)
+    assert all(r["pattern"] == " -> ".join(KINDS[r["op"]].vllm_path) for r in rows)
+    reg = open_registry(regions_registry, readonly=True)
+    with reg.read() as s:
+        program_of = {k.id: k.program.name for k in list_kernels(s)}
+    reg.close()
+    own = [r for r in rows if r.get("buckets")]
+    assert {r["op"] for r in own} == {"rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu",
+                                      "fused_add_rms_norm"}
+    for r in own:  # "lo-hi: kernel N", N a kernel of that very kind
+        assert all(program_of[int(b.rsplit("kernel ", 1)[1])] == r["kernel"] for b in r["buckets"]), r
+    assert all(r["why"] for r in rows if not r["patched"])
+
+
+def test_quantized_weights_lora_and_an_unsupported_dtype_are_named(regions_registry, tmp_path):
+    import json
+
+    from prism_serve.capture.embedded import embedded_path
+    from prism_serve.region_table import KINDS
+
+    projections = {k for k, kind in KINDS.items() if "linear" in kind.vllm_path}
+    cfg = json.loads((embedded_path("tiny-llama") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    for report, why in ((patch_report(tmp_path, regions_registry, force=True), "quantized weight (fp8)"),
+                        (patch_report("tiny-llama", regions_registry, force=True, lora=True), "LoRA: adapters")):
+        for r in report["layers"]:
+            if r["op"] in projections:
+                assert not r["patched"] and r["why"].startswith(why), r
+        # the norms then serve as ops: the final norm, and the norms no region takes in any more
+        assert report["served"]["fused_add_rms_norm"] == ["model.layers.0.post_attention_layernorm",
+                                                          "model.layers.1.input_layernorm",
+                                                          "model.layers.1.post_attention_layernorm", "model.norm"]
+    fp8 = patch_report("tiny-llama", regions_registry, dtype="float8_e4m3fn", force=True)
+    assert fp8["layers"] and all(not r["patched"] and r["why"].startswith("unsupported dtype float8_e4m3fn")
+                                 for r in fp8["layers"])

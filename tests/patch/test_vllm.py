@@ -27,7 +27,7 @@ from prism_serve.registry.store import DeviceInfo, Versions, current_versions
 
 from ..checkpoints import write_checkpoint
 from .conftest import MODELS, fill, model_results
-from .vllm_child import MAX_TOKENS, PROMPTS
+from .vllm_child import MARK, MAX_TOKENS, PROMPTS
 
 CHILD = Path(__file__).with_name("vllm_child.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,19 +36,33 @@ OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
 REGIONS = ("swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu")
 
 
-def run_vllm(model: Path, registry: str | None, tmp: Path, *modes: str, **env) -> dict:
-    out = tmp / f"out-{os.urandom(4).hex()}.json"
+def run_vllm(model: Path, tmp: Path, configs: list[dict]) -> dict:
+    """Every config in one vLLM process (see vllm_child): name -> its result, with `log_lines`, the
+    plugin's lines of that config's part of the log."""
+    name = os.urandom(4).hex()
+    out, spec = tmp / f"out-{name}.json", tmp / f"configs-{name}.json"
+    spec.write_text(json.dumps(configs))
     full = {k: v for k, v in os.environ.items() if not k.startswith("PRISM_SERVE_")}
-    full.update(TRITON_INTERPRET="1", PRISM_SERVE_FORCE="1", PYTHONPATH=str(ROOT), **env)
-    if registry is not None:
-        full["PRISM_SERVE_REGISTRY"] = registry
-    proc = subprocess.run([sys.executable, str(CHILD), str(model), str(out), *modes], check=False, env=full, cwd=tmp,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    result = json.loads(out.read_text())
-    result["log_lines"] = [line for line in log.splitlines() if "prism-serve:" in line]
-    return result
+    full.update(TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(CHILD), str(model), str(out), str(spec)], check=False, env=full,
+                          cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT_S * sum(len(c["modes"]) for c in configs))  # per engine
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    results = json.loads(out.read_text())
+    current = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            current = results[line[len(MARK):]]
+            current["log_lines"] = []
+        elif "prism-serve:" in line and current is not None:
+            current["log_lines"].append(line)
+    return results
+
+
+def config(name: str, registry: str | None, *modes: str, faults: dict | None = None, **env) -> dict:
+    """A vllm_child config: the plugin forced (verified kernels) on `registry`, as a fresh process."""
+    env = {"PRISM_SERVE_FORCE": "1", **({"PRISM_SERVE_REGISTRY": registry} if registry is not None else {}), **env}
+    return {"name": name, "env": env, "modes": list(modes), **({"faults": faults} if faults else {})}
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +75,27 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, kernels_registry, regions_registry, tmp_path_factory):
-    """Per model: stock vLLM, vLLM with the plugin's op kernels, and with every region kind too,
-    each in eager and compiled mode."""
+    """One vLLM process per model runs every check of this module on it: stock vLLM, vLLM with the
+    plugin's op kernels, and with every region kind too, each in eager and compiled mode; for
+    tiny-llama also each fault and the registry attacks (eager). (model, config name) -> result."""
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
     for m, path in checkpoints.items():
-        out[m, "stock"] = run_vllm(path, kernels_registry, tmp, "eager", "compiled", PRISM_SERVE_DISABLE="1")
-        out[m, "prism"] = run_vllm(path, kernels_registry, tmp, "eager", "compiled")
-        out[m, "regions"] = run_vllm(path, regions_registry, tmp, "eager", "compiled")
+        configs = [config("stock", kernels_registry, "eager", "compiled", PRISM_SERVE_DISABLE="1"),
+                   config("prism", kernels_registry, "eager", "compiled"),
+                   config("regions", regions_registry, "eager", "compiled")]
+        if m == "tiny-llama":
+            faults = _faults(tmp)
+            configs += [config(name, url, "eager") for name, (url, _) in faults.items()]
+            marker = tmp / "pwned"
+            attack_url, attack = _attack_registry(tmp, marker)
+            configs.append(config("attacks", attack_url, "eager",
+                                  faults={"load": attack["load exits"], "call": attack["call exits"]}))
+        for name, result in run_vllm(path, tmp, configs).items():
+            out[m, name] = result
+        if m == "tiny-llama":
+            out[m, "faults"] = faults
+            out[m, "attacks"]["attack"], out[m, "attacks"]["marker"] = attack, str(marker)
     return out
 
 
@@ -157,10 +184,8 @@ def _faults(tmp: Path) -> dict[str, tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def fault_runs(checkpoints, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("faults")
-    return {name: (run_vllm(checkpoints["tiny-llama"], url, tmp, "eager"), text, url)
-            for name, (url, text) in _faults(tmp).items()}
+def fault_runs(runs):
+    return {name: (runs["tiny-llama", name], text, url) for name, (url, text) in runs["tiny-llama", "faults"].items()}
 
 
 @pytest.mark.parametrize("fault", ["empty", "missing", "corrupt", "other device", "other triton",
@@ -244,14 +269,9 @@ def _attack_registry(tmp: Path, marker: Path) -> tuple[str, dict[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def attack_run(checkpoints, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("attacks")
-    marker = tmp / "pwned"
-    url, attack = _attack_registry(tmp, marker)
-    faults = json.dumps({"load": attack["load exits"], "call": attack["call exits"]})
-    start = time.monotonic()
-    result = run_vllm(checkpoints["tiny-llama"], url, tmp, "eager", PRISM_TEST_FAULTS=faults)
-    return result, attack, marker, time.monotonic() - start
+def attack_run(runs):
+    result = runs["tiny-llama", "attacks"]
+    return result, result["attack"], Path(result["marker"]), result["plugin"]["seconds"]
 
 
 def test_attacks_on_the_registry_serve_stock_tokens_with_one_line_each(attack_run, runs):
@@ -272,7 +292,7 @@ def test_attacks_on_the_registry_serve_stock_tokens_with_one_line_each(attack_ru
     assert len(summary) == 1 and "patched SiluAndMul, fusion pass (compiled mode) with 1 " in summary[0] and len(lines) == 7, lines
     assert not any(result["runs"]["eager"]["kernel"].values())  # every bucket ran vLLM's own path
     assert result["runs"]["eager"]["fallback"]["silu_and_mul"] > 0
-    assert seconds < TIMEOUT_S  # the power tower did not hold start-up
+    assert seconds < TIMEOUT_S  # the power tower did not hold the plugin's start-up
 
 
 # --- a deployed endpoint ---------------------------------------------------------------

@@ -1,8 +1,17 @@
-"""Run vLLM offline in this fresh process (vLLM rebinds torch's threads for its whole process):
-greedy tokens for fixed prompts in each mode asked for, the plugin's status and the prism op
-counters per mode, as JSON.
+"""Run vLLM offline in this fresh process (vLLM rebinds torch's threads for its whole process),
+once per *config* of a list, one after the other: greedy tokens for fixed prompts in each mode
+the config asks for, the plugin's status and the prism op counters per mode, as JSON.
 
-    python tests/patch/vllm_child.py MODEL_DIR OUT.json eager [compiled]
+    python tests/patch/vllm_child.py MODEL_DIR OUT.json CONFIGS.json
+    python tests/patch/vllm_child.py MODEL_DIR OUT.json eager [compiled]   (one config: this env)
+
+CONFIGS.json is a list of {"name", "env": {PRISM_SERVE_* settings}, "modes": ["eager", ...],
+"faults": optional (see `inject_faults`)}. The plugin acts once per process, so before each
+config this script undoes what it patched (`patch.unpatch`), applies the config's settings and
+calls the entry point `patch.register()` itself (vLLM calls it only at its first start in a
+process), as a fresh process would. Each config's inductor and vLLM compile caches are its own
+directory: a cached graph would come back without the plugin's pass having run. A line
+`prism-test: config NAME` on stdout precedes each config's log, so the test splits the log.
 """
 
 import gc
@@ -17,6 +26,7 @@ PROMPTS = ([1, 5, 9, 13, 17, 21, 25], [3, 4], list(range(2, 40)))  # 7, 2 and 38
 MAX_TOKENS = 6
 MODES = {"eager": {"enforce_eager": True},
          "compiled": {"enforce_eager": False, "compilation_config": {"mode": 3, "cudagraph_mode": "NONE"}}}
+MARK = "prism-test: config "
 
 
 def run(model: str, mode: str) -> dict:
@@ -41,53 +51,84 @@ def run(model: str, mode: str) -> dict:
             "fallback": {k: after["fallback"][k] - before["fallback"][k] for k in after["fallback"]}}
 
 
-def inject_faults(spec: str) -> None:
+def inject_faults(spec: dict):
     """Test only: in this process, make one kernel's load and another's every call raise
     SystemExit(3), as a payload calling exit() would, to show the plugin survives code that does
-    (the typed loader leaves no stored data that could). `spec`: {"load": id, "call": id}."""
+    (the typed loader leaves no stored data that could). `spec`: {"load": id, "call": id}.
+    Returns the function that takes the faults out again."""
     from prism_serve.patch import table
 
-    faults, prepare, build = json.loads(spec), table._prepare, table.build_table
+    prepare, build = table._prepare, table.build_table
 
     def exits(*args):
         exit(3)
 
     def _prepare(k, gpu):
-        return exits() if k.id == faults["load"] else prepare(k, gpu)
+        return exits() if k.id == spec["load"] else prepare(k, gpu)
 
     def build_table(*args, **kw):
         t = build(*args, **kw)
         for per in t.ops.values():
             for buckets in per.values():
                 for launcher in buckets.launchers:
-                    if launcher.kernel_id == faults["call"]:
+                    if launcher.kernel_id == spec["call"]:
                         launcher.run = exits
         return t
 
     table._prepare, table.build_table = _prepare, build_table
 
+    def undo():
+        table._prepare, table.build_table = prepare, build
+    return undo
 
-def main(model: str, out: str, modes: list[str]) -> int:
-    os.environ.update(ENV)
-    if os.environ.get("PRISM_TEST_FAULTS"):
-        inject_faults(os.environ["PRISM_TEST_FAULTS"])
-    result: dict = {"runs": {mode: run(model, mode) for mode in modes}}
+
+def run_config(model: str, config: dict, scratch: str) -> dict:
+    """One config, as a fresh process with its settings would run it."""
+    from prism_serve import patch
     from prism_serve.patch import STATUS, ops
+
+    patch.unpatch()
+    for key in [k for k in os.environ if k.startswith("PRISM_SERVE_")]:
+        del os.environ[key]
+    caches = os.path.join(scratch, config["name"].replace(" ", "-"))
+    os.environ.update(config.get("env", {}), TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+                      VLLM_CACHE_ROOT=os.path.join(caches, "vllm"))
+    print(MARK + config["name"], flush=True)
+    undo = inject_faults(config["faults"]) if config.get("faults") else None
+    try:
+        patch.register()
+        result: dict = {"runs": {mode: run(model, mode) for mode in config["modes"]}}
+    finally:
+        if undo is not None:
+            undo()
     result["plugin"] = {"state": STATUS.state, "message": STATUS.message, "patched": STATUS.patched,
-                        "kernels": STATUS.kernels, "skipped": STATUS.skipped}
+                        "kernels": STATUS.kernels, "skipped": STATUS.skipped, "seconds": STATUS.seconds}
     result["counters"] = ops.counters()
-    from prism_serve import patch  # vLLM may call the plugin again: nothing changes, nothing is logged
-    patch.register()
+    patch.register()  # vLLM may call the plugin again: nothing changes, nothing is logged
     result["again"] = {"state": STATUS.state, "message": STATUS.message}
     from vllm import ir
     from vllm.model_executor.custom_op import op_registry_oot
     patch.unpatch()
     result["after_unpatch"] = {"ir_providers": sorted(ir.ops.rms_norm.impls), "oot": sorted(op_registry_oot),
                                "state": STATUS.state}
+    return result
+
+
+def main(model: str, out: str, args: list[str]) -> int:
+    """`args`: a CONFIGS.json path, or modes for one config with this process's PRISM_SERVE_*
+    settings (then OUT.json holds that config's result alone)."""
+    os.environ.update(ENV)
+    scratch = os.path.join(os.path.dirname(os.path.abspath(out)), f"caches-{os.getpid()}")
+    if args and args[0].endswith(".json"):
+        with open(args[0]) as f:
+            results = {c["name"]: run_config(model, c, scratch) for c in json.load(f)}
+    else:
+        env = {k: v for k, v in os.environ.items() if k.startswith("PRISM_SERVE_")}
+        results = run_config(model, {"name": "env", "env": env, "modes": args or ["eager"]}, scratch)
     with open(out, "w") as f:
-        json.dump(result, f)
+        json.dump(results, f)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:] or ["eager"]))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
