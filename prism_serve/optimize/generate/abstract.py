@@ -21,6 +21,7 @@ by term.
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 
 from egglog import EGraph, Expr, StringLike, eq, relation, rewrite, rule, ruleset, seq
@@ -172,6 +173,14 @@ class Oracle:
         means = [c[len("inv."):] for c in consts if c.startswith("inv.")]
         self.rules = _mean_rules(means)
         self.egraph.run(_schedule(TARGET_ITERATIONS, self.rules))
+        self._text = _TextForm(self.egraph)
+        self._run = self.egraph._egraph.run_program
+        self._push, = self.egraph._egraph.parse_program("(push)")
+        self._pop, = self.egraph._egraph.parse_program("(pop)")
+        self._query_schedule = self.egraph._state.run_schedule_to_egg(_schedule(QUERY_ITERATIONS, self.rules).schedule)
+        self._check_within, = self.egraph._egraph.parse_program(f"(check ({self._text.within} $q))")
+        self._check_equals = {o: self.egraph._egraph.parse_program(f"(check (= $q $target_{i}))")[0]
+                              for i, o in enumerate(targets)}
         self.enabled = True  # False: every term passes (to check that the rule is sound)
         self._within: dict[Term, bool] = {}
         self._equals: dict[tuple[Term, str], bool] = {}
@@ -188,7 +197,7 @@ class Oracle:
             return self._within[t]
         # a necessary condition first: no rule creates a variable, a constant, exp, silu, add, sub
         # or a reduction over a label the target's forms lack
-        ok = _symbols(t) <= self._symbols and self._query(t, lambda h: within(h))
+        ok = _symbols(t) <= self._symbols and self._query(t, self._check_within)
         self._within[t] = ok
         return ok
 
@@ -196,19 +205,50 @@ class Oracle:
         key = (t, output)
         if key not in self._equals:  # equal terms have the same symbols (no rule adds or drops one)
             self._equals[key] = t == self.targets[output] or (
-                _symbols(t) == _symbols(self.targets[output]) and self._query(t, lambda h: eq(h).to(self.handles[output])))
+                _symbols(t) == _symbols(self.targets[output]) and self._query(t, self._check_equals[output]))
         return self._equals[key]
 
-    def _query(self, t: Term, fact) -> bool:
+    def _query(self, t: Term, check) -> bool:
+        """Add `t` (as egglog text, through the bindings: the typed Python front end costs several
+        times the e-graph's own work per query), run the query schedule, run `check`, undo."""
         self.queries += 1
-        self.egraph.push()
+        self._run(self._push)
         try:
-            h = self.egraph.let(f"q{self.queries}", to_egg(t))
-            self.egraph.run(_schedule(QUERY_ITERATIONS, self.rules))
+            let, = self.egraph._egraph.parse_program(f"(let $q {self._text(t)})")
+            self._run(let, self._query_schedule)
             try:
-                self.egraph.check(fact(h))
+                self._run(check)
                 return True
             except EggSmolError:
                 return False
         finally:
-            self.egraph.pop()
+            self._run(self._pop)
+
+
+class _TextForm:
+    """Abstract terms as egglog text, with the names the Python front end gave the constructors."""
+
+    def __init__(self, egraph: EGraph):
+        name = lambda fn: egraph._callable_to_egg(fn)[1]  # noqa: E731
+        self.ops = {op: name(getattr(Abs, attr)) for op, attr in
+                    {"add": "__add__", "sub": "__sub__", "mul": "__mul__", "div": "__truediv__", "exp": "exp",
+                     "silu": "silu", "sqrt": "sqrt", "rsqrt": "rsqrt", "var": "var", "const": "const",
+                     "sum": "rsum", "mean": "rmean", "max": "rmax"}.items()}
+        self.label = name(AbsLabel)
+        self.within = name(within)
+        self._cache: dict[Term, str] = {}
+
+    def __call__(self, t: Term) -> str:
+        text = self._cache.get(t)
+        if text is None:
+            head = t[0]
+            if head in ("var", "const"):
+                text = f"({self.ops[head]} {json.dumps(t[1])})"
+            elif head in REDUCE:
+                text = f"({self.ops[head]} {self(t[2])} ({self.label} {json.dumps(t[1])}))"
+            elif head in BINARY or head in UNARY:
+                text = f"({self.ops[head]} {' '.join(self(a) for a in t[1:])})"
+            else:
+                raise ValueError(f"no abstract form for {head!r}")
+            self._cache[t] = text
+        return text

@@ -27,9 +27,9 @@ equals an output's, intermediates otherwise; never a loop partial) is a complete
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Iterator
 
 from prism_serve.errors import ProgramError
@@ -68,10 +68,17 @@ class Value:
     rescale: str | None = None  # the max accumulator whose running value it uses
     running_max: bool = False  # a max accumulator (readable inside the loop)
 
-    @property
+    @cached_property
     def eid(self) -> int:
         """The expression's interned id (tuples do not cache their hash; ids make keys cheap)."""
         return intern(self.expr)
+
+    @cached_property
+    def facts(self) -> tuple:
+        """What an op's result depends on: the expression, the loop facts, the labels, and the
+        name where it matters (a kernel tensor, a constant, a running max that a rescale names)."""
+        return (self.ref if self.running_max or self.ref[0] in "@#" else "", self.eid, self.stage, self.partial,
+                self.rescale, self.labels)
 
 
 _INTERNED: dict[Term, int] = {}
@@ -130,8 +137,7 @@ class BlockGenerator:
         if time.perf_counter() > self.deadline:
             self.stopped = True
             return
-        pool = self.sources + [v for v in values if v.partial is None]
-        for op, ins, attrs in self._candidates(pool, values):
+        for op, ins, attrs in self._candidates(values):
             self.counts.generated += 1
             new, rule, bop = self._apply(op, ins, attrs, len(ops))
             if rule is None and any(v.eid == new.eid and v.stage == new.stage and v.partial == new.partial
@@ -155,58 +161,64 @@ class BlockGenerator:
                 continue
             yield from self._walk(ops + (bop,), values + (new,), nuses, (_key(new), new.ref))
 
-    def _candidates(self, pool: list[Value], values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
-        """Every op over the pool. Ops over kernel tensors and constants alone are judged once per
-        generator (their verdict cannot change) and only the surviving ones come back."""
+    def _candidates(self, values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
+        """Every well-typed op that reads a block value (ops on the newest value first: designs come
+        sooner), then the ops over kernel tensors and constants alone, which are judged once per
+        generator (their verdict cannot change) and of which only the surviving ones come back."""
         if self._source_ops is None:
             self._source_ops = []
-            for cand in self._raw_candidates(self.sources, ()):
+            for cand in self.source_candidates():
                 self.counts.generated += 1
                 rule = self._judge(*cand)
                 if rule:
                     self.counts.pruned[rule] += 1
                 else:
                     self._source_ops.append(cand)
-        fresh = {v.ref for v in values}
-        newest = values[-1].ref if values else None
-        later = []
-        for cand in self._raw_candidates(pool, values):  # ops on the newest value first: designs come sooner
-            if any(i.ref == newest for i in cand[1]):
-                yield cand
-            elif any(i.ref in fresh for i in cand[1]):
-                later.append(cand)
-        yield from later
+        fresh = [v for v in reversed(values) if v.partial is None]
+        if values and values[-1].partial is not None:
+            yield "accum", (values[-1],), ()
+        done: set[str] = set()
+        for f in fresh:  # each pair once: with the kernel tensors, and with the values not yet done
+            yield from self._typed(f, self.sources + [v for v in fresh if v.ref not in done])
+            done.add(f.ref)
+        for v in values[:-1]:
+            if v.partial is not None:
+                yield "accum", (v,), ()
         yield from self._source_ops
 
     def _judge(self, op: str, ins: tuple, attrs: tuple) -> str | None:
-        if op == "accum":
-            return None
         return self._apply(op, ins, attrs, 0)[1]
 
-    def _raw_candidates(self, pool: list[Value], values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
-        nonconst = [v for v in pool if v.type.dtype != "const"]
-        for v in nonconst:
-            for u in UNARY:
-                yield u, (v,), ()
-            for d, lb in enumerate(v.labels):
-                if lb is not None:
-                    for r in ("sum", "mean", "max"):
-                        yield r, (v,), (("dim", d - len(v.labels)), ("keepdim", True))
-        for a, b in itertools.product(nonconst, pool):
-            if _labels("add", {}, (a, b)) is None:  # no elementwise op aligns these dims
-                self.counts.generated += len(BINARY)
-                self.counts.pruned["shape"] += len(BINARY)
-            else:
-                for op in BINARY:
-                    if op in COMMUTATIVE and b.type.dtype != "const" and b.ref < a.ref:
-                        continue
-                    yield op, (a, b), ()
-            if b.type.dtype != "const" and len(a.labels) >= 2 and len(b.labels) >= 2:
-                for tb in (False, True):
-                    yield "matmul", (a, b), (("transpose_b", tb),)
-        for v in values:
-            if v.partial is not None:
-                yield "accum", (v,), ()
+    def source_candidates(self) -> Iterator[tuple[str, tuple, tuple]]:
+        """Every well-typed op over the kernel tensors and constants alone."""
+        for i, v in enumerate(self.sources):  # each pair once: with itself, later tensors, and constants
+            if v.type.dtype != "const":
+                yield from self._typed(v, [u for j, u in enumerate(self.sources) if j >= i or u.type.dtype == "const"])
+
+    def _typed(self, f: Value, partners: list[Value]) -> Iterator[tuple[str, tuple, tuple]]:
+        """The unary ops and reductions of `f` and the binary ops and matmuls that pair `f` (on
+        either side) with one of `partners` (`f` itself included) whose index labels fit: an
+        elementwise pair whose broadcast dims carry one label each, a matmul whose operands' last
+        dims carry the contracted label. Ill-typed pairs are never built, so they are neither
+        generated nor pruned (and not counted)."""
+        for u in UNARY:
+            yield u, (f,), ()
+        for d, lb in enumerate(f.labels):
+            if lb is not None:
+                for r in ("sum", "mean", "max"):
+                    yield r, (f,), (("dim", d - len(f.labels)), ("keepdim", True))
+        for b in partners:
+            if _broadcasts(f.labels, b.labels):
+                yield from _binary(f, b)
+                if b.ref != f.ref and b.type.dtype != "const":
+                    yield from _binary(b, f)
+            if b.type.dtype == "const":
+                continue
+            for x, y in ((f, b), (b, f)) if b.ref != f.ref else ((f, f),):
+                if len(x.labels) >= 2 and len(y.labels) >= 2 and x.labels[-1] is not None:
+                    for tb in (False, True):
+                        if (y.labels[-1] if tb else y.labels[-2]) == x.labels[-1]:
+                            yield "matmul", (x, y), (("transpose_b", tb),)
 
     # --- one op ----------------------------------------------------------
     def _apply(self, op: str, ins: tuple[Value, ...], attrs: tuple, index: int):
@@ -214,8 +226,7 @@ class BlockGenerator:
         name = f"b{index}"
         if op == "accum":
             return self._accum(ins[0], name)
-        key = (op, attrs, tuple((v.ref if v.running_max or v.ref[0] in "@#" else "", v.eid, v.stage, v.partial,
-                                 v.rescale, v.labels) for v in ins))
+        key = (op, attrs, tuple(v.facts for v in ins))
         if key not in self.memo:  # an op's result depends on its operands' facts only
             self.memo[key] = self._op(op, ins, attrs, name)
         new, rule = self.memo[key]
@@ -287,6 +298,25 @@ class BlockGenerator:
         if any(lb not in stored for lb in self.grid):  # a grid axis that every store replicates
             return None
         return Completion(tuple(ops), tuple(sinks), tuple(outs))
+
+
+def _binary(a: Value, b: Value) -> Iterator[tuple[str, tuple, tuple]]:
+    for op in BINARY:
+        if op in COMMUTATIVE and b.type.dtype != "const" and b.ref < a.ref:
+            continue  # the other order is built instead
+        yield op, (a, b), ()
+
+
+_BROADCASTS: dict[tuple, bool] = {}
+
+
+def _broadcasts(x: tuple, y: tuple) -> bool:
+    """Whether an elementwise op aligns labels `x` and `y` (cached: blocks have few signatures)."""
+    key = (x, y)
+    ok = _BROADCASTS.get(key)
+    if ok is None:
+        ok = _BROADCASTS[key] = all(not p or not q or p == q for p, q in zip(reversed(x), reversed(y)))
+    return ok
 
 
 def _key(v: Value) -> tuple:

@@ -132,9 +132,7 @@ class KernelGenerator:
         """One IR op over kernel tensors, as a library kernel (same rules as a block op)."""
         gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, {}, tuple(self.ctx.labels), None, 1,
                              written)
-        for op, ins, attrs in gen._raw_candidates(gen.sources, ()):
-            if op == "accum":
-                continue
+        for op, ins, attrs in gen.source_candidates():
             self.counts.generated += 1
             new, rule = gen._op(op, ins, attrs, "lib")
             if rule is None and any(v.expr == new.expr for v in tensors.values()):
