@@ -16,7 +16,8 @@ once per search under the rules below (commutativity and associativity of + and 
 factor independent of a label in and out of a sum / mean over it, moving a divisor out of a
 product, rsqrt as a division by sqrt) and every subterm of every form is marked ``within``.
 A query adds one term, runs the same bounded schedule, and reads the mark; results are cached
-by term.
+by the term's form up to commutativity and associativity of + and * (`ac_form`), which the rules
+equate anyway. Queries go to the e-graph as egglog text through the bindings.
 """
 
 from __future__ import annotations
@@ -157,6 +158,38 @@ def _symbols(t: Term) -> frozenset:
     return frozenset(own).union(*(_symbols(a) for a in t[1:]))
 
 
+_AC: dict[Term, Term] = {}
+
+
+def ac_form(t: Term) -> Term:
+    """`t` with every chain of + and of * flattened, its operands sorted and rebuilt left-deep:
+    one representative per class of terms equal up to commutativity and associativity."""
+    out = _AC.get(t)
+    if out is None:
+        head = t[0]
+        if head in ("var", "const"):
+            out = t
+        elif head in ("add", "mul"):
+            ops: list[Term] = []
+            stack = [t]
+            while stack:
+                u = stack.pop()
+                if u[0] == head:
+                    stack += [u[2], u[1]]
+                else:
+                    ops.append(ac_form(u))
+            ops.sort(key=repr)
+            out = ops[0]
+            for o in ops[1:]:
+                out = (head, out, o)
+        elif head in REDUCE:
+            out = (head, t[1], ac_form(t[2]))
+        else:
+            out = (head,) + tuple(ac_form(a) for a in t[1:])
+        _AC[t] = out
+    return out
+
+
 class Oracle:
     """The target's terms saturated once; `within(term)` and `equals(term, output)` queries, cached."""
 
@@ -193,12 +226,13 @@ class Oracle:
     def within(self, t: Term) -> bool:
         if not self.enabled:
             return True
-        if t in self._within:
-            return self._within[t]
+        key = ac_form(t)  # the rules hold + and * commutative and associative: one query per form
+        if key in self._within:
+            return self._within[key]
         # a necessary condition first: no rule creates a variable, a constant, exp, silu, add, sub
         # or a reduction over a label the target's forms lack
         ok = _symbols(t) <= self._symbols and self._query(t, self._check_within)
-        self._within[t] = ok
+        self._within[key] = ok
         return ok
 
     def equals(self, t: Term, output: str) -> bool:
