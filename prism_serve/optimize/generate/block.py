@@ -2,8 +2,10 @@
 
 For a grid (index labels, one per axis) and an optional for-loop label, `BlockGenerator` walks
 block graphs depth first. Each step adds one op over the block's tensors so far, the kernel
-tensors (each first use is an input iterator whose imap and fmap follow the labels) and the
-Program's constants: a unary or binary elementwise op, a sum / mean / max over one labelled
+tensors (each first use is an input iterator whose imap and fmap follow the labels; an
+activation, a tensor with the token label, that the loop walks has a second iterator too, its
+whole row loaded once before the loop, so that a row statistic such as the rms can be computed
+before the loop and applied to each loop tile) and the Program's constants: a unary or binary elementwise op, a sum / mean / max over one labelled
 dim, a matmul, or a for-loop accumulator (sum, mean, max, and the online-softmax
 ``rescaled_sum`` when the value uses a running max). A reduction over the loop label inside the
 loop yields a loop-tile partial that only an accumulator may consume. Every candidate op meets
@@ -34,7 +36,7 @@ from typing import Iterator
 
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term
-from prism_serve.optimize.generate.design import BlockOp
+from prism_serve.optimize.generate.design import BlockOp, whole_ref
 from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 
 UNARY = ("exp", "silu", "sqrt", "rsqrt", "square")
@@ -108,14 +110,24 @@ class BlockGenerator:
         self.written, self.deadline, self.outputs_only = written, deadline, outputs_only
         self.stopped = False
         self.counts = Counts()
-        self.sources = [self._source(v) for v in tensors.values()] + list(consts.values())
+        self.sources = [self._source(v) for v in tensors.values()] + [
+            self._whole(v) for v in tensors.values() if loop is not None and loop in v.labels and NUM_TOKENS in v.labels
+        ] + list(consts.values())
         self.seen: set = set()
         self.memo: dict = {}
         self._source_ops: list | None = None
+        self._per_value: dict[tuple, list] = {}
 
     def _source(self, v: Value) -> Value:
         stage = "loop" if self.loop and self.loop in v.labels else "pre"
         return Value(v.ref, v.type, v.labels, v.expr, stage)
+
+    def _whole(self, v: Value) -> Value:
+        """The second input iterator of an activation the loop walks: its whole row (every loop
+        tile), loaded once before the loop (``@name:whole``). Its loop dim carries its own label
+        (`whole_label`), so that the shape rule never pairs it with a loop tile of that dim."""
+        labels = tuple(whole_label(lb) if lb == self.loop else lb for lb in v.labels)
+        return Value(whole_ref(v.ref), v.type, labels, v.expr, "pre")
 
     # --- the walk --------------------------------------------------------
     def run(self) -> Iterator[Completion]:
@@ -163,28 +175,38 @@ class BlockGenerator:
 
     def _candidates(self, values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
         """Every well-typed op that reads a block value (ops on the newest value first: designs come
-        sooner), then the ops over kernel tensors and constants alone, which are judged once per
-        generator (their verdict cannot change) and of which only the surviving ones come back."""
+        sooner), then the ops over kernel tensors and constants alone. A verdict that depends on
+        the operands' facts only (`Value.facts`: the ops over kernel tensors and constants, and the
+        unary ops, reductions and pairs with a kernel tensor or constant of a block value) is
+        judged and counted once per generator; only the surviving ops come back."""
         if self._source_ops is None:
-            self._source_ops = []
-            for cand in self.source_candidates():
-                self.counts.generated += 1
-                rule = self._judge(*cand)
-                if rule:
-                    self.counts.pruned[rule] += 1
-                else:
-                    self._source_ops.append(cand)
+            self._source_ops = self._survivors(self.source_candidates(), None)
         fresh = [v for v in reversed(values) if v.partial is None]
         if values and values[-1].partial is not None:
             yield "accum", (values[-1],), ()
-        done: set[str] = set()
-        for f in fresh:  # each pair once: with the kernel tensors, and with the values not yet done
-            yield from self._typed(f, self.sources + [v for v in fresh if v.ref not in done])
-            done.add(f.ref)
+        for i, f in enumerate(fresh):  # each pair of block values once
+            facts = f.facts
+            if facts not in self._per_value:
+                self._per_value[facts] = self._survivors(self._typed(f, self.sources), f)
+            for op, ins, attrs in self._per_value[facts]:
+                yield op, tuple(f if v is None else v for v in ins), attrs
+            yield from self._pairs(f, fresh[i:])
         for v in values[:-1]:
             if v.partial is not None:
                 yield "accum", (v,), ()
         yield from self._source_ops
+
+    def _survivors(self, cands: Iterator, f: Value | None) -> list:
+        """The candidates that pass the rules judged on operand facts alone, `f` as a placeholder."""
+        out = []
+        for op, ins, attrs in cands:
+            self.counts.generated += 1
+            rule = self._judge(op, ins, attrs)
+            if rule:
+                self.counts.pruned[rule] += 1
+            else:
+                out.append((op, tuple(None if f is not None and v is f else v for v in ins), attrs))
+        return out
 
     def _judge(self, op: str, ins: tuple, attrs: tuple) -> str | None:
         return self._apply(op, ins, attrs, 0)[1]
@@ -207,6 +229,9 @@ class BlockGenerator:
             if lb is not None:
                 for r in ("sum", "mean", "max"):
                     yield r, (f,), (("dim", d - len(f.labels)), ("keepdim", True))
+        yield from self._pairs(f, partners)
+
+    def _pairs(self, f: Value, partners: list[Value]) -> Iterator[tuple[str, tuple, tuple]]:
         for b in partners:
             if _broadcasts(f.labels, b.labels):
                 yield from _binary(f, b)
@@ -294,10 +319,23 @@ class BlockGenerator:
             outs.append(out)
         if any(outs) and not all(outs) or self.outputs_only and not all(outs):
             return None  # a kernel writes program outputs, or intermediates for later kernels, not both
-        stored = set().union(*(set(v.labels) for v in sinks))
+        stored = set().union(*({base_label(lb) for lb in v.labels} for v in sinks))
         if any(lb not in stored for lb in self.grid):  # a grid axis that every store replicates
             return None
         return Completion(tuple(ops), tuple(sinks), tuple(outs))
+
+
+WHOLE_LABEL = ":whole"
+
+
+def whole_label(lb: str) -> str:
+    """The label of a loop dim held whole (every loop tile at once) before the loop."""
+    return lb + WHOLE_LABEL
+
+
+def base_label(lb: str | None) -> str | None:
+    """The index label a (possibly whole) dim label stands for."""
+    return lb[:-len(WHOLE_LABEL)] if lb and lb.endswith(WHOLE_LABEL) else lb
 
 
 def _binary(a: Value, b: Value) -> Iterator[tuple[str, tuple, tuple]]:
@@ -362,7 +400,7 @@ def _expr(op: str, a: dict, ins: tuple[Value, ...]) -> tuple[Term, str | None]:
     if op in BINARY:
         return (op, e[0], e[1]), None
     if op in ("sum", "mean", "max"):
-        lb = ins[0].labels[a["dim"] % len(ins[0].labels)]
+        lb = base_label(ins[0].labels[a["dim"] % len(ins[0].labels)])
         return (op, lb, e[0]), lb
-    lb = ins[0].labels[-1]
+    lb = base_label(ins[0].labels[-1])
     return ("sum", lb, ("mul", e[0], e[1])), lb

@@ -21,7 +21,7 @@ import itertools
 import time
 from typing import Iterator
 
-from prism_serve.optimize.generate.block import BlockGenerator, Counts, Value
+from prism_serve.optimize.generate.block import BlockGenerator, Counts, Value, base_label
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, LibrarySpec
 from prism_serve.optimize.ir import NUM_TOKENS
@@ -99,7 +99,7 @@ class KernelGenerator:
                 for j, (v, o) in enumerate(zip(comp.sinks, comp.outputs)):
                     name = o or f"t{len(kernels)}_{j}"
                     stores.append(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", name),)))
-                    new[f"@{name}"] = Value(f"@{name}", v.type, v.labels, v.expr)
+                    new[f"@{name}"] = Value(f"@{name}", v.type, tuple(base_label(lb) for lb in v.labels), v.expr)
                 ops = comp.ops + tuple(stores)
                 splits = (False, True) if loop else (False,)
                 for split in splits:
