@@ -140,7 +140,8 @@ class BlockGenerator:
             if all(o in done.outputs for o in self.outputs if o not in self.written):
                 return  # every output is written: more ops would be dead
         left = self.max_ops - len([o for o in ops if o.op != "accum"])
-        if left <= 0:
+        pending = [v for v in values if v.partial and v.ref not in uses]  # loop partials awaiting an accumulator
+        if left <= 0 and not pending:
             return
         if self.outputs_only:  # an op joins at most two unused values into one: the bound on ops left
             dangling = sum(v.ref not in uses for v in values)
@@ -149,7 +150,8 @@ class BlockGenerator:
         if time.perf_counter() > self.deadline:
             self.stopped = True
             return
-        for op, ins, attrs in self._candidates(values):
+        cands = self._candidates(values) if left > 0 else (("accum", (v,), ()) for v in pending)
+        for op, ins, attrs in cands:  # accumulators are not counted against max_ops
             self.counts.generated += 1
             new, rule, bop = self._apply(op, ins, attrs, len(ops))
             if rule is None and any(v.eid == new.eid and v.stage == new.stage and v.partial == new.partial
