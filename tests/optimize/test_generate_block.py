@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from prism_serve.optimize import canonical_hash
-from prism_serve.optimize.generate.abstract import ac_form
+from prism_serve.optimize.generate.abstract import ac_form, fits, leaves
 from prism_serve.optimize.generate.block import BINARY, UNARY, BlockGenerator, _labels
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build
@@ -136,3 +136,16 @@ def test_subexpression_verdicts_are_shared_by_forms_equal_up_to_commutativity_an
     assert o.within(("sum", "x1", ("mul", ("mul", x, g), w)))
     assert o.within(("sum", "x1", ("mul", w, ("mul", g, x)))) and o.queries == before + 1
     assert not o.within(("div", x, ("mul", g, w)))
+
+
+def test_leaves_are_kept_by_the_rules_and_reject_terms_too_big_for_the_target():
+    x, y, g = ("var", "x"), ("var", "y"), ("var", "g")
+    ms = ("mean", "k", ("mul", x, x))
+    assert leaves(("mul", g, ("rsqrt", ms))) == leaves(("div", g, ("sqrt", ms)))
+    assert leaves(ms) == leaves(("mul", ("sum", "k", ("mul", x, x)), ("const", "inv.k")))
+    assert leaves(("sum", "k", ("mul", x, g))) == leaves(("mul", ("sum", "k", x), g))
+    assert leaves(("add", x, g)) != leaves(("mul", x, g))  # no rule distributes
+    target = leaves(("mul", g, ("rsqrt", ("add", ms, ("const", "eps")))))
+    assert fits(leaves(ms), target) and fits(leaves(("mul", g, x)), target)
+    assert not fits(leaves(("mul", ms, x)), target)  # three x, the target has two
+    assert not fits(leaves(("exp", x)), target) and not fits(leaves(y), target)

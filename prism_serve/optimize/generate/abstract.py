@@ -15,7 +15,9 @@ form of the target cannot be part of a correct design and is pruned at once.
 once per search under the rules below (commutativity and associativity of + and *, moving a
 factor independent of a label in and out of a sum / mean over it, moving a divisor out of a
 product, rsqrt as a division by sqrt) and every subterm of every form is marked ``within``.
-A query adds one term, runs the same bounded schedule, and reads the mark; results are cached
+Two cheap necessary conditions come first (the symbols a term uses, and its leaves under the
+ops that no rule crosses: `leaves`, `fits`); then a query adds one term, runs the same bounded
+schedule, and reads the mark; results are cached
 by the term's form up to commutativity and associativity of + and * (`ac_form`), which the rules
 equate anyway. Queries go to the e-graph as egglog text through the bindings.
 """
@@ -23,6 +25,7 @@ equate anyway. Queries go to the e-graph as egglog text through the bindings.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from functools import cached_property
 
 from egglog import EGraph, Expr, StringLike, eq, relation, rewrite, rule, ruleset, seq
@@ -158,6 +161,38 @@ def _symbols(t: Term) -> frozenset:
     return frozenset(own).union(*(_symbols(a) for a in t[1:]))
 
 
+_TAGGED = {"sqrt": "root", "rsqrt": "root", "exp": "exp", "silu": "silu", "add": "add", "sub": "sub", "max": "max"}
+
+
+def leaves(t: Term, tags: frozenset = frozenset()) -> Counter:
+    """The multiset of `t`'s variables and constants (but the ``inv.<label>`` of a mean), each with
+    the set of tags of the ops above it that no rule moves a factor across: sqrt and rsqrt (one
+    tag, ``root``, since x * rsqrt(y) = x / sqrt(y)), exp, silu, add, sub, max. Every rule keeps
+    this multiset (+ and * reassociate within their tag, factors move across products, sums,
+    means and divisions, which carry none), so it is the same for every term of an e-class."""
+    head = t[0]
+    if head in ("var", "const"):
+        return Counter() if head == "const" and t[1].startswith("inv.") else Counter({(t, tags): 1})
+    tag = _TAGGED.get(head)
+    inner = tags | {tag} if tag else tags
+    out: Counter = Counter()
+    for a in (t[2],) if head in REDUCE else t[1:]:
+        out += leaves(a, inner)
+    return out
+
+
+def fits(t: Counter, target: Counter) -> bool:
+    """A necessary condition for a term with leaves `t` to be a subterm of a term with leaves
+    `target`: a subterm's leaves map one to one into the whole's, to the same leaf under at least
+    the same tags; so for every leaf and tag set S, the leaves under tags >= S are no more."""
+    for (leaf, tags) in t:
+        need = sum(n for (lf, tg), n in t.items() if lf == leaf and tags <= tg)
+        have = sum(n for (lf, tg), n in target.items() if lf == leaf and tags <= tg)
+        if need > have:
+            return False
+    return True
+
+
 _AC: dict[Term, Term] = {}
 
 
@@ -214,6 +249,7 @@ class Oracle:
         self._check_within, = self.egraph._egraph.parse_program(f"(check ({self._text.within} $q))")
         self._check_equals = {o: self.egraph._egraph.parse_program(f"(check (= $q $target_{i}))")[0]
                               for i, o in enumerate(targets)}
+        self._leaves = [leaves(t) for t in targets.values()]
         self.enabled = True  # False: every term passes (to check that the rule is sound)
         self._within: dict[Term, bool] = {}
         self._equals: dict[tuple[Term, str], bool] = {}
@@ -229,17 +265,19 @@ class Oracle:
         key = ac_form(t)  # the rules hold + and * commutative and associative: one query per form
         if key in self._within:
             return self._within[key]
-        # a necessary condition first: no rule creates a variable, a constant, exp, silu, add, sub
-        # or a reduction over a label the target's forms lack
-        ok = _symbols(t) <= self._symbols and self._query(t, self._check_within)
+        # necessary conditions first: no rule creates a variable, a constant, exp, silu, add, sub
+        # or a reduction over a label the target's forms lack, and a subterm's leaves fit the whole's
+        ok = _symbols(t) <= self._symbols and any(fits(leaves(t), lv) for lv in self._leaves) and \
+            self._query(t, self._check_within)
         self._within[key] = ok
         return ok
 
     def equals(self, t: Term, output: str) -> bool:
         key = (t, output)
-        if key not in self._equals:  # equal terms have the same symbols (no rule adds or drops one)
+        if key not in self._equals:  # equal terms have the same symbols and leaves (no rule changes them)
             self._equals[key] = t == self.targets[output] or (
-                _symbols(t) == _symbols(self.targets[output]) and self._query(t, self._check_equals[output]))
+                _symbols(t) == _symbols(self.targets[output])
+                and leaves(t) == leaves(self.targets[output]) and self._query(t, self._check_equals[output]))
         return self._equals[key]
 
     def _query(self, t: Term, check) -> bool:

@@ -117,6 +117,7 @@ class BlockGenerator:
         self.memo: dict = {}
         self._source_ops: list | None = None
         self._per_value: dict[tuple, list] = {}
+        self._per_pair: dict[tuple, list] = {}
 
     def _source(self, v: Value) -> Value:
         stage = "loop" if self.loop and self.loop in v.labels else "pre"
@@ -177,38 +178,58 @@ class BlockGenerator:
 
     def _candidates(self, values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
         """Every well-typed op that reads a block value (ops on the newest value first: designs come
-        sooner), then the ops over kernel tensors and constants alone. A verdict that depends on
-        the operands' facts only (`Value.facts`: the ops over kernel tensors and constants, and the
-        unary ops, reductions and pairs with a kernel tensor or constant of a block value) is
-        judged and counted once per generator; only the surviving ops come back."""
+        sooner), then the ops over kernel tensors and constants alone. The rules of `_op` see the
+        operands' facts only (`Value.facts`), so their verdict on an op is judged and counted once
+        per generator (per operand facts: the ops over kernel tensors and constants; the unary
+        ops, reductions and pairs with a kernel tensor or constant of a block value; the pairs of
+        two block values), and counted again in every state that offers the same op to the same
+        operand facts (a pruned state each), except the ops over kernel tensors and constants alone,
+        counted once; only the surviving ops come back, to meet the rules that depend on the
+        state (canonical order, values already held)."""
         if self._source_ops is None:
-            self._source_ops = self._survivors(self.source_candidates(), None)
+            self._source_ops = self._survivors(self.source_candidates(), ())
         fresh = [v for v in reversed(values) if v.partial is None]
         if values and values[-1].partial is not None:
             yield "accum", (values[-1],), ()
         for i, f in enumerate(fresh):  # each pair of block values once
             facts = f.facts
             if facts not in self._per_value:
-                self._per_value[facts] = self._survivors(self._typed(f, self.sources), f)
-            for op, ins, attrs in self._per_value[facts]:
-                yield op, tuple(f if v is None else v for v in ins), attrs
-            yield from self._pairs(f, fresh[i:])
+                self._per_value[facts] = self._survivors(self._typed(f, self.sources), (f,))
+            yield from self._reuse(self._per_value[facts], (f,))
+            for b in fresh[i:]:
+                key = (facts, b.facts)
+                if key not in self._per_pair:
+                    self._per_pair[key] = self._survivors(self._pairs(f, [b]), (f, b))
+                yield from self._reuse(self._per_pair[key], (f, b))
         for v in values[:-1]:
             if v.partial is not None:
                 yield "accum", (v,), ()
         yield from self._source_ops
 
-    def _survivors(self, cands: Iterator, f: Value | None) -> list:
-        """The candidates that pass the rules judged on operand facts alone, `f` as a placeholder."""
-        out = []
+    def _survivors(self, cands: Iterator, slots: tuple[Value, ...]) -> list:
+        """The candidates that pass the rules judged on operand facts alone, with each operand that
+        is one of the block values `slots` replaced by its position there (filled in per state)."""
+        out, pruned = [], Counts()
         for op, ins, attrs in cands:
-            self.counts.generated += 1
+            pruned.generated += 1
             rule = self._judge(op, ins, attrs)
             if rule:
-                self.counts.pruned[rule] += 1
+                pruned.pruned[rule] += 1
             else:
-                out.append((op, tuple(None if f is not None and v is f else v for v in ins), attrs))
-        return out
+                out.append((op, tuple(next((j for j, s in enumerate(slots) if v is s), v) for v in ins), attrs))
+        if not slots:  # ops over kernel tensors and constants: counted once per generator
+            self.counts.add(pruned)
+            return out
+        pruned.generated -= len(out)  # the survivors are counted where the walk takes them
+        return out, pruned
+
+    def _reuse(self, cached: tuple, slots: tuple[Value, ...]) -> Iterator[tuple[str, tuple, tuple]]:
+        """Cached survivors with this state's block values filled in; the candidates the cache
+        pruned count as pruned in this state too (each is a different graph not expanded)."""
+        out, pruned = cached
+        self.counts.add(pruned)
+        for op, ins, attrs in out:
+            yield op, tuple(slots[v] if isinstance(v, int) else v for v in ins), attrs
 
     def _judge(self, op: str, ins: tuple, attrs: tuple) -> str | None:
         return self._apply(op, ins, attrs, 0)[1]
