@@ -110,9 +110,11 @@ class BlockGenerator:
         self.written, self.deadline, self.outputs_only = written, deadline, outputs_only
         self.stopped = False
         self.counts = Counts()
-        self.sources = [self._source(v) for v in tensors.values()] + [
+        # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
+        # design that keeps the loop's operands normalised (the order only decides what comes sooner)
+        self.sources = [
             self._whole(v) for v in tensors.values() if loop is not None and loop in v.labels and NUM_TOKENS in v.labels
-        ] + list(consts.values())
+        ] + [self._source(v) for v in tensors.values()] + list(consts.values())
         self.seen: set = set()
         self.memo: dict = {}
         self._source_ops: list | None = None
