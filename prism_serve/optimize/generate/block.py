@@ -133,7 +133,9 @@ class BlockGenerator:
         return Value(whole_ref(v.ref), v.type, labels, v.expr, "pre")
 
     # --- the walk --------------------------------------------------------
-    def run(self) -> Iterator[Completion]:
+    def run(self) -> Iterator[Completion | None]:
+        """The complete kernels, depth first. At the deadline the walk yields None and waits: the
+        consumer may set a later `deadline` and resume it where it stopped, or drop it."""
         yield from self._walk((), (), {}, None)
 
     def _walk(self, ops: tuple, values: tuple, uses: dict, last: tuple | None) -> Iterator[Completion]:
@@ -150,9 +152,10 @@ class BlockGenerator:
             dangling = sum(v.ref not in uses for v in values)
             if dangling - 1 > left:
                 return
-        if time.perf_counter() > self.deadline:
+        while time.perf_counter() > self.deadline:  # paused: the consumer may set a later deadline and resume
             self.stopped = True
-            return
+            yield None
+        self.stopped = False
         cands = self._candidates(values) if left > 0 else (("accum", (v,), ()) for v in pending)
         for op, ins, attrs in cands:  # accumulators are not counted against max_ops
             self.counts.generated += 1

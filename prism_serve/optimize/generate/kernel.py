@@ -27,32 +27,52 @@ from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, Lib
 from prism_serve.optimize.ir import NUM_TOKENS
 
 
+DEPTH_SHARE = 0.6  # of the time left, for each depth but the last
+
+
 class KernelGenerator:
     def __init__(self, ctx: Context, *, max_kernels: int, max_block_ops: int, max_grid: int, deadline: float):
         self.ctx, self.max_kernels, self.max_block_ops, self.max_grid = ctx, max_kernels, max_block_ops, max_grid
         self.deadline = deadline
-        self.counts = Counts()
+        self._own = Counts()  # the kernel level's own verdicts (choices, library ops, recomputed stores)
         self.block_graphs = 0
         self.kernel_graphs = 0
         self.stopped = False
-        self._cache: dict = {}
-        self.pending = 1  # block enumerations still to run at this depth: each gets an equal share of time
-        self.truncated = 0  # block enumerations cut short by their share of the budget
+        self._cache: dict = {}  # per (tensors, grid, loop): [completions so far, generator, its walk or None]
+        self.pending = 1  # block enumerations still to run in this pass: each gets an equal share of time
+        self._pass_deadline = deadline
+        self._resumed: set | None = None  # in a resumption pass: the enumerations resumed so far
+
+    @property
+    def counts(self) -> Counts:
+        total = Counts()
+        total.add(self._own)
+        for _, gen, _ in self._cache.values():
+            total.add(gen.counts)
+        return total
+
+    @property
+    def truncated(self) -> int:
+        """Block enumerations paused by their share of the budget and not finished since."""
+        return sum(walk is not None for _, _, walk in self._cache.values())
 
     def choices(self) -> list[tuple[tuple[str, ...], str | None]]:
-        """(grid labels, loop label) per graph-defined kernel; the choice-level shape rule drops
-        grids without the token label where tensors have tokens."""
+        """(grid labels, loop label) per graph-defined kernel, more grid axes first and then loops
+        over longer reductions first (an order only: what comes sooner); the choice-level shape
+        rule drops grids without the token label where tensors have tokens."""
         ctx = self.ctx
         out_labels = [lb for lb in ctx.labels if any(lb in v.labels for v in self._outputs_labels())]
         reduced = [lb for lb in ctx.labels if any(lb in r for r in _reduced(ctx))]
         has_tokens = any(NUM_TOKENS in v.labels for v in ctx.inputs.values())
+        sizes = {lb: d for v in ctx.inputs.values() for lb, d in zip(v.labels, v.type.shape) if isinstance(d, int)}
+        reduced.sort(key=lambda lb: -sizes.get(lb, 0))  # a loop over the longest reduction first
         out = []
         for r in range(min(self.max_grid, len(out_labels)), 0, -1):  # more parallel grids first
             for grid in itertools.combinations(out_labels, r):
                 for loop in [lb for lb in reduced if lb not in grid] + [None]:
-                    self.counts.generated += 1
+                    self._own.generated += 1
                     if has_tokens and NUM_TOKENS not in grid:
-                        self.counts.pruned["shape"] += 1
+                        self._own.pruned["shape"] += 1
                         continue
                     out.append((grid, loop))
         return out
@@ -63,10 +83,28 @@ class KernelGenerator:
         return [Value(o, t, labels.dims[o], ()) for o, t in self.ctx.outputs.items()]
 
     def run(self) -> Iterator[Design]:
+        """Designs by increasing number of kernels. Each depth but the last gets `DEPTH_SHARE` of
+        the time left (the last, all of it). In a depth's first pass its block enumerations get
+        equal shares of that time (what one leaves unused goes to the next); one that uses up its
+        share pauses. Resumption passes then continue the paused enumerations where they stopped,
+        each with an equal share of the depth's time left, and walk the kernel level again for
+        the designs their new block graphs complete (each design is yielded once)."""
         choices = self.choices()
+        yielded: set[Design] = set()
         for depth in range(1, self.max_kernels + 1):
+            left = max(0.0, self.deadline - time.perf_counter())
+            self._pass_deadline = time.perf_counter() + (DEPTH_SHARE * left if depth < self.max_kernels else left)
             self.pending = len(choices) * (1 if depth == 1 else 4)
-            yield from self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices)
+            self._resumed = None
+            while True:
+                for d in self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices):
+                    if d not in yielded:
+                        yielded.add(d)
+                        yield d
+                if self.stopped or time.perf_counter() >= self._pass_deadline or not self.truncated or \
+                        self._resumed == set():
+                    break
+                self._resumed, self.pending = set(), self.truncated  # a resumption pass at this depth
             if self.stopped:
                 return
 
@@ -93,7 +131,7 @@ class KernelGenerator:
                 if last and not set(self.ctx.outputs) - written <= outs:
                     continue
                 if not outs and any(v.expr == t.expr for v in comp.sinks for t in tensors.values()):
-                    self.counts.pruned["canonical"] += 1  # recomputes a tensor already stored
+                    self._own.pruned["canonical"] += 1  # recomputes a tensor already stored
                     continue
                 stores, new = [], {}
                 for j, (v, o) in enumerate(zip(comp.sinks, comp.outputs)):
@@ -111,34 +149,44 @@ class KernelGenerator:
 
     def _blocks(self, tensors: dict[str, Value], written: frozenset[str], grid, loop, last: bool):
         key = (frozenset((k, v.expr) for k, v in tensors.items()), written, grid, loop, last)
-        if key not in self._cache:
-            share = max(0.0, self.deadline - time.perf_counter()) / max(1, self.pending)
-            self.pending = max(1, self.pending - 1)
+        entry = self._cache.get(key)
+        if entry is None:
             gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, self.ctx.consts, grid, loop,
-                                 self.max_block_ops, written, time.perf_counter() + share, outputs_only=last)
-            comps = []
-            for c in gen.run():
-                comps.append(c)
-                if time.perf_counter() > self.deadline:
-                    self.stopped = True
-                    break
-            self.counts.add(gen.counts)
-            self.truncated += gen.stopped
-            self.block_graphs += len(comps)
-            self._cache[key] = comps
-        return self._cache[key]
+                                 self.max_block_ops, written, outputs_only=last)
+            entry = self._cache[key] = [[], gen, gen.run()]
+            self._advance(entry)
+        elif self._resumed is not None and entry[2] is not None and key not in self._resumed:
+            self._resumed.add(key)
+            self._advance(entry)
+        return entry[0]
+
+    def _advance(self, entry: list) -> None:
+        """Run a block enumeration for its share of the pass's time, until it ends or pauses."""
+        comps, gen, walk = entry
+        share = max(0.0, self._pass_deadline - time.perf_counter()) / max(1, self.pending)
+        self.pending = max(1, self.pending - 1)
+        gen.deadline = time.perf_counter() + share
+        for c in walk:
+            if c is None:  # paused at its deadline
+                return
+            comps.append(c)
+            self.block_graphs += 1
+            if time.perf_counter() > self.deadline:
+                self.stopped = True
+                return
+        entry[2] = None
 
     def _library(self, tensors: dict[str, Value], written: frozenset[str], index: int):
         """One IR op over kernel tensors, as a library kernel (same rules as a block op)."""
         gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, {}, tuple(self.ctx.labels), None, 1,
                              written)
         for op, ins, attrs in gen.source_candidates():
-            self.counts.generated += 1
+            self._own.generated += 1
             new, rule = gen._op(op, ins, attrs, "lib")
             if rule is None and any(v.expr == new.expr for v in tensors.values()):
                 rule = "canonical"
             if rule:
-                self.counts.pruned[rule] += 1
+                self._own.pruned[rule] += 1
                 continue
             out = next((o for o, t in self.ctx.outputs.items() if o not in written and t.shape == new.type.shape
                         and self.ctx.oracle.equals(new.expr, o)), None)
