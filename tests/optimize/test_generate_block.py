@@ -149,3 +149,27 @@ def test_leaves_are_kept_by_the_rules_and_reject_terms_too_big_for_the_target():
     assert fits(leaves(ms), target) and fits(leaves(("mul", g, x)), target)
     assert not fits(leaves(("mul", ms, x)), target)  # three x, the target has two
     assert not fits(leaves(("exp", x)), target) and not fits(leaves(y), target)
+
+
+def test_a_paused_walk_resumes_where_it_stopped_and_finds_what_an_uninterrupted_one_finds():
+    ctx = make_context(WORKLOADS["rms_norm"].program(hidden=40, dtype="float32"))
+    grid = ("num_tokens",)
+
+    def walk(pauses: bool):
+        gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, grid, None, 6, frozenset(),
+                             outputs_only=True)
+        found, paused = [], 0
+        for c in gen.run():
+            if c is None:  # paused at its deadline: resume with more time
+                paused += 1
+                gen.deadline = float("inf")
+                continue
+            found.append(c.ops)
+            if pauses:
+                gen.deadline = 0.0  # pause at the next state, in the middle of the walk
+        return found, paused, gen.stopped
+
+    uninterrupted, none, _ = walk(False)
+    resumed, paused, stopped = walk(True)
+    assert none == 0 and paused >= 2 and not stopped
+    assert len(uninterrupted) >= 2 and resumed == uninterrupted

@@ -2,30 +2,44 @@
 
 For a grid (index labels, one per axis) and an optional for-loop label, `BlockGenerator` walks
 block graphs depth first. Each step adds one op over the block's tensors so far, the kernel
-tensors (each first use is an input iterator whose imap and fmap follow the labels; an
-activation, a tensor with the token label, that the loop walks has a second iterator too, its
-whole row loaded once before the loop, so that a row statistic such as the rms can be computed
-before the loop and applied to each loop tile) and the Program's constants: a unary or binary elementwise op, a sum / mean / max over one labelled
+tensors (each first use is an input iterator whose imap and fmap follow the labels) and the
+Program's constants: a unary or binary elementwise op, a sum / mean / max over one labelled
 dim, a matmul, or a for-loop accumulator (sum, mean, max, and the online-softmax
 ``rescaled_sum`` when the value uses a running max). A reduction over the loop label inside the
-loop yields a loop-tile partial that only an accumulator may consume. Every candidate op meets
-the rules in this order, the first failure counted in `Counts`:
+loop yields a loop-tile partial that only an accumulator may consume.
 
-- ``shape``: types and index labels agree (broadcast dims carry one label; a matmul contracts
-  one label), no tile holds every token, block matmuls have unit batch dims;
+An activation (a kernel tensor with the token label) that the loop walks has two input
+iterators: its loop tiles (``@x``) and its whole row, loaded once before the loop
+(``@x:whole``), so that a row statistic such as the rms is computed before the loop and applied
+to each tile (the fp16-safe rmsnorm_linear). The whole row's loop dim carries its own label
+(`whole_label`), so it never meets a loop tile of that dim.
+
+Only well-typed candidates are built: unary ops and reductions of each value, elementwise pairs
+whose broadcast dims carry one label each, matmuls whose operands' last dims carry the
+contracted label (`_typed`). Ill-typed pairs are never built; they are neither generated nor
+pruned, and not counted anywhere. Each built candidate meets the rules in this order, the first
+failure counted in `Counts`:
+
+- ``shape``: types agree (`infer_type`), no tile holds every token, block matmuls have batch
+  dims on the grid;
 - ``schedule``: no post-loop value inside the loop but a running max; one rescale per value;
 - ``abstract_expression``: the new tensor's abstract expression (`abstract.py`) is a
   subexpression of the target's; a partial reduction used by anything but its accumulator is not;
 - ``canonical``: an op independent of the previous one comes after it in expression order,
-  and a state reached before (same tensors and uses) is not expanded again.
+  the block does not already hold the value, and a state reached before (same tensors and
+  uses) is not expanded again.
+
+The first three rules see the operands' facts only (`Value.facts`), so their verdicts are cached
+per operand facts and counted again in every state that offers the same op (each is a pruned
+graph), but for ops over kernel tensors and constants alone, judged and counted once.
 
 Two bounds cut the walk without being counted as rules: at most `max_ops` ops (accumulators
 aside), and for a design's last kernel (`outputs_only`) no more unused values than the ops left
 can still join into its outputs.
 
 A state whose unused tensors can all be stored (program outputs where the abstract expression
-equals an output's, intermediates otherwise; never a loop partial) is a complete kernel.
-"""
+equals an output's, intermediates otherwise; never a loop partial) is a complete kernel. At its
+deadline the walk pauses (yields None) and may be resumed with a later one (`run`)."""
 
 from __future__ import annotations
 
