@@ -274,7 +274,8 @@ def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: d
             name = f"ld_{ident(tensor)}{'_whole' if whole else ''}"
             if name not in seen:
                 t = tensors[tensor]
-                fmap = t.labels.index(spec.loop) if spec.loop is not None and spec.loop in t.labels and not whole else None
+                walked = spec.loop is not None and spec.loop in t.labels and not whole
+                fmap = t.labels.index(spec.loop) if walked else None
                 loads.append(node(name, "load", tensor=t.name, imap=imap_of(t, spec.grid), fmap=fmap))
                 seen.add(name)
             return name
