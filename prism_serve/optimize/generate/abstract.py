@@ -17,9 +17,11 @@ factor independent of a label in and out of a sum / mean over it, moving a divis
 product, rsqrt as a division by sqrt) and every subterm of every form is marked ``within``.
 Two cheap necessary conditions come first (the symbols a term uses, and its leaves under the
 ops that no rule crosses: `leaves`, `fits`); then a query adds one term, runs the same bounded
-schedule, and reads the mark; results are cached
-by the term's form up to commutativity and associativity of + and * (`ac_form`), which the rules
-equate anyway. Queries go to the e-graph as egglog text through the bindings.
+schedule, and reads the mark. Verdicts are cached by the term's form up to commutativity and
+associativity of + and * (`ac_form`), which the rules equate anyway (so the first form asked
+decides for all; the bounded schedule could in principle tell them apart). Queries go to the
+e-graph as egglog text through the bindings (the typed Python front end costs several times the
+e-graph's own work per query).
 """
 
 from __future__ import annotations
