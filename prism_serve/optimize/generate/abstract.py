@@ -15,12 +15,19 @@ form of the target cannot be part of a correct design and is pruned at once.
 once per search under the rules below (commutativity and associativity of + and *, moving a
 factor independent of a label in and out of a sum / mean over it, moving a divisor out of a
 product, rsqrt as a division by sqrt) and every subterm of every form is marked ``within``.
-A query adds one term, runs the same bounded schedule, and reads the mark; results are cached
-by term.
+Two cheap necessary conditions come first (the symbols a term uses, and its leaves under the
+ops that no rule crosses: `leaves`, `fits`); then a query adds one term, runs the same bounded
+schedule, and reads the mark. Verdicts are cached by the term's form up to commutativity and
+associativity of + and * (`ac_form`), which the rules equate anyway (so the first form asked
+decides for all; the bounded schedule could in principle tell them apart). Queries go to the
+e-graph as egglog text through the bindings (the typed Python front end costs several times the
+e-graph's own work per query).
 """
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from functools import cached_property
 
 from egglog import EGraph, Expr, StringLike, eq, relation, rewrite, rule, ruleset, seq
@@ -156,6 +163,70 @@ def _symbols(t: Term) -> frozenset:
     return frozenset(own).union(*(_symbols(a) for a in t[1:]))
 
 
+_TAGGED = {"sqrt": "root", "rsqrt": "root", "exp": "exp", "silu": "silu", "add": "add", "sub": "sub", "max": "max"}
+
+
+def leaves(t: Term, tags: frozenset = frozenset()) -> Counter:
+    """The multiset of `t`'s variables and constants (but the ``inv.<label>`` of a mean), each with
+    the set of tags of the ops above it that no rule moves a factor across: sqrt and rsqrt (one
+    tag, ``root``, since x * rsqrt(y) = x / sqrt(y)), exp, silu, add, sub, max. Every rule keeps
+    this multiset (+ and * reassociate within their tag, factors move across products, sums,
+    means and divisions, which carry none), so it is the same for every term of an e-class."""
+    head = t[0]
+    if head in ("var", "const"):
+        return Counter() if head == "const" and t[1].startswith("inv.") else Counter({(t, tags): 1})
+    tag = _TAGGED.get(head)
+    inner = tags | {tag} if tag else tags
+    out: Counter = Counter()
+    for a in (t[2],) if head in REDUCE else t[1:]:
+        out += leaves(a, inner)
+    return out
+
+
+def fits(t: Counter, target: Counter) -> bool:
+    """A necessary condition for a term with leaves `t` to be a subterm of a term with leaves
+    `target`: a subterm's leaves map one to one into the whole's, to the same leaf under at least
+    the same tags; so for every leaf and tag set S, the leaves under tags >= S are no more."""
+    for (leaf, tags) in t:
+        need = sum(n for (lf, tg), n in t.items() if lf == leaf and tags <= tg)
+        have = sum(n for (lf, tg), n in target.items() if lf == leaf and tags <= tg)
+        if need > have:
+            return False
+    return True
+
+
+_AC: dict[Term, Term] = {}
+
+
+def ac_form(t: Term) -> Term:
+    """`t` with every chain of + and of * flattened, its operands sorted and rebuilt left-deep:
+    one representative per class of terms equal up to commutativity and associativity."""
+    out = _AC.get(t)
+    if out is None:
+        head = t[0]
+        if head in ("var", "const"):
+            out = t
+        elif head in ("add", "mul"):
+            ops: list[Term] = []
+            stack = [t]
+            while stack:
+                u = stack.pop()
+                if u[0] == head:
+                    stack += [u[2], u[1]]
+                else:
+                    ops.append(ac_form(u))
+            ops.sort(key=repr)
+            out = ops[0]
+            for o in ops[1:]:
+                out = (head, out, o)
+        elif head in REDUCE:
+            out = (head, t[1], ac_form(t[2]))
+        else:
+            out = (head,) + tuple(ac_form(a) for a in t[1:])
+        _AC[t] = out
+    return out
+
+
 class Oracle:
     """The target's terms saturated once; `within(term)` and `equals(term, output)` queries, cached."""
 
@@ -172,6 +243,15 @@ class Oracle:
         means = [c[len("inv."):] for c in consts if c.startswith("inv.")]
         self.rules = _mean_rules(means)
         self.egraph.run(_schedule(TARGET_ITERATIONS, self.rules))
+        self._text = _TextForm(self.egraph)
+        self._run = self.egraph._egraph.run_program
+        self._push, = self.egraph._egraph.parse_program("(push)")
+        self._pop, = self.egraph._egraph.parse_program("(pop)")
+        self._query_schedule = self.egraph._state.run_schedule_to_egg(_schedule(QUERY_ITERATIONS, self.rules).schedule)
+        self._check_within, = self.egraph._egraph.parse_program(f"(check ({self._text.within} $q))")
+        self._check_equals = {o: self.egraph._egraph.parse_program(f"(check (= $q $target_{i}))")[0]
+                              for i, o in enumerate(targets)}
+        self._leaves = [leaves(t) for t in targets.values()]
         self.enabled = True  # False: every term passes (to check that the rule is sound)
         self._within: dict[Term, bool] = {}
         self._equals: dict[tuple[Term, str], bool] = {}
@@ -184,31 +264,65 @@ class Oracle:
     def within(self, t: Term) -> bool:
         if not self.enabled:
             return True
-        if t in self._within:
-            return self._within[t]
-        # a necessary condition first: no rule creates a variable, a constant, exp, silu, add, sub
-        # or a reduction over a label the target's forms lack
-        ok = _symbols(t) <= self._symbols and self._query(t, lambda h: within(h))
-        self._within[t] = ok
+        key = ac_form(t)  # the rules hold + and * commutative and associative: one query per form
+        if key in self._within:
+            return self._within[key]
+        # necessary conditions first: no rule creates a variable, a constant, exp, silu, add, sub
+        # or a reduction over a label the target's forms lack, and a subterm's leaves fit the whole's
+        ok = _symbols(t) <= self._symbols and any(fits(leaves(t), lv) for lv in self._leaves) and \
+            self._query(t, self._check_within)
+        self._within[key] = ok
         return ok
 
     def equals(self, t: Term, output: str) -> bool:
         key = (t, output)
-        if key not in self._equals:  # equal terms have the same symbols (no rule adds or drops one)
+        if key not in self._equals:  # equal terms have the same symbols and leaves (no rule changes them)
             self._equals[key] = t == self.targets[output] or (
-                _symbols(t) == _symbols(self.targets[output]) and self._query(t, lambda h: eq(h).to(self.handles[output])))
+                _symbols(t) == _symbols(self.targets[output])
+                and leaves(t) == leaves(self.targets[output]) and self._query(t, self._check_equals[output]))
         return self._equals[key]
 
-    def _query(self, t: Term, fact) -> bool:
+    def _query(self, t: Term, check) -> bool:
+        """Add `t` (as egglog text, through the bindings: the typed Python front end costs several
+        times the e-graph's own work per query), run the query schedule, run `check`, undo."""
         self.queries += 1
-        self.egraph.push()
+        self._run(self._push)
         try:
-            h = self.egraph.let(f"q{self.queries}", to_egg(t))
-            self.egraph.run(_schedule(QUERY_ITERATIONS, self.rules))
+            let, = self.egraph._egraph.parse_program(f"(let $q {self._text(t)})")
+            self._run(let, self._query_schedule)
             try:
-                self.egraph.check(fact(h))
+                self._run(check)
                 return True
             except EggSmolError:
                 return False
         finally:
-            self.egraph.pop()
+            self._run(self._pop)
+
+
+class _TextForm:
+    """Abstract terms as egglog text, with the names the Python front end gave the constructors."""
+
+    def __init__(self, egraph: EGraph):
+        name = lambda fn: egraph._callable_to_egg(fn)[1]  # noqa: E731
+        self.ops = {op: name(getattr(Abs, attr)) for op, attr in
+                    {"add": "__add__", "sub": "__sub__", "mul": "__mul__", "div": "__truediv__", "exp": "exp",
+                     "silu": "silu", "sqrt": "sqrt", "rsqrt": "rsqrt", "var": "var", "const": "const",
+                     "sum": "rsum", "mean": "rmean", "max": "rmax"}.items()}
+        self.label = name(AbsLabel)
+        self.within = name(within)
+        self._cache: dict[Term, str] = {}
+
+    def __call__(self, t: Term) -> str:
+        text = self._cache.get(t)
+        if text is None:
+            head = t[0]
+            if head in ("var", "const"):
+                text = f"({self.ops[head]} {json.dumps(t[1])})"
+            elif head in REDUCE:
+                text = f"({self.ops[head]} {self(t[2])} ({self.label} {json.dumps(t[1])}))"
+            elif head in BINARY or head in UNARY:
+                text = f"({self.ops[head]} {' '.join(self(a) for a in t[1:])})"
+            else:
+                raise ValueError(f"no abstract form for {head!r}")
+            self._cache[t] = text
+        return text

@@ -6,35 +6,51 @@ tensors (each first use is an input iterator whose imap and fmap follow the labe
 Program's constants: a unary or binary elementwise op, a sum / mean / max over one labelled
 dim, a matmul, or a for-loop accumulator (sum, mean, max, and the online-softmax
 ``rescaled_sum`` when the value uses a running max). A reduction over the loop label inside the
-loop yields a loop-tile partial that only an accumulator may consume. Every candidate op meets
-the rules in this order, the first failure counted in `Counts`:
+loop yields a loop-tile partial that only an accumulator may consume.
 
-- ``shape``: types and index labels agree (broadcast dims carry one label; a matmul contracts
-  one label), no tile holds every token, block matmuls have unit batch dims;
+An activation (a kernel tensor with the token label) that the loop walks has two input
+iterators: its loop tiles (``@x``) and its whole row, loaded once before the loop
+(``@x:whole``), so that a row statistic such as the rms is computed before the loop and applied
+to each tile (the fp16-safe rmsnorm_linear). The whole row's loop dim carries its own label
+(`whole_label`), so it never meets a loop tile of that dim.
+
+Only well-typed candidates are built: unary ops and reductions of each value, elementwise pairs
+whose broadcast dims carry one label each, matmuls whose operands' last dims carry the
+contracted label (`_typed`). Ill-typed pairs are never built; they are neither generated nor
+pruned, and not counted anywhere. Each built candidate meets the rules in this order, the first
+failure counted in `Counts`:
+
+- ``shape``: types agree (`infer_type`), no tile holds every token, block matmuls have batch
+  dims on the grid;
 - ``schedule``: no post-loop value inside the loop but a running max; one rescale per value;
 - ``abstract_expression``: the new tensor's abstract expression (`abstract.py`) is a
   subexpression of the target's; a partial reduction used by anything but its accumulator is not;
 - ``canonical``: an op independent of the previous one comes after it in expression order,
-  and a state reached before (same tensors and uses) is not expanded again.
+  the block does not already hold the value, and a state reached before (same tensors and
+  uses) is not expanded again.
+
+The first three rules see the operands' facts only (`Value.facts`), so their verdicts are cached
+per operand facts and counted again in every state that offers the same op (each is a pruned
+graph), but for ops over kernel tensors and constants alone, judged and counted once.
 
 Two bounds cut the walk without being counted as rules: at most `max_ops` ops (accumulators
 aside), and for a design's last kernel (`outputs_only`) no more unused values than the ops left
 can still join into its outputs.
 
 A state whose unused tensors can all be stored (program outputs where the abstract expression
-equals an output's, intermediates otherwise; never a loop partial) is a complete kernel.
-"""
+equals an output's, intermediates otherwise; never a loop partial) is a complete kernel. At its
+deadline the walk pauses (yields None) and may be resumed with a later one (`run`)."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Iterator
 
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term
-from prism_serve.optimize.generate.design import BlockOp
+from prism_serve.optimize.generate.design import BlockOp, whole_ref
 from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 
 UNARY = ("exp", "silu", "sqrt", "rsqrt", "square")
@@ -68,10 +84,17 @@ class Value:
     rescale: str | None = None  # the max accumulator whose running value it uses
     running_max: bool = False  # a max accumulator (readable inside the loop)
 
-    @property
+    @cached_property
     def eid(self) -> int:
         """The expression's interned id (tuples do not cache their hash; ids make keys cheap)."""
         return intern(self.expr)
+
+    @cached_property
+    def facts(self) -> tuple:
+        """What an op's result depends on: the expression, the loop facts, the labels, and the
+        name where it matters (a kernel tensor, a constant, a running max that a rescale names)."""
+        return (self.ref if self.running_max or self.ref[0] in "@#" else "", self.eid, self.stage, self.partial,
+                self.rescale, self.labels)
 
 
 _INTERNED: dict[Term, int] = {}
@@ -101,17 +124,32 @@ class BlockGenerator:
         self.written, self.deadline, self.outputs_only = written, deadline, outputs_only
         self.stopped = False
         self.counts = Counts()
-        self.sources = [self._source(v) for v in tensors.values()] + list(consts.values())
+        # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
+        # design that keeps the loop's operands normalised (the order only decides what comes sooner)
+        self.sources = [
+            self._whole(v) for v in tensors.values() if loop is not None and loop in v.labels and NUM_TOKENS in v.labels
+        ] + [self._source(v) for v in tensors.values()] + list(consts.values())
         self.seen: set = set()
         self.memo: dict = {}
         self._source_ops: list | None = None
+        self._per_value: dict[tuple, list] = {}
+        self._per_pair: dict[tuple, list] = {}
 
     def _source(self, v: Value) -> Value:
         stage = "loop" if self.loop and self.loop in v.labels else "pre"
         return Value(v.ref, v.type, v.labels, v.expr, stage)
 
+    def _whole(self, v: Value) -> Value:
+        """The second input iterator of an activation the loop walks: its whole row (every loop
+        tile), loaded once before the loop (``@name:whole``). Its loop dim carries its own label
+        (`whole_label`), so that the shape rule never pairs it with a loop tile of that dim."""
+        labels = tuple(whole_label(lb) if lb == self.loop else lb for lb in v.labels)
+        return Value(whole_ref(v.ref), v.type, labels, v.expr, "pre")
+
     # --- the walk --------------------------------------------------------
-    def run(self) -> Iterator[Completion]:
+    def run(self) -> Iterator[Completion | None]:
+        """The complete kernels, depth first. At the deadline the walk yields None and waits: the
+        consumer may set a later `deadline` and resume it where it stopped, or drop it."""
         yield from self._walk((), (), {}, None)
 
     def _walk(self, ops: tuple, values: tuple, uses: dict, last: tuple | None) -> Iterator[Completion]:
@@ -121,17 +159,19 @@ class BlockGenerator:
             if all(o in done.outputs for o in self.outputs if o not in self.written):
                 return  # every output is written: more ops would be dead
         left = self.max_ops - len([o for o in ops if o.op != "accum"])
-        if left <= 0:
+        pending = [v for v in values if v.partial and v.ref not in uses]  # loop partials awaiting an accumulator
+        if left <= 0 and not pending:
             return
         if self.outputs_only:  # an op joins at most two unused values into one: the bound on ops left
             dangling = sum(v.ref not in uses for v in values)
             if dangling - 1 > left:
                 return
-        if time.perf_counter() > self.deadline:
+        while time.perf_counter() > self.deadline:  # paused: the consumer may set a later deadline and resume
             self.stopped = True
-            return
-        pool = self.sources + [v for v in values if v.partial is None]
-        for op, ins, attrs in self._candidates(pool, values):
+            yield None
+        self.stopped = False
+        cands = self._candidates(values) if left > 0 else (("accum", (v,), ()) for v in pending)
+        for op, ins, attrs in cands:  # accumulators are not counted against max_ops
             self.counts.generated += 1
             new, rule, bop = self._apply(op, ins, attrs, len(ops))
             if rule is None and any(v.eid == new.eid and v.stage == new.stage and v.partial == new.partial
@@ -155,58 +195,97 @@ class BlockGenerator:
                 continue
             yield from self._walk(ops + (bop,), values + (new,), nuses, (_key(new), new.ref))
 
-    def _candidates(self, pool: list[Value], values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
-        """Every op over the pool. Ops over kernel tensors and constants alone are judged once per
-        generator (their verdict cannot change) and only the surviving ones come back."""
+    def _candidates(self, values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
+        """Every well-typed op that reads a block value (ops on the newest value first: designs come
+        sooner), then the ops over kernel tensors and constants alone. The rules of `_op` see the
+        operands' facts only (`Value.facts`), so their verdict on an op is judged and counted once
+        per generator (per operand facts: the ops over kernel tensors and constants; the unary
+        ops, reductions and pairs with a kernel tensor or constant of a block value; the pairs of
+        two block values), and counted again in every state that offers the same op to the same
+        operand facts (a pruned state each), except the ops over kernel tensors and constants alone,
+        counted once; only the surviving ops come back, to meet the rules that depend on the
+        state (canonical order, values already held)."""
         if self._source_ops is None:
-            self._source_ops = []
-            for cand in self._raw_candidates(self.sources, ()):
-                self.counts.generated += 1
-                rule = self._judge(*cand)
-                if rule:
-                    self.counts.pruned[rule] += 1
-                else:
-                    self._source_ops.append(cand)
-        fresh = {v.ref for v in values}
-        newest = values[-1].ref if values else None
-        later = []
-        for cand in self._raw_candidates(pool, values):  # ops on the newest value first: designs come sooner
-            if any(i.ref == newest for i in cand[1]):
-                yield cand
-            elif any(i.ref in fresh for i in cand[1]):
-                later.append(cand)
-        yield from later
-        yield from self._source_ops
-
-    def _judge(self, op: str, ins: tuple, attrs: tuple) -> str | None:
-        if op == "accum":
-            return None
-        return self._apply(op, ins, attrs, 0)[1]
-
-    def _raw_candidates(self, pool: list[Value], values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
-        nonconst = [v for v in pool if v.type.dtype != "const"]
-        for v in nonconst:
-            for u in UNARY:
-                yield u, (v,), ()
-            for d, lb in enumerate(v.labels):
-                if lb is not None:
-                    for r in ("sum", "mean", "max"):
-                        yield r, (v,), (("dim", d - len(v.labels)), ("keepdim", True))
-        for a, b in itertools.product(nonconst, pool):
-            if _labels("add", {}, (a, b)) is None:  # no elementwise op aligns these dims
-                self.counts.generated += len(BINARY)
-                self.counts.pruned["shape"] += len(BINARY)
-            else:
-                for op in BINARY:
-                    if op in COMMUTATIVE and b.type.dtype != "const" and b.ref < a.ref:
-                        continue
-                    yield op, (a, b), ()
-            if b.type.dtype != "const" and len(a.labels) >= 2 and len(b.labels) >= 2:
-                for tb in (False, True):
-                    yield "matmul", (a, b), (("transpose_b", tb),)
-        for v in values:
+            self._source_ops = self._survivors(self.source_candidates(), ())
+        fresh = [v for v in reversed(values) if v.partial is None]
+        if values and values[-1].partial is not None:
+            yield "accum", (values[-1],), ()
+        for i, f in enumerate(fresh):  # each pair of block values once
+            facts = f.facts
+            if facts not in self._per_value:
+                self._per_value[facts] = self._survivors(self._typed(f, self.sources), (f,))
+            yield from self._reuse(self._per_value[facts], (f,))
+            for b in fresh[i:]:
+                key = (facts, b.facts)
+                if key not in self._per_pair:
+                    self._per_pair[key] = self._survivors(self._pairs(f, [b]), (f, b))
+                yield from self._reuse(self._per_pair[key], (f, b))
+        for v in values[:-1]:
             if v.partial is not None:
                 yield "accum", (v,), ()
+        yield from self._source_ops
+
+    def _survivors(self, cands: Iterator, slots: tuple[Value, ...]) -> list:
+        """The candidates that pass the rules judged on operand facts alone, with each operand that
+        is one of the block values `slots` replaced by its position there (filled in per state)."""
+        out, pruned = [], Counts()
+        for op, ins, attrs in cands:
+            pruned.generated += 1
+            rule = self._judge(op, ins, attrs)
+            if rule:
+                pruned.pruned[rule] += 1
+            else:
+                out.append((op, tuple(next((j for j, s in enumerate(slots) if v is s), v) for v in ins), attrs))
+        if not slots:  # ops over kernel tensors and constants: counted once per generator
+            self.counts.add(pruned)
+            return out
+        pruned.generated -= len(out)  # the survivors are counted where the walk takes them
+        return out, pruned
+
+    def _reuse(self, cached: tuple, slots: tuple[Value, ...]) -> Iterator[tuple[str, tuple, tuple]]:
+        """Cached survivors with this state's block values filled in; the candidates the cache
+        pruned count as pruned in this state too (each is a different graph not expanded)."""
+        out, pruned = cached
+        self.counts.add(pruned)
+        for op, ins, attrs in out:
+            yield op, tuple(slots[v] if isinstance(v, int) else v for v in ins), attrs
+
+    def _judge(self, op: str, ins: tuple, attrs: tuple) -> str | None:
+        return self._apply(op, ins, attrs, 0)[1]
+
+    def source_candidates(self) -> Iterator[tuple[str, tuple, tuple]]:
+        """Every well-typed op over the kernel tensors and constants alone."""
+        for i, v in enumerate(self.sources):  # each pair once: with itself, later tensors, and constants
+            if v.type.dtype != "const":
+                yield from self._typed(v, [u for j, u in enumerate(self.sources) if j >= i or u.type.dtype == "const"])
+
+    def _typed(self, f: Value, partners: list[Value]) -> Iterator[tuple[str, tuple, tuple]]:
+        """The unary ops and reductions of `f` and the binary ops and matmuls that pair `f` (on
+        either side) with one of `partners` (`f` itself included) whose index labels fit: an
+        elementwise pair whose broadcast dims carry one label each, a matmul whose operands' last
+        dims carry the contracted label. Ill-typed pairs are never built, so they are neither
+        generated nor pruned (and not counted)."""
+        for u in UNARY:
+            yield u, (f,), ()
+        for d, lb in enumerate(f.labels):
+            if lb is not None:
+                for r in ("sum", "mean", "max"):
+                    yield r, (f,), (("dim", d - len(f.labels)), ("keepdim", True))
+        yield from self._pairs(f, partners)
+
+    def _pairs(self, f: Value, partners: list[Value]) -> Iterator[tuple[str, tuple, tuple]]:
+        for b in partners:
+            if _broadcasts(f.labels, b.labels):
+                yield from _binary(f, b)
+                if b.ref != f.ref and b.type.dtype != "const":
+                    yield from _binary(b, f)
+            if b.type.dtype == "const":
+                continue
+            for x, y in ((f, b), (b, f)) if b.ref != f.ref else ((f, f),):
+                if len(x.labels) >= 2 and len(y.labels) >= 2 and x.labels[-1] is not None:
+                    for tb in (False, True):
+                        if (y.labels[-1] if tb else y.labels[-2]) == x.labels[-1]:
+                            yield "matmul", (x, y), (("transpose_b", tb),)
 
     # --- one op ----------------------------------------------------------
     def _apply(self, op: str, ins: tuple[Value, ...], attrs: tuple, index: int):
@@ -214,8 +293,7 @@ class BlockGenerator:
         name = f"b{index}"
         if op == "accum":
             return self._accum(ins[0], name)
-        key = (op, attrs, tuple((v.ref if v.running_max or v.ref[0] in "@#" else "", v.eid, v.stage, v.partial,
-                                 v.rescale, v.labels) for v in ins))
+        key = (op, attrs, tuple(v.facts for v in ins))
         if key not in self.memo:  # an op's result depends on its operands' facts only
             self.memo[key] = self._op(op, ins, attrs, name)
         new, rule = self.memo[key]
@@ -283,10 +361,42 @@ class BlockGenerator:
             outs.append(out)
         if any(outs) and not all(outs) or self.outputs_only and not all(outs):
             return None  # a kernel writes program outputs, or intermediates for later kernels, not both
-        stored = set().union(*(set(v.labels) for v in sinks))
+        stored = set().union(*({base_label(lb) for lb in v.labels} for v in sinks))
         if any(lb not in stored for lb in self.grid):  # a grid axis that every store replicates
             return None
         return Completion(tuple(ops), tuple(sinks), tuple(outs))
+
+
+WHOLE_LABEL = ":whole"
+
+
+def whole_label(lb: str) -> str:
+    """The label of a loop dim held whole (every loop tile at once) before the loop."""
+    return lb + WHOLE_LABEL
+
+
+def base_label(lb: str | None) -> str | None:
+    """The index label a (possibly whole) dim label stands for."""
+    return lb[:-len(WHOLE_LABEL)] if lb and lb.endswith(WHOLE_LABEL) else lb
+
+
+def _binary(a: Value, b: Value) -> Iterator[tuple[str, tuple, tuple]]:
+    for op in BINARY:
+        if op in COMMUTATIVE and b.type.dtype != "const" and b.ref < a.ref:
+            continue  # the other order is built instead
+        yield op, (a, b), ()
+
+
+_BROADCASTS: dict[tuple, bool] = {}
+
+
+def _broadcasts(x: tuple, y: tuple) -> bool:
+    """Whether an elementwise op aligns labels `x` and `y` (cached: blocks have few signatures)."""
+    key = (x, y)
+    ok = _BROADCASTS.get(key)
+    if ok is None:
+        ok = _BROADCASTS[key] = all(not p or not q or p == q for p, q in zip(reversed(x), reversed(y)))
+    return ok
 
 
 def _key(v: Value) -> tuple:
@@ -332,7 +442,7 @@ def _expr(op: str, a: dict, ins: tuple[Value, ...]) -> tuple[Term, str | None]:
     if op in BINARY:
         return (op, e[0], e[1]), None
     if op in ("sum", "mean", "max"):
-        lb = ins[0].labels[a["dim"] % len(ins[0].labels)]
+        lb = base_label(ins[0].labels[a["dim"] % len(ins[0].labels)])
         return (op, lb, e[0]), lb
-    lb = ins[0].labels[-1]
+    lb = base_label(ins[0].labels[-1])
     return ("sum", lb, ("mul", e[0], e[1])), lb

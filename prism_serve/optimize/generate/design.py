@@ -4,8 +4,9 @@ A `Design` is a sequence of kernels. A `LibrarySpec` runs one IR op over kernel 
 `BlockSpec` is a graph-defined kernel: its grid axes are index labels (`labels.py`) and its
 for-loop walks one label; its block ops refer to kernel tensors as ``@name`` (an input
 iterator: the load's imap partitions, per grid axis, the tensor's dim with that axis' label,
-or replicates the tile where the tensor lacks it; its fmap is the dim with the loop label) and
-to the Program's constants as ``#name``. With ``split``, one more grid axis partitions the
+or replicates the tile where the tensor lacks it; its fmap is the dim with the loop label),
+as ``@name:whole`` (the same imap, no fmap: every loop tile at once, loaded before the loop)
+and to the Program's constants as ``#name``. With ``split``, one more grid axis partitions the
 loop label (split-K / split-KV): see `split.py`.
 
 `build(prog, design)` is pure and depends on the Program only through its node names, index
@@ -127,6 +128,20 @@ def _attrs_from(d: dict) -> tuple:
     return tuple(sorted(out))
 
 
+WHOLE = ":whole"
+
+
+def whole_ref(ref: str) -> str:
+    """The block-op reference to kernel tensor `ref`'s (``@name``) whole loop dim, before the loop."""
+    return ref + WHOLE
+
+
+def tensor_of(ref: str) -> tuple[str, bool]:
+    """The kernel tensor an ``@`` reference names, and whether it is the whole-row iterator."""
+    name = ref[1:]
+    return (name[:-len(WHOLE)], True) if name.endswith(WHOLE) else (name, False)
+
+
 def ident(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
@@ -179,7 +194,7 @@ def block_types(spec: BlockSpec, tensors: dict[str, KTensor], consts: dict[str, 
 
 def _operand(s: str, local: dict, tensors: dict[str, KTensor], consts: dict[str, float]):
     if s.startswith("@"):
-        t = tensors[s[1:]]
+        t = tensors[tensor_of(s)[0]]
         return t.type, t.labels
     if s.startswith("#"):
         return TensorType((), "const"), ()
@@ -255,10 +270,12 @@ def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: d
 
     def ref(s: str) -> str:
         if s.startswith("@"):
-            name = f"ld_{ident(s[1:])}"
+            tensor, whole = tensor_of(s)
+            name = f"ld_{ident(tensor)}{'_whole' if whole else ''}"
             if name not in seen:
-                t = tensors[s[1:]]
-                fmap = t.labels.index(spec.loop) if spec.loop in t.labels else None
+                t = tensors[tensor]
+                walked = spec.loop is not None and spec.loop in t.labels and not whole
+                fmap = t.labels.index(spec.loop) if walked else None
                 loads.append(node(name, "load", tensor=t.name, imap=imap_of(t, spec.grid), fmap=fmap))
                 seen.add(name)
             return name
@@ -294,7 +311,8 @@ def stages(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, str]:
         src = []
         for s in o.inputs:
             if s.startswith("@"):
-                src.append("loop" if spec.loop and spec.loop in tensors[s[1:]].labels else "pre")
+                tensor, whole = tensor_of(s)
+                src.append("loop" if spec.loop and spec.loop in tensors[tensor].labels and not whole else "pre")
             elif not s.startswith("#"):
                 src.append(out[s])
         out[o.name] = "loop" if "loop" in src else "post" if "post" in src else "pre"

@@ -1,0 +1,175 @@
+"""The block-level walk: it builds exactly the well-typed candidates (none skipped, none ill-typed),
+a whole-row iterator never meets a loop tile of its loop dim, and the whole row makes the
+fp16-safe one-loop rmsnorm_linear reachable, which the adversarial numeric check accepts while it
+rejects the design that pulls 1/rms past the projection, naming the overflow."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from prism_serve.optimize import canonical_hash
+from prism_serve.optimize.generate.abstract import ac_form, fits, leaves
+from prism_serve.optimize.generate.block import BINARY, UNARY, BlockGenerator, _labels
+from prism_serve.optimize.generate.context import make_context
+from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build
+from prism_serve.optimize.generate.search import _check_numerics
+from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.optimize.workloads.programs import WORKLOADS
+
+H100 = get_gpu("h100")
+GRID, LOOP = ("num_tokens", "w0"), "x1"
+
+
+def _small_rmsnorm_linear(dtype="float16"):
+    return WORKLOADS["rmsnorm_linear"].program(hidden=48, out=40, dtype=dtype)
+
+
+def _brute_force(sources):
+    """Every unary op, reduction, binary op and matmul over `sources` whose labels agree (judged by
+    the walk's own label rule on every ordered pair), commutative ops once per unordered pair."""
+    out = set()
+    for v in sources:
+        if v.type.dtype == "const":
+            continue
+        out |= {(u, (v.ref,), ()) for u in UNARY}
+        out |= {(r, (v.ref,), (("dim", d - len(v.labels)), ("keepdim", True)))
+                for d, lb in enumerate(v.labels) if lb is not None for r in ("sum", "mean", "max")}
+    for a, b in itertools.product(sources, repeat=2):
+        if a.type.dtype == "const":
+            continue
+        for op in BINARY:
+            if _labels(op, {}, (a, b)) is not None:
+                pair = (a.ref, b.ref) if op not in ("add", "mul") or b.type.dtype == "const" else tuple(
+                    sorted((a.ref, b.ref)))
+                out.add((op, pair, ()))
+        if b.type.dtype != "const" and len(a.labels) >= 2 and len(b.labels) >= 2:
+            for tb in (False, True):
+                attrs = (("transpose_b", tb),)
+                if _labels("matmul", dict(attrs), (a, b)) is not None:
+                    out.add(("matmul", (a.ref, b.ref), attrs))
+    return out
+
+
+@pytest.mark.parametrize("name,grid,loop", [("rmsnorm_linear", GRID, LOOP), ("attention", ("q0", "q1"), "k2"),
+                                            ("swiglu", ("num_tokens", "w_gate0"), "x1")])
+def test_the_walk_builds_every_well_typed_candidate_and_no_other(name, grid, loop):
+    prog = WORKLOADS[name].program()
+    ctx = make_context(prog)
+    gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, grid, loop, 8, frozenset())
+    built = [(op, tuple(v.ref for v in ins), attrs) for op, ins, attrs in gen.source_candidates()]
+    assert len(built) == len(set(built))  # each candidate once
+    assert set(built) == _brute_force(gen.sources)
+
+
+def test_a_whole_row_never_meets_a_loop_tile_of_its_loop_dim():
+    ctx = make_context(_small_rmsnorm_linear())
+    gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, GRID, LOOP, 8, frozenset())
+    by_ref = {v.ref: v for v in gen.sources}
+    whole, tile, g = by_ref["@x:whole"], by_ref["@x"], by_ref["@g"]
+    assert whole.stage == "pre" and tile.stage == "loop" and whole.expr == tile.expr
+    assert "@w:whole" not in by_ref and "@g:whole" not in by_ref  # whole rows of activations only
+    assert gen._apply("mul", (whole, g), (), 0)[1] == "shape"
+    assert gen._apply("matmul", (whole, by_ref["@w"]), (("transpose_b", True),), 0)[1] == "shape"
+    pairs = {tuple(v.ref for v in ins) for op, ins, _ in gen.source_candidates() if op in BINARY}
+    assert ("@x:whole", "@x") not in pairs and ("@g", "@x:whole") not in pairs
+    ms, rule, _ = gen._apply("mean", (gen._apply("square", (whole,), (), 0)[0],), (("dim", -1), ("keepdim", True)), 1)
+    assert rule is None and ms.stage == "pre" and ms.partial is None and ms.labels == ("num_tokens", None)
+    assert ms.expr == ("mean", "x1", ("mul", tile.expr, tile.expr))  # the row's mean, over the real label
+
+
+def _design(*spec) -> Design:
+    """One loop kernel of block ops b0, b1, ... from (op, inputs, attrs) triples, storing the last to y."""
+    ops = tuple(BlockOp(f"b{i}", op, ins, attrs) for i, (op, ins, attrs) in enumerate(spec))
+    ops += (BlockOp("st0", "store", (ops[-1].name,), (("tensor", "y"),)),)
+    return Design((BlockSpec(GRID, LOOP, ops),))
+
+
+MEAN = (("dim", -1), ("keepdim", True))
+ROW_RMS = [("square", ("@x:whole",), ()), ("mean", ("b0",), MEAN), ("add", ("b1", "#xn.eps"), ()),
+           ("rsqrt", ("b2",), ())]
+# rms from the whole row before the loop, then each x tile normalised, times g, into tl.dot
+SAFE = _design(*ROW_RMS, ("mul", ("@x", "b3"), ()), ("mul", ("@g", "b4"), ()),
+               ("matmul", ("b5", "@w"), (("transpose_b", True),)), ("accum", ("b6",), (("kind", "sum"),)))
+# the unnormalised x * g into tl.dot, 1/rms applied after the loop
+HOISTED = _design(("mul", ("@g", "@x"), ()), ("square", ("@x:whole",), ()), ("mean", ("b1",), MEAN),
+                  ("add", ("b2", "#xn.eps"), ()), ("rsqrt", ("b3",), ()),
+                  ("matmul", ("b0", "@w"), (("transpose_b", True),)), ("accum", ("b5",), (("kind", "sum"),)),
+                  ("mul", ("b4", "b6"), ()))
+
+
+def test_the_fp16_safe_one_loop_rmsnorm_linear_is_generated_and_passes_where_the_hoisted_rms_overflows():
+    prog = _small_rmsnorm_linear()
+    ctx = make_context(prog)
+    gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, GRID, LOOP, 7, frozenset(),
+                         outputs_only=True)
+    generated = set()
+    for c in gen.run():
+        stores = tuple(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", o),)) for j, (v, o) in
+                       enumerate(zip(c.sinks, c.outputs)))
+        generated.add(canonical_hash(build(prog, Design((BlockSpec(GRID, LOOP, c.ops + stores),)))))
+    assert not gen.stopped
+    for design in (SAFE, HOISTED):
+        g = build(prog, design)
+        assert canonical_hash(g) in generated, design.describe()
+        assert prove_equivalent(g).ok  # both are exact in real arithmetic
+    safe = _check_numerics(prog, SAFE, H100)
+    assert safe.ok, safe.reasons
+    assert any(c.name.startswith("outlier") for c in safe.cases)
+    hoisted = _check_numerics(prog, HOISTED, H100)
+    assert not hoisted.ok
+    assert hoisted.reasons[0].startswith("overflow: inf in output 'y' at outlier"), hoisted.reasons
+    assert hoisted.reasons[0].endswith("(fp16)")
+    assert _check_numerics(_small_rmsnorm_linear("float32"), HOISTED, H100).ok  # fp32 has the range
+
+
+def test_subexpression_verdicts_are_shared_by_forms_equal_up_to_commutativity_and_associativity():
+    x, g, w = ("var", "x"), ("var", "g"), ("var", "w")
+    assert ac_form(("mul", ("mul", x, g), w)) == ac_form(("mul", w, ("mul", g, x)))
+    assert ac_form(("div", x, g)) != ac_form(("div", g, x))
+    assert ac_form(("sum", "k", ("mul", x, w))) != ac_form(("sum", "n", ("mul", x, w)))
+    ctx = make_context(_small_rmsnorm_linear())
+    o = ctx.oracle
+    before = o.queries
+    assert o.within(("sum", "x1", ("mul", ("mul", x, g), w)))
+    assert o.within(("sum", "x1", ("mul", w, ("mul", g, x)))) and o.queries == before + 1
+    assert not o.within(("div", x, ("mul", g, w)))
+
+
+def test_leaves_are_kept_by_the_rules_and_reject_terms_too_big_for_the_target():
+    x, y, g = ("var", "x"), ("var", "y"), ("var", "g")
+    ms = ("mean", "k", ("mul", x, x))
+    assert leaves(("mul", g, ("rsqrt", ms))) == leaves(("div", g, ("sqrt", ms)))
+    assert leaves(ms) == leaves(("mul", ("sum", "k", ("mul", x, x)), ("const", "inv.k")))
+    assert leaves(("sum", "k", ("mul", x, g))) == leaves(("mul", ("sum", "k", x), g))
+    assert leaves(("add", x, g)) != leaves(("mul", x, g))  # no rule distributes
+    target = leaves(("mul", g, ("rsqrt", ("add", ms, ("const", "eps")))))
+    assert fits(leaves(ms), target) and fits(leaves(("mul", g, x)), target)
+    assert not fits(leaves(("mul", ms, x)), target)  # three x, the target has two
+    assert not fits(leaves(("exp", x)), target) and not fits(leaves(y), target)
+
+
+def test_a_paused_walk_resumes_where_it_stopped_and_finds_what_an_uninterrupted_one_finds():
+    ctx = make_context(WORKLOADS["rms_norm"].program(hidden=40, dtype="float32"))
+    grid = ("num_tokens",)
+
+    def walk(pauses: bool):
+        gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, grid, None, 6, frozenset(),
+                             outputs_only=True)
+        found, paused = [], 0
+        for c in gen.run():
+            if c is None:  # paused at its deadline: resume with more time
+                paused += 1
+                gen.deadline = float("inf")
+                continue
+            found.append(c.ops)
+            if pauses:
+                gen.deadline = 0.0  # pause at the next state, in the middle of the walk
+        return found, paused, gen.stopped
+
+    uninterrupted, none, _ = walk(False)
+    resumed, paused, stopped = walk(True)
+    assert none == 0 and paused >= 2 and not stopped
+    assert len(uninterrupted) >= 2 and resumed == uninterrupted
