@@ -14,11 +14,13 @@ import pytest
 from prism_serve.optimize import canonical_hash, prune
 from prism_serve.optimize.generate.abstract import Term
 from prism_serve.optimize.generate.context import Context, make_context
-from prism_serve.optimize.generate.design import op_labels, program_context
-from prism_serve.optimize.generate.search import SearchStats, _costed, _generate, optimize
+from prism_serve.optimize.generate.design import build, op_labels, program_context
+from prism_serve.optimize.generate.kernel import KernelGenerator
+from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _costed, _generate, optimize
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Program, node
 from prism_serve.optimize.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.verify import prove_equivalent
 from prism_serve.optimize.workloads import designs as D
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
@@ -216,3 +218,28 @@ def test_the_abstract_expression_rule_is_sound_on_a_loop_program():
     verified = {canonical_hash(f.sgraph) for f in result.found}
     assert verified and verified <= with_rule
     assert any(k.split for f in result.found for k in f.design.kernels)
+
+
+# --- reachability: the generator builds the issue's designs --------------------------------------
+
+def test_the_generator_reaches_both_softmax_divisions_of_whole_row_attention():
+    """(d): walking the subtree of its grid (batch, kv head) without a loop, the generator yields
+    the whole-row attention with the softmax division before and after the PV product (canonical
+    hashes of the hand-built sGraphs), and both are proven (test_designs checks the same sGraphs
+    numerically). Batch 2: a grid axis is an index label, and a size-1 dim has none."""
+    prog = WORKLOADS["attention"].program(batch=2, heads=6, kv_heads=2, kv_len=24, head_dim=24, dtype="float16")
+    want = {canonical_hash(D.attention_whole_row(prog, divide_first=f)): f for f in (True, False)}
+    gen = KernelGenerator(make_context(prog), max_kernels=1, max_block_ops=8, max_grid=MAX_GRID,
+                          deadline=time.perf_counter() + 600)
+    choices = gen.choices()
+    first = (("q0", "q1"), None)
+    assert first in choices
+    reached = {}
+    for design in gen.subtree(1, first, choices):
+        h = canonical_hash(build(prog, design))
+        if h in want:
+            reached[want[h]] = design
+    assert not gen.stopped and set(reached) == {True, False}
+    for design in reached.values():
+        proof = prove_equivalent(build(prog, design))
+        assert proof.ok, proof.reason

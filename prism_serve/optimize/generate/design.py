@@ -258,7 +258,7 @@ def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: d
             name = f"ld_{ident(s[1:])}"
             if name not in seen:
                 t = tensors[s[1:]]
-                fmap = t.labels.index(spec.loop) if spec.loop in t.labels else None
+                fmap = t.labels.index(spec.loop) if spec.loop is not None and spec.loop in t.labels else None
                 loads.append(node(name, "load", tensor=t.name, imap=imap_of(t, spec.grid), fmap=fmap))
                 seen.add(name)
             return name
