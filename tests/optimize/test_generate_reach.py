@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from prism_serve.errors import SGraphError
 from prism_serve.optimize import canonical_hash, prune
 from prism_serve.optimize.generate.abstract import Term
 from prism_serve.optimize.generate.context import Context, make_context
@@ -19,10 +20,12 @@ from prism_serve.optimize.generate.kernel import KernelGenerator
 from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _costed, _generate, optimize
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Program, node
-from prism_serve.optimize.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.codegen import compile_instance
+from prism_serve.optimize.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.sgraph import BlockKernel, SGraph, instantiate
 from prism_serve.optimize.verify import prove_equivalent
 from prism_serve.optimize.workloads import designs as D
-from prism_serve.optimize.workloads.oracles import ORACLES, oracle
+from prism_serve.optimize.workloads.oracles import ORACLES, load, oracle, store
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
 from . import test_designs as T
@@ -243,3 +246,63 @@ def test_the_generator_reaches_both_softmax_divisions_of_whole_row_attention():
     for design in reached.values():
         proof = prove_equivalent(build(prog, design))
         assert proof.ok, proof.reason
+
+
+# --- mutants of the new space: rejected by the proof, and really wrong ---------------------------
+
+def _with_nodes(g: SGraph, i: int, replace: dict) -> SGraph:
+    k = g.kernels[i]
+    nodes = tuple(replace.get(n.name, n) for n in k.nodes)
+    return SGraph(g.name + "_mutant", g.program, g.intermediates,
+                  g.kernels[:i] + (BlockKernel(k.name, k.grid, k.forloop, nodes),) + g.kernels[i + 1:])
+
+
+def _attn32() -> Program:  # batch = kv heads: a transposed (batch, head) map still fits
+    return WORKLOADS["attention"].program(batch=2, heads=6, kv_heads=2, kv_len=24, head_dim=24, dtype="float32")
+
+
+def _split_partials_replicated() -> SGraph:  # raises SGraphError
+    """(a) with the running sums stored replicated over the KV split (the split axis maps no dim
+    of l_part): the splits overwrite each other where each needs its own slot."""
+    g = D.gqa_decode(_attn32())
+    return _with_nodes(g, 0, {"st_l": store("st_l", "l", "l_part", (0, 1, 3, None))})
+
+
+def _q_heads_transposed() -> SGraph:  # raises SGraphError
+    """(d) with q's grid map transposed (batch axis over heads, head axis over batch) while K and V
+    keep theirs: every tile fits, but block (b, h) pairs q of (h, b) with K, V of (b, h)."""
+    g = D.attention_whole_row(_attn32(), divide_first=False)
+    return _with_nodes(g, 0, {"q": load("q", "q", (1, 0))})
+
+
+def _recomputed_softmax_sum_from_wrong_input() -> SGraph:
+    """(d) whose recomputed softmax sum exponentiates the raw scores instead of the shifted ones."""
+    g = D.attention_whole_row(_attn32(), divide_first=False)
+    return _with_nodes(g, 0, {"l": node("l", "sum", "ss", dim=-1, keepdim=True)})
+
+
+NEW_MUTANTS = {
+    "softmax_sum_from_wrong_input": (_recomputed_softmax_sum_from_wrong_input, {"B": 2, "H": 2}),
+}
+
+
+def test_replicated_and_transposed_maps_of_the_new_space_are_rejected_when_built():
+    """The symbolic tile check refuses them before any proof: a partial stored replicated over the
+    KV split does not fill its per-split tile, and a transposed (batch, head) map gives q tiles
+    (2/H, 2/B) that do not broadcast with K's (2/B, 2/H) for every instantiation."""
+    with pytest.raises(SGraphError, match="node 'st_l': value tile .* does not fit the tile .* of 'l_part'"):
+        _split_partials_replicated()
+    with pytest.raises(SGraphError, match="node 's': shapes .* do not broadcast"):
+        _q_heads_transposed()
+
+
+@pytest.mark.parametrize("name", sorted(NEW_MUTANTS))
+def test_mutant_of_the_new_space_is_rejected_by_the_proof_and_numerically_wrong(name):
+    build_mutant, values = NEW_MUTANTS[name]
+    g = build_mutant()
+    proof = prove_equivalent(g)
+    assert not proof.ok and "not proven" in proof.reason
+    inputs = random_inputs(g.program, 1, seed=0)
+    got = compile_instance(instantiate(g, values, H100))(*inputs)
+    errors = [max_rel_error(a, b) for a, b in zip(got, evaluate(g.program, inputs))]
+    assert max(errors) > TOLERANCE["float32"], errors
