@@ -15,7 +15,8 @@ from prism_serve.errors import SGraphError
 from prism_serve.optimize import canonical_hash, prune
 from prism_serve.optimize.generate.abstract import Term
 from prism_serve.optimize.generate.context import Context, make_context
-from prism_serve.optimize.generate.design import build, op_labels, program_context
+from prism_serve.optimize.generate.block import Value
+from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, op_labels, program_context
 from prism_serve.optimize.generate.kernel import KernelGenerator
 from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _costed, _generate, optimize
 from prism_serve.optimize.gpus import get_gpu
@@ -306,3 +307,32 @@ def test_mutant_of_the_new_space_is_rejected_by_the_proof_and_numerically_wrong(
     got = compile_instance(instantiate(g, values, H100))(*inputs)
     errors = [max_rel_error(a, b) for a, b in zip(got, evaluate(g.program, inputs))]
     assert max(errors) > TOLERANCE["float32"], errors
+
+
+def test_the_generator_reaches_the_rms_kernel_feeding_a_normalised_projection():
+    """(b) for rmsnorm_mlp, walked kernel by kernel as `KernelGenerator._walk` does: the block
+    walk of grid (tokens) with a loop over hidden yields the 1/rms kernel, and after it the walk
+    of grid (tokens, intermediate) with the same loop yields the projection kernel that reads
+    1/rms as a normalised operand; the design is the hand-built one (canonical hash) and proven.
+    fp32: the generator stores intermediates in the Program's dtype, (b) keeps 1/rms in fp32."""
+    prog = WORKLOADS["rmsnorm_mlp"].program(hidden=48, intermediate=40, dtype="float32")
+    ctx = make_context(prog)
+    gen = KernelGenerator(ctx, max_kernels=2, max_block_ops=5, max_grid=MAX_GRID, deadline=time.perf_counter() + 600)
+    rms_ops = ["square", "sum", "accum", "mul", "add", "rsqrt"]
+    rms = [c for c in gen._blocks(dict(ctx.inputs), frozenset(), (N,), "x1", False)
+           if [o.op for o in c.ops] == rms_ops and c.outputs == (None,)]
+    assert len(rms) == 1
+    r = rms[0].sinks[0]
+    tensors = dict(ctx.inputs) | {"@t0_0": Value("@t0_0", r.type, r.labels, r.expr)}
+    first = BlockSpec((N,), "x1", rms[0].ops + (BlockOp("st0", "store", (r.ref,), (("tensor", "t0_0"),)),))
+    want = canonical_hash(D.rms_then_projection(prog))
+    reached = []
+    for c in gen._blocks(tensors, frozenset(), (N, "w_up0"), "x1", True):
+        stores = tuple(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", o),)) for j, (v, o) in
+                       enumerate(zip(c.sinks, c.outputs)))
+        design = Design((first, BlockSpec((N, "w_up0"), "x1", c.ops + stores)))
+        if canonical_hash(build(prog, design)) == want:
+            reached.append(design)
+    assert not gen.stopped and gen.truncated == 0 and len(reached) == 1
+    proof = prove_equivalent(build(prog, reached[0]))
+    assert proof.ok, proof.reason
