@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.workload or list(PRISM_WORKLOADS)
     results = {}
     head = (f"{'workload':<18} {'tokens':>6} {'search s':>9} {'verify s':>9} {'kernels':>7} {'blocks':>7} "
-            f"{'pruned':>8} {'abs %':>5} {'workers':>7} {'verified':>8} {'best us':>8} {'oracle us':>9} {'unfused us':>10}  best design")
+            f"{'pruned':>8} {'abs %':>5} {'workers':>7} {'verified':>8} {'best us':>8} {'oracle us':>9} "
+            f"{'unfused us':>10}  best design")
     print(head, flush=True)
     print("-" * len(head))
     for name in names:

@@ -55,7 +55,7 @@ from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
 MAX_GRID = 4  # logical grid axes per generated kernel (the sGraph allows up to MAX_GRID_AXES)
-GRACE_S = 10.0  # how long past the generation deadline the driver waits for a worker's subtree
+GRACE_S = 10.0  # how long past a deadline the driver waits for a worker's answer (a subtree, a verification)
 Progress = Callable[[str, "SearchStats"], None]
 
 
@@ -277,11 +277,11 @@ def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, de
 def _verify_parallel(pool: Pool, costed, deadline: float, take: Callable[..., bool]) -> bool:
     """Stage 2 in the workers: verifications in cost order, at most one in flight per worker,
     read back in cost order and handed to `take` until it returns False, so the designs verified
-    are those of the serial loop; a verification still running at `deadline` is abandoned.
-    Returns whether the deadline stopped it."""
+    are those of the serial loop. None starts after `deadline`; as in the serial loop, one that
+    started before it may finish, but only within GRACE_S. Returns whether the deadline stopped it."""
     it = iter(costed)
     flight: list = []
-    until = time.time() + (deadline - time.perf_counter())
+    until = time.time() + (deadline - time.perf_counter()) + GRACE_S
     while True:
         while len(flight) < len(pool.procs) and time.perf_counter() <= deadline:
             item = next(it, None)
