@@ -2,13 +2,13 @@
 workloads at their default shapes (`scripts/bench_search.py` benchmarks the plan search that
 warmup uses today).
 
-    python scripts/bench_generate.py --json FILE [--device h100] [--budget 60] [--workload NAME ...]
+    python scripts/bench_generate.py --json FILE [--device h100] [--budget 60] [--workers N] [--workload NAME ...]
 
 For each workload: the time from the Program to verified, instantiated kernels
 (search_s, of which verify_s is proofs and numeric checks), the kernel graphs and block
 graphs the generator produced, the candidates each pruning rule removed, the worker
-processes, the concrete graphs (symbol assignments) the costed symbolic designs stand for,
-how many designs were verified, and
+processes (`--workers`, default this machine's cores), the concrete graphs (symbol
+assignments) the costed symbolic designs stand for, how many designs were verified, and
 the modeled time of the best one (as the search instantiated it, and ranked exhaustively as the
 oracle is) beside the unfused program's and the hand-built oracle's, all at the workload's
 largest default num_tokens. The best design is
@@ -34,12 +34,12 @@ from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, get_workload  # noqa: E402
 
 
-def bench(name: str, device: str, budget: float) -> dict:
+def bench(name: str, device: str, budget: float, workers: int | None) -> dict:
     w = get_workload(name)
     prog = w.program()
     num_tokens = (w.default_num_tokens or (1,))[-1]
     start = time.perf_counter()
-    result = optimize(prog, device, (num_tokens,), budget_s=budget)
+    result = optimize(prog, device, (num_tokens,), budget_s=budget, workers=workers)
     elapsed = time.perf_counter() - start
     s = result.stats
     best = result.found[0].kernels[0] if result.found else None
@@ -65,27 +65,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, required=True, help="write the results here")
     parser.add_argument("--device", default="h100")
     parser.add_argument("--budget", type=float, default=60.0, help="search budget per workload, seconds")
+    parser.add_argument("--workers", type=int, help="worker processes (default: this machine's cores)")
     parser.add_argument("--workload", action="append", help="only these workloads (default: the five Prism ones)")
     args = parser.parse_args(argv)
     names = args.workload or list(PRISM_WORKLOADS)
     results = {}
     head = (f"{'workload':<18} {'tokens':>6} {'search s':>9} {'verify s':>9} {'kernels':>7} {'blocks':>7} "
-            f"{'pruned':>8} {'abs %':>5} {'verified':>8} {'best us':>8} {'ranked us':>9} {'oracle us':>9} "
+            f"{'pruned':>8} {'abs %':>5} {'workers':>7} {'verified':>8} {'best us':>8} {'ranked us':>9} {'oracle us':>9} "
             f"{'unfused us':>10}  best design")
     print(head, flush=True)
     print("-" * len(head))
     for name in names:
-        r = results[name] = bench(name, args.device, args.budget)
+        r = results[name] = bench(name, args.device, args.budget, args.workers)
         best = f"{r['best_modeled_us']:.2f}" if r["best_modeled_us"] is not None else "-"
         ranked = f"{r['best_ranked_us']:.2f}" if r["best_ranked_us"] is not None else "-"
         pruned = sum(r["pruned"].values())
         share = 100.0 * r["pruned"]["abstract_expression"] / pruned if pruned else 0.0
         print(f"{name:<18} {r['num_tokens']:>6} {r['search_s']:>9.1f} {r['verify_s']:>9.1f} {r['kernel_graphs']:>7} "
-              f"{r['block_graphs']:>7} {pruned:>8} {share:>5.1f} {r['verified']:>8} {best:>8} {ranked:>9} "
+              f"{r['block_graphs']:>7} {pruned:>8} {share:>5.1f} {r['workers']:>7} {r['verified']:>8} {best:>8} {ranked:>9} "
               f"{r['oracle_modeled_us']:>9.2f} {r['unfused_modeled_us']:>10.2f}  {r['best_design']}", flush=True)
     print("pruned by rule: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in r["pruned"].items())
                                          for n, r in results.items()))
-    args.json.write_text(json.dumps({"device": args.device, "budget_s": args.budget, "workloads": results},
+    args.json.write_text(json.dumps({"device": args.device, "budget_s": args.budget,
+                                     "workers": next(iter(results.values()))["workers"], "workloads": results},
                                     indent=1))
     print(f"wrote {args.json}")
     failed = [n for n, r in results.items() if r["best_modeled_us"] is None]

@@ -5,7 +5,8 @@ The form is topological. Every value is keyed by what defines it, never by its n
 
 - a Program input by its position in the signature (with shape and dtype), a Program output by
   its position among the outputs: these names are the Program's own, shared by every design;
-- a block node by its op, its attributes and the keys of its inputs; a load by the key of the
+- a block node by its op, its attributes and the keys of its inputs (as a multiset for the
+  commutative add and mul: x * r and r * x are one design); a load by the key of the
   tensor it reads (the keys of the stores that wrote it so far) and its maps; a store by its
   value, its maps and what it writes (an output's position, or an intermediate's shape and dtype);
 - a kernel by its grid (axis order, token axes, symbols), its loop and the multiset of its nodes;
@@ -27,6 +28,9 @@ import sympy
 
 from prism_serve.optimize.ir import NUM_TOKENS, Node
 from prism_serve.optimize.sgraph import BlockKernel, SGraph, TensorDecl, to_expr
+
+
+COMMUTATIVE = ("add", "mul")
 
 
 def _digest(payload) -> str:
@@ -80,7 +84,8 @@ def _keys(g: SGraph, symbol_name: Callable[[str], str]) -> tuple[str, dict[str, 
                 places[k.forloop].append(["loop", key])
         else:
             n = k.op
-            key = _digest(["library", n.op, [tensor_key(s) for s in n.inputs], _attrs(n), target(n.name)])
+            ins = [tensor_key(s) for s in n.inputs]
+            key = _digest(["library", n.op, sorted(ins) if n.op in COMMUTATIVE else ins, _attrs(n), target(n.name)])
             tensors.setdefault(n.name, []).append(key)
         kernel_keys.append(key)
     for t in g.intermediates:
@@ -109,8 +114,8 @@ def _block_key(k: BlockKernel, tensor_key: Callable[[str], str], target: Callabl
             payload = ["load", tensor_key(attrs["tensor"]), list(attrs["imap"]), attrs.get("fmap")]
         elif n.op == "store":
             payload = ["store", ins, list(attrs["omap"]), attrs.get("fmap"), target(attrs["tensor"])]
-        else:
-            payload = [n.op, ins, _attrs(n)]
+        else:  # + and * commute exactly (IEEE too): their operands are a multiset
+            payload = [n.op, sorted(ins) if n.op in COMMUTATIVE else ins, _attrs(n)]
         local[n.name] = _digest(payload)
         if n.op == "store":
             stores.append((attrs["tensor"], local[n.name]))

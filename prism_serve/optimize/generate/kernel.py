@@ -28,6 +28,8 @@ from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, LibrarySpec
 from prism_serve.optimize.ir import NUM_TOKENS
 
+LIBRARY = "library"  # the first-kernel group of library ops (see `KernelGenerator.subtree`)
+
 
 DEPTH_SHARE = 0.6  # of the time left, for each depth but the last
 
@@ -110,8 +112,14 @@ class KernelGenerator:
             if self.stopped:
                 return
 
+    def subtree(self, depth: int, first, choices) -> Iterator[Design]:
+        """The designs of `depth` kernels whose first kernel is a library op (`first` is LIBRARY)
+        or a block kernel of the (grid, loop) `first` of `choices`, in `run`'s order. Subtrees of
+        different first choices are independent: worker processes take one each (`workers.py`)."""
+        yield from self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices, first)
+
     def _walk(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int,
-              choices) -> Iterator[Design]:
+              choices, first=None) -> Iterator[Design]:
         if written == frozenset(self.ctx.outputs):
             if len(kernels) == depth:
                 yield Design(kernels)
@@ -122,12 +130,12 @@ class KernelGenerator:
             self.stopped = True
             return
         last = len(kernels) == depth - 1
-        for spec, new in self._library(tensors, written, len(kernels)):
+        for spec, new in self._library(tensors, written, len(kernels)) if first in (None, LIBRARY) else ():
             if last and not set(self.ctx.outputs) - written <= {o for o in new if o in self.ctx.outputs}:
                 continue
             yield from self._walk(kernels + (spec,), tensors | new, written | (set(new) & set(self.ctx.outputs)),
                                   depth, choices)
-        for grid, loop in choices:
+        for grid, loop in choices if first is None else [c for c in choices if c == first]:
             for comp in self._blocks(tensors, written, grid, loop, last):
                 outs = {o for o in comp.outputs if o}
                 if last and not set(self.ctx.outputs) - written <= outs:

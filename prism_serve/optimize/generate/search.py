@@ -16,8 +16,15 @@ its symbols per num_tokens bucket).
 
 Stage 2, fastest modeled first: the egglog proof that the sGraph computes the Program for every
 instantiation, then the numeric check of the same design rebuilt at small dims through Triton
-(`check.check_numerics`, adversarial inputs included). Verified designs are instantiated per bucket; on a device the top
-candidates are timed and the measured winner kept.
+(`check.check_numerics`, adversarial inputs included, seeded by the design's canonical hash).
+Verified designs are instantiated per bucket; on a device the top candidates are timed and the
+measured winner kept.
+
+Both stages use `workers` processes (`workers.py`, spawned: egglog and torch are not fork-safe):
+stage 1 one task per (depth, first-kernel group), stage 2 one design per worker at a time in
+cost order; answers are merged in the serial order, so the designs found and the best do not
+depend on the number of workers unless the budget cuts the search. Counters may differ: each
+worker caches its own block enumerations, so one enumerated twice is counted twice.
 """
 
 from __future__ import annotations
@@ -32,12 +39,13 @@ import torch
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize import canonical_hash, prune
-from prism_serve.optimize.check import check_numerics, small_program
+from prism_serve.optimize.check import NumericVerdict, check_numerics, small_program
 from prism_serve.optimize.cost import unfused_us
 from prism_serve.optimize.generate.block import RULES
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, build
-from prism_serve.optimize.generate.kernel import KernelGenerator
+from prism_serve.optimize.generate.kernel import LIBRARY, KernelGenerator
+from prism_serve.optimize.generate.workers import Config, Pool, default_workers
 from prism_serve.optimize.gpus import GpuSpec, get_gpu
 from prism_serve.optimize.ir import Program
 from prism_serve.optimize.sgraph import SGraph
@@ -47,6 +55,7 @@ from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
 MAX_GRID = 4  # logical grid axes per generated kernel (the sGraph allows up to MAX_GRID_AXES)
+GRACE_S = 10.0  # how long past a deadline the driver waits for a worker's answer (a subtree, a verification)
 Progress = Callable[[str, "SearchStats"], None]
 
 
@@ -158,13 +167,23 @@ def _costed(prog: Program, designs: Sequence[Design], gpu: GpuSpec, buckets: tup
 
 def _check_numerics(prog: Program, design: Design, gpu: GpuSpec):
     """The design rebuilt for small dims, at an instance that exercises every split and loop it can
-    (more symbols above 1 first), through Triton on random and adversarial inputs in its dtype."""
+    (more symbols above 1 first), through Triton on random and adversarial inputs in its dtype,
+    seeded by the design's canonical hash (the same inputs whichever process checks it)."""
     g = build(small_program(prog), design)
     instances = enumerate_instances(g, gpu)
     if not instances:
         raise SGraphError(f"design of '{prog.name}' has no instance at the small check dims")
     inst = max(instances, key=lambda i: (sum(v > 1 for v in i.values.values()), -sum(i.values.values())))
-    return check_numerics(inst)
+    return check_numerics(inst, seed=int(canonical_hash(g)[:15], 16))
+
+
+def verify_design(prog: Program, design: Design, gpu: GpuSpec) -> tuple[ProofResult, NumericVerdict | None, float]:
+    """The egglog proof of the design's sGraph, then (if proven) its numeric check, and the
+    seconds both took. Pure: worker processes run it (`workers.py`)."""
+    t0 = time.perf_counter()
+    proof = prove_equivalent(build(prog, design))
+    verdict = _check_numerics(prog, design, gpu) if proof.ok else None
+    return proof, verdict, time.perf_counter() - t0
 
 
 def _instances(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...], timer: Timer | None, top: int
@@ -179,18 +198,16 @@ def _instances(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...], timer: Timer |
     return tuple(out)
 
 
-def _verify(prog: Program, design: Design, g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...],
-            stats: SearchStats, timer: Timer | None, measure_top: int) -> Found | None:
-    t0 = time.perf_counter()
-    try:
-        proof = prove_equivalent(g)
-        if not proof.ok:
-            stats.rejected["proof"] += 1
-            log.info("proof failed for %s: %s", design.describe(), proof.reason)
-            return None
-        verdict = _check_numerics(prog, design, gpu)
-    finally:
-        stats.verify_s += time.perf_counter() - t0
+def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdict | None, seconds: float,
+           gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats, timer: Timer | None,
+           measure_top: int) -> Found | None:
+    """Count a verification's verdict; a verified design is instantiated per bucket (timed here,
+    in the driver, when there is a timer)."""
+    stats.verify_s += seconds
+    if not proof.ok:
+        stats.rejected["proof"] += 1
+        log.info("proof failed for %s: %s", design.describe(), proof.reason)
+        return None
     if not verdict.ok:
         stats.rejected["numeric"] += 1
         log.warning("numeric check failed for %s: %s", design.describe(), "; ".join(verdict.reasons))
@@ -199,10 +216,93 @@ def _verify(prog: Program, design: Design, g: SGraph, gpu: GpuSpec, buckets: tup
     return Found(design, g, proof, verdict.worst_error, _instances(g, gpu, buckets, timer, measure_top))
 
 
+def _generate(ctx, max_kernels: int, max_block_ops: int, deadline: float, stats: SearchStats,
+              progress: Progress | None) -> list[Design]:
+    """Stage 1 in this process: every design, fewer kernels first, until `deadline`."""
+    gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
+                          deadline=deadline)
+    designs = []
+    for d in gen.run():
+        designs.append(d)
+        if progress and len(designs) % 10 == 0:
+            progress(f"generated {len(designs)} designs", stats)
+    stats.kernel_graphs, stats.block_graphs = gen.kernel_graphs, gen.block_graphs
+    stats.generated = gen.counts.generated
+    stats.pruned = dict(gen.counts.pruned)
+    stats.stopped_by_budget = gen.stopped or gen.truncated > 0
+    return designs
+
+
+def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, deadline: float,
+                       stats: SearchStats, progress: Progress | None) -> list[Design]:
+    """Stage 1 in the workers: one task per (depth, first-kernel group), merged in `run`'s order
+    (depth, then library ops, then the (grid, loop) choices in order), so the designs and their
+    order are those of `_generate` whenever neither stops at its deadline. Each task's block
+    enumerations get a share of the time as if the groups still to run were split over the
+    workers."""
+    gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
+                          deadline=deadline)
+    choices = gen.choices()  # counted here once: the workers do not count it again
+    stats.generated, stats.pruned = gen.counts.generated, dict(gen.counts.pruned)
+    if time.perf_counter() > deadline:
+        stats.stopped_by_budget = True
+        return []
+    groups = [LIBRARY] + choices
+    until = time.time() + (deadline - time.perf_counter())
+    tids = []
+    for depth in range(1, max_kernels + 1):
+        factor = 1 if depth == 1 else 4
+        for k, first in enumerate(groups):
+            pending = max(1, math.ceil((len(groups) - k) * factor / len(pool.procs)))
+            tids.append(pool.submit("generate", depth, first, pending, until))
+    designs: list[Design] = []
+    for tid in tids:
+        ok, sub = pool.get(tid, until + GRACE_S)
+        if not ok:
+            log.warning("a generator worker outlived the budget by %.0f s; its subtree is dropped", GRACE_S)
+            stats.stopped_by_budget = True
+            break
+        designs += sub.designs
+        stats.generated += sub.generated
+        for rule, n in sub.pruned.items():
+            stats.pruned[rule] += n
+        stats.kernel_graphs += sub.kernel_graphs
+        stats.block_graphs += sub.block_graphs
+        stats.stopped_by_budget |= sub.stopped
+        if progress:
+            progress(f"generated {len(designs)} designs", stats)
+    return designs
+
+
+def _verify_parallel(pool: Pool, costed, deadline: float, take: Callable[..., bool]) -> bool:
+    """Stage 2 in the workers: verifications in cost order, at most one in flight per worker,
+    read back in cost order and handed to `take` until it returns False, so the designs verified
+    are those of the serial loop. None starts after `deadline`; as in the serial loop, one that
+    started before it may finish, but only within GRACE_S. Returns whether the deadline stopped it."""
+    it = iter(costed)
+    flight: list = []
+    until = time.time() + (deadline - time.perf_counter()) + GRACE_S
+    while True:
+        while len(flight) < len(pool.procs) and time.perf_counter() <= deadline:
+            item = next(it, None)
+            if item is None:
+                break
+            flight.append((pool.submit("verify", item[1]), item))
+        if not flight:
+            return time.perf_counter() > deadline and next(it, None) is not None
+        tid, (_, design, g) = flight.pop(0)
+        ok, answer = pool.get(tid, until)
+        if not ok:
+            return True
+        if not take(design, g, *answer):
+            return False
+
+
 def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[int] = (16,), *,
              max_kernels: int = 2, max_block_ops: int = 8, budget_s: float = 60.0, top: int = 3,
              known: Sequence[Design] = (), progress: Progress | None = None, timer: Timer | None = None,
-             measure_top: int = 5, all_designs: bool = False, abstract_rule: bool = True) -> OptimizeResult:
+             measure_top: int = 5, all_designs: bool = False, abstract_rule: bool = True,
+             workers: int | None = None) -> OptimizeResult:
     """Find verified fused kernels for `prog` on `gpu`, fastest first, each instantiated per
     num_tokens bucket. `known` designs (stored by an earlier search, possibly for another Program
     of the same family) are rebuilt and verified instead of searching. The search stops cleanly
@@ -210,10 +310,17 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     instead of stopping after `top`; `abstract_rule=False` turns the abstract-expression rule off
     (to check that it is sound).
 
+    `workers` processes (default: this machine's cores) generate independent subtrees and verify
+    designs in parallel (`workers.py`); what is found does not depend on their number unless the
+    budget cuts the search. With 1, everything runs in this process.
+
     `timer(instance, num_tokens) -> us` times candidates on a device; on a CUDA machine it
     defaults to CUDA-event timing of the generated kernel. Without a device kernels are modeled
     only (`measured_us` is None)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    workers = default_workers() if workers is None else workers
+    if not isinstance(workers, int) or workers < 1:
+        raise SGraphError(f"workers must be a positive int, got {workers!r}")
     if timer is None and torch.cuda.is_available():
         timer = cuda_timer(prog, spec)
     buckets = tuple(sorted(set(num_tokens))) or (1,)
@@ -221,36 +328,44 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
         raise SGraphError(f"num_tokens buckets must be positive ints, got {list(num_tokens)}")
     start = time.perf_counter()
     deadline = start + budget_s
-    stats = SearchStats()
-    if known:
-        designs = list(known)
-    else:
-        ctx = make_context(prog)
-        ctx.oracle.enabled = abstract_rule
-        gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops,
-                              max_grid=MAX_GRID, deadline=start + budget_s * 0.5)
-        designs = []
-        for d in gen.run():
-            designs.append(d)
-            if progress and len(designs) % 10 == 0:
-                progress(f"generated {len(designs)} designs", stats)
-        stats.kernel_graphs, stats.block_graphs = gen.kernel_graphs, gen.block_graphs
-        stats.generated = gen.counts.generated
-        stats.pruned = dict(gen.counts.pruned)
-        stats.stopped_by_budget = gen.stopped or gen.truncated > 0
-    stats.designs = len(designs)
-    found: list[Found] = []
-    for cost, design, g in _costed(prog, designs, spec, buckets, stats, start + budget_s * 0.75):
-        if time.perf_counter() > deadline:
-            stats.stopped_by_budget = True
-            break
-        if len(found) >= top and not all_designs:
-            break
-        f = _verify(prog, design, g, spec, buckets, stats, timer, measure_top)
-        if f:
-            found.append(f)
-        if progress:
-            progress(f"verified {len(found)}", stats)
+    stats = SearchStats(workers=workers)
+    pool = None
+    if workers > 1 and (not known or len(known) > 1):
+        pool = Pool(workers, Config(prog, spec, max_kernels, max_block_ops, MAX_GRID, abstract_rule))
+    try:
+        if known:
+            designs = list(known)
+        else:
+            ctx = make_context(prog)
+            ctx.oracle.enabled = abstract_rule
+            gen_deadline = start + budget_s * 0.5
+            designs = (_generate_parallel(pool, ctx, max_kernels, max_block_ops, gen_deadline, stats, progress)
+                       if pool else _generate(ctx, max_kernels, max_block_ops, gen_deadline, stats, progress))
+        stats.designs = len(designs)
+        costed = _costed(prog, designs, spec, buckets, stats, start + budget_s * 0.75)
+        found: list[Found] = []
+
+        def take(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdict | None,
+                 seconds: float) -> bool:
+            f = _judge(design, g, proof, verdict, seconds, spec, buckets, stats, timer, measure_top)
+            if f:
+                found.append(f)
+            if progress:
+                progress(f"verified {len(found)}", stats)
+            return all_designs or len(found) < top
+
+        if pool:
+            stats.stopped_by_budget |= _verify_parallel(pool, costed if all_designs or top > 0 else [], deadline, take)
+        else:
+            for _, design, g in costed if all_designs or top > 0 else []:
+                if time.perf_counter() > deadline:
+                    stats.stopped_by_budget = True
+                    break
+                if not take(design, g, *verify_design(prog, design, spec)):
+                    break
+    finally:
+        if pool:
+            pool.close()
     stats.search_s = time.perf_counter() - start
     found.sort(key=lambda f: sum(c.measured_us if c.measured_us is not None else c.modeled_us for c in f.kernels))
     return OptimizeResult(prog, spec.name, buckets, tuple(found), {nt: unfused_us(prog, nt, spec) for nt in buckets},

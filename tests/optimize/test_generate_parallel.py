@@ -1,0 +1,89 @@
+"""The generator's worker processes (#11 item 5): what the search finds does not depend on the
+number of workers, the budget still holds, and a worker that fails or dies raises a clear error
+in the driver instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from prism_serve.errors import SGraphError
+from prism_serve.optimize import canonical_hash
+from prism_serve.optimize.generate.context import make_context
+from prism_serve.optimize.generate.design import Design, LibrarySpec
+from prism_serve.optimize.generate.kernel import KernelGenerator
+from prism_serve.optimize.generate.search import (GRACE_S, MAX_GRID, SearchStats, _generate, _generate_parallel,
+                                                  optimize)
+from prism_serve.optimize.generate.workers import Config, Pool, default_workers
+from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.workloads.programs import WORKLOADS
+
+H100 = get_gpu("h100")
+
+
+def _silu_and_mul():
+    return WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
+
+
+def test_the_workers_generate_the_serial_designs_in_the_serial_order():
+    """Every subtree (depth, first-kernel group) in a worker, merged by task index: the same
+    designs in the same order as one process, over two depths and library and block kernels."""
+    prog = _silu_and_mul()
+    serial_stats, parallel_stats = SearchStats(), SearchStats(workers=2)
+    serial = _generate(make_context(prog), 2, 3, time.perf_counter() + 600, serial_stats, None)
+    with Pool(2, Config(prog, H100, 2, 3, MAX_GRID, True)) as pool:
+        parallel = _generate_parallel(pool, make_context(prog), 2, 3, time.perf_counter() + 600, parallel_stats, None)
+    assert len({d.kernels[0].__class__ for d in serial}) == 2 and {len(d.kernels) for d in serial} == {1, 2}
+    assert parallel == serial
+    assert not serial_stats.stopped_by_budget and not parallel_stats.stopped_by_budget
+    assert parallel_stats.pruned["abstract_expression"] > 0
+
+
+def test_one_and_two_workers_verify_the_same_designs_and_the_same_best():
+    prog = _silu_and_mul()
+    runs = {w: optimize(prog, "h100", (4,), max_kernels=1, max_block_ops=3, budget_s=600, all_designs=True, workers=w)
+            for w in (1, 2)}
+    hashes = {w: sorted(canonical_hash(f.sgraph) for f in r.found) for w, r in runs.items()}
+    assert hashes[1] and hashes[1] == hashes[2]
+    assert canonical_hash(runs[1].best.sgraph) == canonical_hash(runs[2].best.sgraph)
+    assert runs[1].best.design == runs[2].best.design
+    assert [f.numeric_error for f in runs[1].found] == [f.numeric_error for f in runs[2].found]
+    assert (runs[1].stats.workers, runs[2].stats.workers) == (1, 2)
+    assert runs[1].stats.to_json()["workers"] == 1 and runs[2].stats.verified == runs[1].stats.verified
+
+
+def test_the_budget_holds_with_workers():
+    prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32)
+    start = time.perf_counter()
+    result = optimize(prog, "h100", (8,), budget_s=4.0, workers=2)
+    assert result.stats.stopped_by_budget
+    assert time.perf_counter() - start < 4.0 + GRACE_S + 5  # pool start and stop included
+
+
+def test_a_failing_or_dead_worker_raises_instead_of_hanging_the_driver():
+    prog = WORKLOADS["rmsnorm_linear"].program()
+    ctx = make_context(prog)
+    first = KernelGenerator(ctx, max_kernels=2, max_block_ops=8, max_grid=MAX_GRID, deadline=0).choices()[0]
+    with Pool(2, Config(prog, H100, 2, 8, MAX_GRID, True)) as pool:
+        tid = pool.submit("verify", Design((LibrarySpec("y", "exp", ("no_such_tensor",)),)))
+        with pytest.raises(SGraphError, match="worker \\d failed on verify task 0: SGraphError: .*'no_such_tensor'$"):
+            pool.get(tid, time.time() + 120)
+        tid = pool.submit("generate", 2, first, 1, time.time() + 600)  # minutes of block walks
+        assert pool.get(tid, time.time()) == (False, None)  # not answered yet: the driver does not wait
+        for p in pool.procs:
+            os.kill(p.pid, signal.SIGKILL)
+        start = time.perf_counter()
+        with pytest.raises(SGraphError, match=r"generator worker \d \(pid \d+\) died with exit code -9"):
+            pool.get(tid, time.time() + 600)
+        assert time.perf_counter() - start < 10
+
+
+def test_workers_default_to_the_cores_and_must_be_positive():
+    assert default_workers() == len(os.sched_getaffinity(0))
+    with pytest.raises(SGraphError, match="workers must be a positive int"):
+        optimize(_silu_and_mul(), "h100", (4,), workers=0)
+    with pytest.raises(SGraphError, match="at least 2 workers"):
+        Pool(1, Config(_silu_and_mul(), H100, 1, 2, MAX_GRID, True))
