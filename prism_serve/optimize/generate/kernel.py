@@ -115,8 +115,20 @@ class KernelGenerator:
     def subtree(self, depth: int, first, choices) -> Iterator[Design]:
         """The designs of `depth` kernels whose first kernel is a library op (`first` is LIBRARY)
         or a block kernel of the (grid, loop) `first` of `choices`, in `run`'s order. Subtrees of
-        different first choices are independent: worker processes take one each (`workers.py`)."""
-        yield from self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices, first)
+        different first choices are independent: worker processes take one each (`workers.py`).
+        The subtree has the time to `deadline` (the caller sets it and `pending`); block
+        enumerations that pause are resumed in further passes, as `run` does."""
+        self._pass_deadline, self._resumed = self.deadline, None
+        yielded: set[Design] = set()
+        while True:
+            for d in self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices, first):
+                if d not in yielded:
+                    yielded.add(d)
+                    yield d
+            if self.stopped or time.perf_counter() >= self._pass_deadline or not self.truncated or \
+                    self._resumed == set():
+                return
+            self._resumed, self.pending = set(), self.truncated
 
     def _walk(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int,
               choices, first=None) -> Iterator[Design]:

@@ -72,7 +72,6 @@ class _Worker:
         self.choices = None
 
     def generate(self, depth: int, first, pending: int, deadline_wall: float) -> Subtree:
-        from prism_serve.optimize.generate.block import Counts
         from prism_serve.optimize.generate.context import make_context
         from prism_serve.optimize.generate.kernel import KernelGenerator
 
@@ -84,11 +83,14 @@ class _Worker:
                                        max_grid=c.max_grid, deadline=0.0)
             self.choices = self.gen.choices()  # the driver counts the choice-level rules once
         gen = self.gen
-        gen.counts, gen.kernel_graphs, gen.block_graphs, gen.truncated, gen.stopped = Counts(), 0, 0, 0, False
+        before = gen.counts  # counts sum over the cached block walks, so a task reports its delta
+        gen.kernel_graphs, gen.block_graphs, gen.stopped = 0, 0, False
         gen.deadline = time.perf_counter() + (deadline_wall - time.time())
         gen.pending = pending
         designs = tuple(gen.subtree(depth, first, self.choices))
-        return Subtree(designs, gen.counts.generated, dict(gen.counts.pruned), gen.kernel_graphs, gen.block_graphs,
+        after = gen.counts
+        pruned = {rule: n - before.pruned.get(rule, 0) for rule, n in after.pruned.items()}
+        return Subtree(designs, after.generated - before.generated, pruned, gen.kernel_graphs, gen.block_graphs,
                        gen.stopped or gen.truncated > 0)
 
     def verify(self, design) -> Any:
