@@ -99,16 +99,7 @@ class KernelGenerator:
             left = max(0.0, self.deadline - time.perf_counter())
             self._pass_deadline = time.perf_counter() + (DEPTH_SHARE * left if depth < self.max_kernels else left)
             self.pending = len(choices) * (1 if depth == 1 else 4)
-            self._resumed = None
-            while True:
-                for d in self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices):
-                    if d not in yielded:
-                        yielded.add(d)
-                        yield d
-                if self.stopped or time.perf_counter() >= self._pass_deadline or not self.truncated or \
-                        self._resumed == set():
-                    break
-                self._resumed, self.pending = set(), self.truncated  # a resumption pass at this depth
+            yield from self._passes(depth, choices, None, yielded)
             if self.stopped:
                 return
 
@@ -118,8 +109,13 @@ class KernelGenerator:
         different first choices are independent: worker processes take one each (`workers.py`).
         The subtree has the time to `deadline` (the caller sets it and `pending`); block
         enumerations that pause are resumed in further passes, as `run` does."""
-        self._pass_deadline, self._resumed = self.deadline, None
-        yielded: set[Design] = set()
+        self._pass_deadline = self.deadline
+        yield from self._passes(depth, choices, first, set())
+
+    def _passes(self, depth: int, choices, first, yielded: set) -> Iterator[Design]:
+        """A first pass of the walk at `depth`, then resumption passes of the block enumerations it
+        paused, until `_pass_deadline` or nothing is left paused; each design is yielded once."""
+        self._resumed = None
         while True:
             for d in self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices, first):
                 if d not in yielded:
@@ -128,7 +124,7 @@ class KernelGenerator:
             if self.stopped or time.perf_counter() >= self._pass_deadline or not self.truncated or \
                     self._resumed == set():
                 return
-            self._resumed, self.pending = set(), self.truncated
+            self._resumed, self.pending = set(), self.truncated  # a resumption pass at this depth
 
     def _walk(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int,
               choices, first=None) -> Iterator[Design]:
