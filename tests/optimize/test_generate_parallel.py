@@ -4,6 +4,7 @@ in the driver instead of hanging it."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -15,8 +16,9 @@ from prism_serve.optimize import canonical_hash
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, LibrarySpec
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.generate.search import (GRACE_S, MAX_GRID, SearchStats, _generate, _generate_parallel,
-                                                  optimize)
+from prism_serve.optimize.generate.bound import DesignBound
+from prism_serve.optimize.generate.search import (GRACE_S, MAX_GRID, SearchStats, _Costed, _generate,
+                                                  _generate_parallel, optimize)
 from prism_serve.optimize.generate.workers import Config, Pool, default_workers
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.workloads.programs import WORKLOADS
@@ -28,18 +30,27 @@ def _silu_and_mul():
     return WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
 
 
-def test_the_workers_generate_the_serial_designs_in_the_serial_order():
+@pytest.mark.parametrize("cost_rule", [False, True], ids=["listing", "ranking"])
+def test_the_workers_generate_the_serial_designs_in_the_serial_order(cost_rule):
     """Every subtree (depth, first-kernel group) in a worker, merged by task index: the same
-    designs in the same order as one process, over two depths and library and block kernels."""
+    designs in the same order as one process, over two depths and library and block kernels;
+    with the cost rule too (its threshold is the same in both: the designs of fewer kernels)."""
     prog = _silu_and_mul()
-    serial_stats, parallel_stats = SearchStats(), SearchStats(workers=2)
-    serial = _generate(make_context(prog), 2, 3, time.perf_counter() + 600, serial_stats, None)
-    with Pool(2, Config(prog, H100, 2, 3, MAX_GRID, True)) as pool:
-        parallel = _generate_parallel(pool, make_context(prog), 2, 3, time.perf_counter() + 600, parallel_stats, None)
-    assert len({d.kernels[0].__class__ for d in serial}) == 2 and {len(d.kernels) for d in serial} == {1, 2}
-    assert parallel == serial
-    assert not serial_stats.stopped_by_budget and not parallel_stats.stopped_by_budget
-    assert parallel_stats.pruned["abstract_expression"] > 0
+    bound = DesignBound(H100, (4, 64)) if cost_rule else None
+    serial = _Costed(prog, H100, (4, 64), SearchStats())
+    parallel = _Costed(prog, H100, (4, 64), SearchStats(workers=2))
+    _generate(make_context(prog), 2, 3, time.perf_counter() + 600, serial, bound, None)
+    with Pool(2, Config(prog, H100, 2, 3, MAX_GRID, True, bound)) as pool:
+        _generate_parallel(pool, make_context(prog), 2, 3, time.perf_counter() + 600, parallel, bound, None)
+    assert parallel.designs == serial.designs
+    assert not serial.stats.stopped_by_budget and not parallel.stats.stopped_by_budget
+    assert parallel.stats.pruned["abstract_expression"] > 0
+    assert parallel.stats.pruned["cost"] == serial.stats.pruned["cost"]
+    if cost_rule:  # two kernels never beat silu_and_mul's one-kernel designs: depth 2 is cut whole
+        assert {len(d.kernels) for d in serial.designs} == {1} and serial.stats.pruned["cost"] > 0
+    else:
+        assert len({d.kernels[0].__class__ for d in serial.designs}) == 2
+        assert {len(d.kernels) for d in serial.designs} == {1, 2}
 
 
 def test_one_and_two_workers_verify_the_same_designs_and_the_same_best():
@@ -67,11 +78,11 @@ def test_a_failing_or_dead_worker_raises_instead_of_hanging_the_driver():
     prog = WORKLOADS["rmsnorm_linear"].program()
     ctx = make_context(prog)
     first = KernelGenerator(ctx, max_kernels=2, max_block_ops=8, max_grid=MAX_GRID, deadline=0).choices()[0]
-    with Pool(2, Config(prog, H100, 2, 8, MAX_GRID, True)) as pool:
+    with Pool(2, Config(prog, H100, 2, 8, MAX_GRID, True, None)) as pool:
         tid = pool.submit("verify", Design((LibrarySpec("y", "exp", ("no_such_tensor",)),)))
         with pytest.raises(SGraphError, match="worker \\d failed on verify task 0: SGraphError: .*'no_such_tensor'$"):
             pool.get(tid, time.time() + 120)
-        tid = pool.submit("generate", 2, first, 1, time.time() + 600)  # minutes of block walks
+        tid = pool.submit("generate", 2, first, 1, time.time() + 600, math.inf)  # minutes of block walks
         assert pool.get(tid, time.time()) == (False, None)  # not answered yet: the driver does not wait
         for p in pool.procs:
             os.kill(p.pid, signal.SIGKILL)
@@ -86,4 +97,4 @@ def test_workers_default_to_the_cores_and_must_be_positive():
     with pytest.raises(SGraphError, match="workers must be a positive int"):
         optimize(_silu_and_mul(), "h100", (4,), workers=0)
     with pytest.raises(SGraphError, match="at least 2 workers"):
-        Pool(1, Config(_silu_and_mul(), H100, 1, 2, MAX_GRID, True))
+        Pool(1, Config(_silu_and_mul(), H100, 1, 2, MAX_GRID, True, None))

@@ -18,7 +18,7 @@ from prism_serve.optimize.generate.context import Context, make_context
 from prism_serve.optimize.generate.block import Value
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, op_labels, program_context
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _costed, _generate, optimize
+from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _Costed, _generate, optimize
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Program, node
 from prism_serve.optimize.codegen import compile_instance
@@ -201,10 +201,9 @@ def _scaled_linear() -> Program:
 def _designs(prog: Program, abstract_rule: bool) -> tuple[set[str], SearchStats]:
     ctx = make_context(prog)
     ctx.oracle.enabled = abstract_rule
-    stats = SearchStats()
-    designs = _generate(ctx, 1, 2, time.perf_counter() + 600, stats, None)
-    costed = _costed(prog, designs, H100, (4,), stats, math.inf)
-    return {canonical_hash(g) for _, _, g in costed}, stats
+    costed = _Costed(prog, H100, (4,), SearchStats())
+    _generate(ctx, 1, 2, time.perf_counter() + 600, costed, None, None)
+    return {canonical_hash(g) for _, _, g in costed.items}, costed.stats
 
 
 def test_the_abstract_expression_rule_is_sound_on_a_loop_program():

@@ -38,7 +38,9 @@ aside), and for a design's last kernel (`outputs_only`) no more unused values th
 can still join into its outputs.
 
 A state whose unused tensors can all be stored (program outputs where the abstract expression
-equals an output's, intermediates otherwise; never a loop partial) is a complete kernel. At its
+equals an output's, intermediates otherwise; never a loop partial) is a complete kernel. A
+consumed value that equals a program output is stored as well (fused_add_rms_norm's residual sum
+feeds the norm and is an output), unless it lives inside the loop. At its
 deadline the walk pauses (yields None) and may be resumed with a later one (`run`)."""
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 UNARY = ("exp", "silu", "sqrt", "rsqrt", "square")
 BINARY = ("add", "sub", "mul", "div")
 COMMUTATIVE = ("add", "mul")
-RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression")
+RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression", "cost")
 
 
 @dataclass
@@ -112,7 +114,7 @@ def intern(expr: Term) -> int:
 @dataclass(frozen=True)
 class Completion:
     ops: tuple[BlockOp, ...]
-    sinks: tuple[Value, ...]  # the values to store, in op order
+    sinks: tuple[Value, ...]  # the values to store, in op order: the unused ones, and consumed program outputs
     outputs: tuple[str | None, ...]  # per sink: the program output it equals, or None (an intermediate)
 
 
@@ -123,7 +125,7 @@ class BlockGenerator:
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
         self.written, self.deadline, self.outputs_only = written, deadline, outputs_only
         self.stopped = False
-        self.counts = Counts()
+        self._counts = Counts()  # this walk's own verdicts; see `counts`
         # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
         # design that keeps the loop's operands normalised (the order only decides what comes sooner)
         self.sources = [
@@ -131,6 +133,7 @@ class BlockGenerator:
         ] + [self._source(v) for v in tensors.values()] + list(consts.values())
         self.seen: set = set()
         self.memo: dict = {}
+        self._named: dict = {}
         self._source_ops: list | None = None
         self._per_value: dict[tuple, list] = {}
         self._per_pair: dict[tuple, list] = {}
@@ -171,11 +174,11 @@ class BlockGenerator:
             yield None
         self.stopped = False
         cands = self._candidates(values) if left > 0 else (("accum", (v,), ()) for v in pending)
+        held = {(v.eid, v.stage, v.partial) for v in values}
         for op, ins, attrs in cands:  # accumulators are not counted against max_ops
-            self.counts.generated += 1
+            self._counts.generated += 1
             new, rule, bop = self._apply(op, ins, attrs, len(ops))
-            if rule is None and any(v.eid == new.eid and v.stage == new.stage and v.partial == new.partial
-                                    for v in values):
+            if rule is None and (new.eid, new.stage, new.partial) in held:
                 rule = "canonical"  # the block already holds this value: reuse it
             if rule is None and last is not None and not any(i.ref == last[1] for i in ins) and \
                     _key(new) <= last[0]:
@@ -191,7 +194,7 @@ class BlockGenerator:
                 else:
                     self.seen.add(state)
             if rule:
-                self.counts.pruned[rule] += 1
+                self._counts.pruned[rule] += 1
                 continue
             yield from self._walk(ops + (bop,), values + (new,), nuses, (_key(new), new.ref))
 
@@ -237,18 +240,31 @@ class BlockGenerator:
             else:
                 out.append((op, tuple(next((j for j, s in enumerate(slots) if v is s), v) for v in ins), attrs))
         if not slots:  # ops over kernel tensors and constants: counted once per generator
-            self.counts.add(pruned)
+            self._counts.add(pruned)
             return out
         pruned.generated -= len(out)  # the survivors are counted where the walk takes them
-        return out, pruned
+        return [out, pruned, 0]  # the survivors, what the rules pruned, how many states reused them
 
-    def _reuse(self, cached: tuple, slots: tuple[Value, ...]) -> Iterator[tuple[str, tuple, tuple]]:
+    def _reuse(self, cached: list, slots: tuple[Value, ...]) -> Iterator[tuple[str, tuple, tuple]]:
         """Cached survivors with this state's block values filled in; the candidates the cache
         pruned count as pruned in this state too (each is a different graph not expanded)."""
-        out, pruned = cached
-        self.counts.add(pruned)
+        out = cached[0]
+        cached[2] += 1  # counted in `counts`, not here: adding up Counts per state is a hot path
         for op, ins, attrs in out:
             yield op, tuple(slots[v] if isinstance(v, int) else v for v in ins), attrs
+
+    @property
+    def counts(self) -> Counts:
+        """Every candidate judged so far and the rule that pruned it (the cached verdicts counted
+        once per state that reused them)."""
+        total = Counts()
+        total.add(self._counts)
+        for cache in (self._per_value, self._per_pair):
+            for _, pruned, uses in cache.values():
+                for rule, n in pruned.pruned.items():
+                    total.pruned[rule] += n * uses
+                total.generated += pruned.generated * uses
+        return total
 
     def _judge(self, op: str, ins: tuple, attrs: tuple) -> str | None:
         return self._apply(op, ins, attrs, 0)[1]
@@ -299,7 +315,10 @@ class BlockGenerator:
         new, rule = self.memo[key]
         if rule:
             return None, rule, None
-        return replace(new, ref=name), None, BlockOp(name, op, tuple(i.ref for i in ins), attrs)
+        named = self._named.get((key, index))  # the same result under its name at this position
+        if named is None:
+            named = self._named[(key, index)] = replace(new, ref=name)
+        return named, None, BlockOp(name, op, tuple(i.ref for i in ins), attrs)
 
     def _op(self, op: str, ins: tuple[Value, ...], attrs: tuple, name: str) -> tuple[Value | None, str | None]:
         if any(v.partial for v in ins) and self.oracle.enabled:
@@ -349,16 +368,21 @@ class BlockGenerator:
     def _complete(self, ops: tuple, values: tuple, uses: dict) -> Completion | None:
         if not ops:
             return None
-        sinks = [v for v in values if v.ref not in uses]
-        if any(v.partial or v.stage == "loop" for v in sinks):
+        unused = [v for v in values if v.ref not in uses]
+        if any(v.partial or v.stage == "loop" for v in unused):
             return None
         if self.loop and not any(o.op == "accum" for o in ops):
             return None
+        sinks: list[Value] = []
         outs: list[str | None] = []
-        for v in sinks:
+        for v in values:  # in op order: every unused value, and a consumed one that is a program output
+            if v.ref in uses and (v.partial or v.stage == "loop"):
+                continue
             out = next((o for o, t in self.outputs.items() if o not in self.written and o not in outs
                         and t.shape == v.type.shape and self.oracle.equals(v.expr, o)), None)
-            outs.append(out)
+            if v.ref not in uses or out:
+                sinks.append(v)
+                outs.append(out)
         if any(outs) and not all(outs) or self.outputs_only and not all(outs):
             return None  # a kernel writes program outputs, or intermediates for later kernels, not both
         stored = set().union(*({base_label(lb) for lb in v.labels} for v in sinks))

@@ -12,6 +12,10 @@ results meet the same rules as block ops. Block enumerations are cached per (ten
 and share the time by passes: one that uses up its share pauses and is resumed in a later pass
 (`KernelGenerator.run`).
 
+With a `DesignBound`, a search that ranks (rather than lists) designs drops a partial design
+whose lower bound on modeled time already exceeds the best complete design with fewer kernels
+(`best_us`, which the driver sets between depths): the ``cost`` rule (see `bound.py`).
+
 Not enumerated: a grid axis over a label no output carries, two loops in one kernel, stores of
 a value that is both consumed and written by the same kernel unless it equals an output, and the
 combine kernel of a split (derived by `split.py`).
@@ -20,10 +24,12 @@ combine kernel of a split (derived by `split.py`).
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prism_serve.optimize.generate.block import BlockGenerator, Counts, Value, base_label
+from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, LibrarySpec
 from prism_serve.optimize.ir import NUM_TOKENS
@@ -35,9 +41,12 @@ DEPTH_SHARE = 0.6  # of the time left, for each depth but the last
 
 
 class KernelGenerator:
-    def __init__(self, ctx: Context, *, max_kernels: int, max_block_ops: int, max_grid: int, deadline: float):
+    def __init__(self, ctx: Context, *, max_kernels: int, max_block_ops: int, max_grid: int, deadline: float,
+                 bound: DesignBound | None = None):
         self.ctx, self.max_kernels, self.max_block_ops, self.max_grid = ctx, max_kernels, max_block_ops, max_grid
         self.deadline = deadline
+        self.bound = bound
+        self.best_us = math.inf  # the best modeled design with fewer kernels than the current depth
         self._own = Counts()  # the kernel level's own verdicts (choices, library ops, recomputed stores)
         self.block_graphs = 0
         self.kernel_graphs = 0
@@ -86,8 +95,10 @@ class KernelGenerator:
         labels = index_labels(self.ctx.flat)
         return [Value(o, t, labels.dims[o], ()) for o, t in self.ctx.outputs.items()]
 
-    def run(self) -> Iterator[Design]:
-        """Designs by increasing number of kernels. Each depth but the last gets `DEPTH_SHARE` of
+    def run(self, best_below: Callable[[int], float] | None = None) -> Iterator[Design]:
+        """Designs by increasing number of kernels. Before each depth, `best_below(depth)` gives the
+        best modeled time of the designs yielded so far (all of fewer kernels): the ``cost`` rule's
+        threshold. Each depth but the last gets `DEPTH_SHARE` of
         the time left (the last, all of it). In a depth's first pass its block enumerations get
         equal shares of that time (what one leaves unused goes to the next); one that uses up its
         share pauses. Resumption passes then continue the paused enumerations where they stopped,
@@ -96,6 +107,10 @@ class KernelGenerator:
         choices = self.choices()
         yielded: set[Design] = set()
         for depth in range(1, self.max_kernels + 1):
+            if best_below is not None:
+                self.best_us = best_below(depth)
+                if self.depth_cut(depth):
+                    continue
             left = max(0.0, self.deadline - time.perf_counter())
             self._pass_deadline = time.perf_counter() + (DEPTH_SHARE * left if depth < self.max_kernels else left)
             self.pending = len(choices) * (1 if depth == 1 else 4)
@@ -132,17 +147,19 @@ class KernelGenerator:
             if len(kernels) == depth:
                 yield Design(kernels)
             return
-        if len(kernels) >= depth:
+        if len(kernels) >= depth or self._over_bound(kernels, tensors, written, depth - len(kernels)):
             return
         if time.perf_counter() > self.deadline:
             self.stopped = True
             return
         last = len(kernels) == depth - 1
         for spec, new in self._library(tensors, written, len(kernels)) if first in (None, LIBRARY) else ():
-            if last and not set(self.ctx.outputs) - written <= {o for o in new if o in self.ctx.outputs}:
+            outs = written | {o[1:] for o in new if o[1:] in self.ctx.outputs}  # new is keyed by "@name"
+            if last and outs != set(self.ctx.outputs):
                 continue
-            yield from self._walk(kernels + (spec,), tensors | new, written | (set(new) & set(self.ctx.outputs)),
-                                  depth, choices)
+            if self._over_bound(kernels + (spec,), tensors | new, outs, depth - len(kernels) - 1):
+                continue
+            yield from self._walk(kernels + (spec,), tensors | new, outs, depth, choices)
         for grid, loop in choices if first is None else [c for c in choices if c == first]:
             for comp in self._blocks(tensors, written, grid, loop, last):
                 outs = {o for o in comp.outputs if o}
@@ -161,9 +178,26 @@ class KernelGenerator:
                 for split in splits:
                     self.kernel_graphs += 1
                     spec = BlockSpec(grid, loop, ops, split)
+                    if self._over_bound(kernels + (spec,), tensors | new, written | outs, depth - len(kernels) - 1):
+                        continue
                     yield from self._walk(kernels + (spec,), tensors | new, written | outs, depth, choices)
                     if self.stopped:
                         return
+
+    def depth_cut(self, depth: int) -> bool:
+        """Whether the cost rule drops every design of `depth` kernels at once (counted once)."""
+        return self._over_bound((), self.ctx.inputs, frozenset(), depth)
+
+    def _over_bound(self, kernels: tuple, tensors: dict[str, Value], written, more: int) -> bool:
+        """The ``cost`` rule: every completion of `kernels` by `more` kernels (a depth's designs
+        have exactly `depth` kernels) is modeled slower than `best_us`."""
+        if self.bound is None or math.isinf(self.best_us):
+            return False
+        types = {ref[1:]: v.type for ref, v in tensors.items() if ref[0] == "@"} | self.ctx.outputs
+        if self.bound.lower_us(kernels, types, set(self.ctx.outputs) - written, more) <= self.best_us:
+            return False
+        self._own.pruned["cost"] += 1
+        return True
 
     def _blocks(self, tensors: dict[str, Value], written: frozenset[str], grid, loop, last: bool):
         key = (frozenset((k, v.expr) for k, v in tensors.items()), written, grid, loop, last)

@@ -12,7 +12,10 @@ graph-defined kernel whose block graph is itself built one op at a time), pruned
 by its abstract expression (egglog, cached) and by the canonical, shape, schedule and hardware
 rules; every rule is counted in `SearchStats.pruned`. Each complete design is built as a
 symbolic sGraph (`generate/design.build`) and ranked by the cost model (coordinate descent over
-its symbols per num_tokens bucket).
+its symbols per num_tokens bucket) as it comes. A search that ranks (not `all_designs`) also
+applies the ``cost`` rule (`bound.py`): a design of more kernels whose lower bound on modeled
+time exceeds the best design of fewer kernels is dropped (whole depths at once where two
+launches already cost more than the best one-kernel design).
 
 Stage 2, fastest modeled first: the egglog proof that the sGraph computes the Program for every
 instantiation, then the numeric check of the same design rebuilt at small dims through Triton
@@ -42,6 +45,7 @@ from prism_serve.optimize import canonical_hash, prune
 from prism_serve.optimize.check import NumericVerdict, check_numerics, small_program
 from prism_serve.optimize.cost import unfused_us
 from prism_serve.optimize.generate.block import RULES
+from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, build
 from prism_serve.optimize.generate.kernel import LIBRARY, KernelGenerator
@@ -129,40 +133,50 @@ def design_key(g: SGraph) -> str:
     return canonical_hash(g)
 
 
-def _costed(prog: Program, designs: Sequence[Design], gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats,
-            deadline: float) -> list[tuple[float, Design, SGraph]]:
-    """Build every design (in generation order, fewer kernels first, until `deadline`), apply the
-    sGraph-level shape and hardware rules, model its best time."""
-    out, seen = [], set()
-    for d in designs:
-        if time.perf_counter() > deadline:
-            stats.stopped_by_budget = True
-            break
+class _Costed:
+    """The designs built so far (in generation order: fewer kernels first), each through the
+    sGraph-level shape and hardware rules and modeled at its best instance per bucket."""
+
+    def __init__(self, prog: Program, gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats):
+        self.prog, self.gpu, self.buckets, self.stats = prog, gpu, buckets, stats
+        self.designs: list[Design] = []  # every design handed in, in order
+        self.items: list[tuple[float, Design, SGraph]] = []  # (modeled us, design, sGraph) of those kept
+        self._seen: set[str] = set()
+
+    def add(self, d: Design) -> None:
+        stats = self.stats
+        self.designs.append(d)
         try:
-            g = build(prog, d)
+            g = build(self.prog, d)
         except SGraphError as exc:
             stats.pruned["shape"] += 1
             log.debug("design does not build: %s", exc)
-            continue
+            return
         key = design_key(g)
-        if key in seen:
+        if key in self._seen:
             stats.pruned["canonical"] += 1
-            continue
-        seen.add(key)
+            return
+        self._seen.add(key)
         why = prune.shape(g)
         rule = "shape" if why else None
         if not why:
-            why, rule = prune.hardware(g, gpu), "hardware"
+            why, rule = prune.hardware(g, self.gpu), "hardware"
         if why:
             stats.pruned[rule] += 1
-            continue
-        best = [best_modeled(g, gpu, nt) for nt in buckets]
+            return
+        best = [best_modeled(g, self.gpu, nt) for nt in self.buckets]
         if any(b is None for b in best):
             stats.pruned["hardware"] += 1
-            continue
+            return
         stats.concrete_graphs += math.prod(len(c) for c in symbol_choices(g).values())
-        out.append((sum(b.modeled_us for b in best), d, g))
-    return sorted(out, key=lambda t: (t[0], t[1].describe()))
+        self.items.append((sum(b.modeled_us for b in best), d, g))
+
+    def best_us(self, depth: int | None = None) -> float:
+        """The best modeled time so far (of the designs with fewer than `depth` kernels)."""
+        return min((c for c, d, _ in self.items if depth is None or len(d.kernels) < depth), default=math.inf)
+
+    def ranked(self) -> list[tuple[float, Design, SGraph]]:
+        return sorted(self.items, key=lambda t: (t[0], t[1].describe()))
 
 
 def _check_numerics(prog: Program, design: Design, gpu: GpuSpec):
@@ -216,62 +230,75 @@ def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdic
     return Found(design, g, proof, verdict.worst_error, _instances(g, gpu, buckets, timer, measure_top))
 
 
-def _generate(ctx, max_kernels: int, max_block_ops: int, deadline: float, stats: SearchStats,
-              progress: Progress | None) -> list[Design]:
-    """Stage 1 in this process: every design, fewer kernels first, until `deadline`."""
+def _generate(ctx, max_kernels: int, max_block_ops: int, deadline: float, costed: _Costed,
+              bound: DesignBound | None, progress: Progress | None) -> int:
+    """Stage 1 in this process: every design, fewer kernels first, until `deadline`, each handed
+    to `costed` as it comes (with a `bound`, the cost rule cuts a depth by the designs of fewer
+    kernels). Returns the number of designs."""
+    stats = costed.stats
     gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
-                          deadline=deadline)
-    designs = []
-    for d in gen.run():
-        designs.append(d)
-        if progress and len(designs) % 10 == 0:
-            progress(f"generated {len(designs)} designs", stats)
+                          deadline=deadline, bound=bound)
+    n = 0
+    for d in gen.run(costed.best_us if bound else None):
+        n += 1
+        costed.add(d)
+        if progress and n % 10 == 0:
+            progress(f"generated {n} designs", stats)
     stats.kernel_graphs, stats.block_graphs = gen.kernel_graphs, gen.block_graphs
     stats.generated = gen.counts.generated
-    stats.pruned = dict(gen.counts.pruned)
+    for rule, k in gen.counts.pruned.items():
+        stats.pruned[rule] += k
     stats.stopped_by_budget = gen.stopped or gen.truncated > 0
-    return designs
+    return n
 
 
-def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, deadline: float,
-                       stats: SearchStats, progress: Progress | None) -> list[Design]:
+def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, deadline: float, costed: _Costed,
+                       bound: DesignBound | None, progress: Progress | None) -> int:
     """Stage 1 in the workers: one task per (depth, first-kernel group), merged in `run`'s order
     (depth, then library ops, then the (grid, loop) choices in order), so the designs and their
-    order are those of `_generate` whenever neither stops at its deadline. Each task's block
-    enumerations get a share of the time as if the groups still to run were split over the
-    workers."""
+    order are those of `_generate` whenever neither stops at its deadline. A depth's tasks start
+    once the designs of fewer kernels are costed (the cost rule's threshold, as in `_generate`).
+    Each task's block enumerations get a share of the time as if the groups still to run were
+    split over the workers. Returns the number of designs."""
+    stats = costed.stats
     gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
-                          deadline=deadline)
+                          deadline=deadline, bound=bound)
     choices = gen.choices()  # counted here once: the workers do not count it again
-    stats.generated, stats.pruned = gen.counts.generated, dict(gen.counts.pruned)
+    stats.generated = gen.counts.generated
+    for rule, k in gen.counts.pruned.items():
+        stats.pruned[rule] += k
     if time.perf_counter() > deadline:
         stats.stopped_by_budget = True
-        return []
+        return 0
     groups = [LIBRARY] + choices
     until = time.time() + (deadline - time.perf_counter())
-    tids = []
+    n = 0
     for depth in range(1, max_kernels + 1):
         factor = 1 if depth == 1 else 4
-        for k, first in enumerate(groups):
-            pending = max(1, math.ceil((len(groups) - k) * factor / len(pool.procs)))
-            tids.append(pool.submit("generate", depth, first, pending, until))
-    designs: list[Design] = []
-    for tid in tids:
-        ok, sub = pool.get(tid, until + GRACE_S)
-        if not ok:
-            log.warning("a generator worker outlived the budget by %.0f s; its subtree is dropped", GRACE_S)
-            stats.stopped_by_budget = True
-            break
-        designs += sub.designs
-        stats.generated += sub.generated
-        for rule, n in sub.pruned.items():
-            stats.pruned[rule] += n
-        stats.kernel_graphs += sub.kernel_graphs
-        stats.block_graphs += sub.block_graphs
-        stats.stopped_by_budget |= sub.stopped
-        if progress:
-            progress(f"generated {len(designs)} designs", stats)
-    return designs
+        gen.best_us = costed.best_us(depth) if bound else math.inf
+        if gen.depth_cut(depth):
+            stats.pruned["cost"] += 1
+            continue
+        tids = [pool.submit("generate", depth, first, max(1, math.ceil((len(groups) - k) * factor / len(pool.procs))),
+                            until, gen.best_us) for k, first in enumerate(groups)]
+        for tid in tids:
+            ok, sub = pool.get(tid, until + GRACE_S)
+            if not ok:
+                log.warning("a generator worker outlived the budget by %.0f s; its subtree is dropped", GRACE_S)
+                stats.stopped_by_budget = True
+                return n
+            for d in sub.designs:
+                costed.add(d)
+            n += len(sub.designs)
+            stats.generated += sub.generated
+            for rule, k in sub.pruned.items():
+                stats.pruned[rule] += k
+            stats.kernel_graphs += sub.kernel_graphs
+            stats.block_graphs += sub.block_graphs
+            stats.stopped_by_budget |= sub.stopped
+            if progress:
+                progress(f"generated {n} designs", stats)
+    return n
 
 
 def _verify_parallel(pool: Pool, costed, deadline: float, take: Callable[..., bool]) -> bool:
@@ -329,20 +356,25 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     start = time.perf_counter()
     deadline = start + budget_s
     stats = SearchStats(workers=workers)
+    # a search that ranks may drop designs that cannot beat one of fewer kernels; one that lists does not
+    bound = None if all_designs else DesignBound(spec, buckets)
     pool = None
     if workers > 1 and (not known or len(known) > 1):
-        pool = Pool(workers, Config(prog, spec, max_kernels, max_block_ops, MAX_GRID, abstract_rule))
+        pool = Pool(workers, Config(prog, spec, max_kernels, max_block_ops, MAX_GRID, abstract_rule, bound))
     try:
+        costing = _Costed(prog, spec, buckets, stats)
         if known:
-            designs = list(known)
+            for d in known:
+                costing.add(d)
+            stats.designs = len(known)
         else:
             ctx = make_context(prog)
             ctx.oracle.enabled = abstract_rule
             gen_deadline = start + budget_s * 0.5
-            designs = (_generate_parallel(pool, ctx, max_kernels, max_block_ops, gen_deadline, stats, progress)
-                       if pool else _generate(ctx, max_kernels, max_block_ops, gen_deadline, stats, progress))
-        stats.designs = len(designs)
-        costed = _costed(prog, designs, spec, buckets, stats, start + budget_s * 0.75)
+            stats.designs = (
+                _generate_parallel(pool, ctx, max_kernels, max_block_ops, gen_deadline, costing, bound, progress)
+                if pool else _generate(ctx, max_kernels, max_block_ops, gen_deadline, costing, bound, progress))
+        costed = costing.ranked()
         found: list[Found] = []
 
         def take(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdict | None,

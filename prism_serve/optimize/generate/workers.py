@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_serve.errors import SGraphError
+from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.gpus import GpuSpec
 from prism_serve.optimize.ir import Program
 
@@ -51,6 +52,7 @@ class Config:
     max_block_ops: int
     max_grid: int
     abstract_rule: bool
+    bound: DesignBound | None  # None: the cost rule is off
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class _Worker:
         self.gen = None
         self.choices = None
 
-    def generate(self, depth: int, first, pending: int, deadline_wall: float) -> Subtree:
+    def generate(self, depth: int, first, pending: int, deadline_wall: float, best_us: float) -> Subtree:
         from prism_serve.optimize.generate.context import make_context
         from prism_serve.optimize.generate.kernel import KernelGenerator
 
@@ -80,13 +82,14 @@ class _Worker:
             ctx = make_context(c.prog)
             ctx.oracle.enabled = c.abstract_rule
             self.gen = KernelGenerator(ctx, max_kernels=c.max_kernels, max_block_ops=c.max_block_ops,
-                                       max_grid=c.max_grid, deadline=0.0)
+                                       max_grid=c.max_grid, deadline=0.0, bound=c.bound)
             self.choices = self.gen.choices()  # the driver counts the choice-level rules once
         gen = self.gen
         before = gen.counts  # counts sum over the cached block walks, so a task reports its delta
         gen.kernel_graphs, gen.block_graphs, gen.stopped = 0, 0, False
         gen.deadline = time.perf_counter() + (deadline_wall - time.time())
         gen.pending = pending
+        gen.best_us = best_us  # the driver's best design of fewer kernels (the cost rule)
         designs = tuple(gen.subtree(depth, first, self.choices))
         after = gen.counts
         pruned = {rule: n - before.pruned.get(rule, 0) for rule, n in after.pruned.items()}

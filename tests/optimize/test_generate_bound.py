@@ -1,0 +1,83 @@
+"""The cost rule (`generate/bound.py`): its bound never exceeds the cost model's time for any
+design it could cut, so a ranking search finds the same best design as an exhaustive listing;
+and the kernel-level walk stores what a one-kernel fused_add_rms_norm needs (a consumed value
+that is a program output) and completes designs whose last kernel is a library op."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from prism_serve.optimize import canonical_hash
+from prism_serve.optimize.generate.bound import DesignBound, touched
+from prism_serve.optimize.generate.context import make_context
+from prism_serve.optimize.generate.design import LibrarySpec, build
+from prism_serve.optimize.generate.search import SearchStats, _Costed, _generate, optimize
+from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.tune import best_modeled
+from prism_serve.optimize.workloads.programs import WORKLOADS
+
+BUCKETS = (1, 16)
+
+
+def _listing(prog, gpu, max_kernels: int, max_block_ops: int) -> _Costed:
+    costed = _Costed(prog, gpu, BUCKETS, SearchStats())
+    _generate(make_context(prog), max_kernels, max_block_ops, time.perf_counter() + 600, costed, None, None)
+    return costed
+
+
+@pytest.mark.parametrize("gpu", ["h100", "l4"])
+@pytest.mark.parametrize("name,dims,kernels,ops", [
+    ("silu_and_mul", {"intermediate": 40}, 2, 3),  # library and block kernels, one and two of them
+    ("swiglu", {"hidden": 48, "intermediate": 40}, 1, 6),  # loops, split (a second launch) or not
+])
+def test_the_bound_is_below_the_modeled_time_of_every_design(name, dims, kernels, ops, gpu):
+    """Every design, modeled at its best instance per bucket by the cost model, costs at least
+    the bound of any of its prefixes (what the rule compares)."""
+    spec = get_gpu(gpu)
+    prog = WORKLOADS[name].program(**dims, dtype="float16")
+    costed = _listing(prog, spec, kernels, ops)
+    assert {len(d.kernels) for _, d, _ in costed.items} == set(range(1, kernels + 1))
+    bound = DesignBound(spec, BUCKETS)
+    outputs = set(prog.outputs)
+    for modeled, design, g in costed.items:
+        types = dict(g.tensors)
+        assert modeled == sum(best_modeled(g, spec, nt).modeled_us for nt in BUCKETS)
+        for cut in range(len(design.kernels) + 1):
+            head = design.kernels[:cut]
+            written = set().union(*map(touched, head)) & outputs  # a kernel reads an output only once written
+            lower = bound.lower_us(head, types, outputs - written, len(design.kernels) - cut)
+            assert lower <= modeled + 1e-9, (design.describe(), cut, lower, modeled)
+
+
+def test_ranking_with_the_cost_rule_finds_the_best_design_of_the_listing():
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
+    listing = optimize(prog, "h100", BUCKETS, max_kernels=2, max_block_ops=3, budget_s=600, all_designs=True,
+                       workers=1)
+    ranking = optimize(prog, "h100", BUCKETS, max_kernels=2, max_block_ops=3, budget_s=600, top=1, workers=1)
+    assert ranking.stats.pruned["cost"] > 0 and listing.stats.pruned["cost"] == 0
+    assert canonical_hash(ranking.best.sgraph) == canonical_hash(listing.best.sgraph)
+    assert len(listing.found) > len(ranking.found)
+
+
+def test_one_kernel_writes_the_residual_sum_that_its_norm_consumes():
+    """fused_add_rms_norm's r = x + residual feeds the norm and is an output: one kernel stores it
+    and y (before, only unused values were stored, so r took a kernel of its own)."""
+    prog = WORKLOADS["fused_add_rms_norm"].program(hidden=40, dtype="float32")
+    costed = _listing(prog, get_gpu("h100"), 1, 7)
+    one = [d for d in costed.designs if len(d.kernels) == 1]
+    assert one, "no one-kernel design"
+    for d in one:
+        stores = [o.attr("tensor") for o in d.kernels[0].ops if o.op == "store"]
+        assert sorted(stores) == ["r", "y"]
+        build(prog, d)  # and it builds
+
+
+def test_a_library_op_can_write_the_last_output():
+    """A design whose last kernel is a library op writing the output: two library kernels for
+    silu_and_mul (silu, then the product)."""
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
+    costed = _listing(prog, get_gpu("h100"), 2, 1)
+    libs = [d for d in costed.designs if all(isinstance(k, LibrarySpec) for k in d.kernels)]
+    assert [[(k.op, k.out) for k in d.kernels] for d in libs] == [[("silu", "t0_0"), ("mul", "y")]]
