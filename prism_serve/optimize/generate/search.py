@@ -48,7 +48,7 @@ from prism_serve.optimize.generate.block import RULES
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, build
-from prism_serve.optimize.generate.kernel import LIBRARY, KernelGenerator
+from prism_serve.optimize.generate.kernel import DEPTH_SHARE, LIBRARY, KernelGenerator
 from prism_serve.optimize.generate.workers import Config, Pool, default_workers
 from prism_serve.optimize.gpus import GpuSpec, get_gpu
 from prism_serve.optimize.ir import Program
@@ -257,7 +257,8 @@ def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, de
     """Stage 1 in the workers: one task per (depth, first-kernel group), merged in `run`'s order
     (depth, then library ops, then the (grid, loop) choices in order), so the designs and their
     order are those of `_generate` whenever neither stops at its deadline. A depth's tasks start
-    once the designs of fewer kernels are costed (the cost rule's threshold, as in `_generate`).
+    once the designs of fewer kernels are costed (the cost rule's threshold, as in `_generate`),
+    and share the depth's time as `KernelGenerator.run` does (`DEPTH_SHARE`).
     Each task's block enumerations get a share of the time as if the groups still to run were
     split over the workers. Returns the number of designs."""
     stats = costed.stats
@@ -271,10 +272,11 @@ def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, de
         stats.stopped_by_budget = True
         return 0
     groups = [LIBRARY] + choices
-    until = time.time() + (deadline - time.perf_counter())
     n = 0
     for depth in range(1, max_kernels + 1):
         factor = 1 if depth == 1 else 4
+        left = max(0.0, deadline - time.perf_counter())  # each depth but the last gets DEPTH_SHARE of it, as in `run`
+        until = time.time() + (DEPTH_SHARE * left if depth < max_kernels else left)
         gen.best_us = costed.best_us(depth) if bound else math.inf
         if gen.depth_cut(depth):
             stats.pruned["cost"] += 1
