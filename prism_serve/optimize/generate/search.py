@@ -202,13 +202,15 @@ def verify_design(prog: Program, design: Design, gpu: GpuSpec) -> tuple[ProofRes
 
 def _instances(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...], timer: Timer | None, top: int
                ) -> tuple[Candidate, ...]:
+    """A verified design's best instance per bucket, ranked exhaustively (the descent that costs
+    every generated design can stop at a local optimum); on a device, the measured best of the
+    `top` modeled ones."""
+    instances = enumerate_instances(g, gpu)
     out = []
     for nt in buckets:
-        best = best_modeled(g, gpu, nt)
-        if timer is not None:
-            timed = measure(rank(g, gpu, nt), timer, top)
-            best = timed[0] if timed else best
-        out.append(best)
+        ranked = rank(g, gpu, nt, instances)
+        timed = measure(ranked, timer, top) if timer is not None else []
+        out.append(timed[0] if timed else ranked[0])
     return tuple(out)
 
 
