@@ -89,3 +89,29 @@ def test_optimize_rejects_bad_programs_with_one_line_naming_the_node(tmp_path):
         result = runner.invoke(app, args)
         assert result.exit_code == 1
         assert expected in result.output and len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_optimize_all_lists_every_verified_design_of_the_generator_with_its_hash(tmp_path, monkeypatch):
+    """`optimize W --all --json F` (#11 item 6): the generator's every verified design, each with
+    the canonical hash of its sGraph, the same set as the library call lists."""
+    from prism_serve.optimize import canonical_hash
+    from prism_serve.optimize.generate.search import optimize
+    from prism_serve.optimize.workloads.programs import WORKLOADS
+
+    monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "all.json"
+    result = runner.invoke(app, ["optimize", "silu_and_mul", "--shape", "intermediate=40", "-n", "4", "--all",
+                                 "--max-kernels", "1", "--workers", "1", "--json", str(out)], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "canonical hash" in result.output and "workers" in result.output
+    found = json.loads(out.read_text())["found"]
+    listed = optimize(WORKLOADS["silu_and_mul"].program(intermediate=40), "h100", (4,), max_kernels=1,
+                      all_designs=True, workers=1, budget_s=600)
+    assert len(found) == len(listed.found) >= 2
+    assert {f["canonical_hash"] for f in found} == {canonical_hash(f.sgraph) for f in listed.found}
+    assert all(f["proof"]["ok"] for f in found)
+
+
+def test_optimize_workers_need_the_generator():
+    result = runner.invoke(app, ["optimize", "silu_and_mul", "--workers", "2"])
+    assert result.exit_code == 1 and "--generator" in result.output

@@ -43,6 +43,7 @@ def _program(target: str, shapes: list[str]):
 
 def _table(result) -> Table:
     from prism_serve.baseline import served_modeled_us, vllm_modeled_us
+    from prism_serve.optimize import canonical_hash
     from prism_serve.optimize.gpus import get_gpu
     from prism_serve.optimize.sgraph import BlockKernel
     from prism_serve.region_table import KINDS
@@ -53,7 +54,8 @@ def _table(result) -> Table:
     measured = any(c.measured_us is not None for f in result.found for c in f.kernels)
     about = (f"vLLM's path: {', '.join(f'{vllm[n]:.1f} us @{n}' for n in buckets)} modeled" if vllm else
              "vLLM has no path for this program, so no speedup")
-    table = Table("#", "plan", "kernels", "grid", "loop", *(f"modeled us @{n}" for n in buckets),
+    hashed = hasattr(result.found[0], "design") if result.found else False  # the generator's Found
+    table = Table("#", "design" if hashed else "plan", *(("canonical hash",) if hashed else ()), "kernels", "grid", "loop", *(f"modeled us @{n}" for n in buckets),
                   *((f"measured us @{n}" for n in buckets) if measured else ()),
                   "vs vLLM modeled, per bucket", title=f"{prog.name} on {result.gpu}: verified kernels ({about})")
     for i, f in enumerate(result.found):
@@ -63,7 +65,8 @@ def _table(result) -> Table:
         loop = "; ".join(f"{k.forloop}={c.assignment[k.forloop]}" if k.forloop else "-" for k in blocks) or "-"
         speed = ", ".join(f"{vllm[n] / served_modeled_us(prog, f.kernel_for(n).modeled_us, n, spec):.2f}x"
                           for n in buckets) if vllm else "-"
-        table.add_row(str(i + 1), f.plan.describe(), str(len(f.sgraph.kernels)), grid or "library", loop,
+        table.add_row(str(i + 1), *((f.design.describe(), canonical_hash(f.sgraph)[:16]) if hashed else (f.plan.describe(),)),
+                      str(len(f.sgraph.kernels)), grid or "library", loop,
                       *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets),
                       *((_us(f.kernel_for(n).measured_us) for n in buckets) if measured else ()), speed)
     return table
@@ -98,28 +101,45 @@ def optimize_command(
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the result (plans, sGraphs, stats) here"),
     budget: float = typer.Option(60.0, "--budget", help="seconds the search may take"),
     top: int = typer.Option(3, "--top", help="how many verified designs to return"),
-    max_kernels: int = typer.Option(3, "--max-kernels", help="most segments (kernels before splits) per design"),
+    max_kernels: Optional[int] = typer.Option(None, "--max-kernels",
+                                              help="most kernels per design (plan search: segments, default 3; "
+                                                   "generator: default 2)"),
+    generator: bool = typer.Option(False, "--generator",
+                                   help="search with Prism's operator-by-operator generator (issue #11, in "
+                                        "progress) instead of the plan search that warmup runs"),
+    all_designs: bool = typer.Option(False, "--all", help="with the generator: verify and list every generated "
+                                                          "design (no cost rule, no --top), with its canonical hash"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="generator worker processes (default: the cores)"),
 ) -> None:
     """Superoptimize a Program: symbolic search, egglog proofs, numeric checks, tuned instances."""
     interpret_unless_gpu()
-    from prism_serve.optimize.search import optimize
-
+    generator = generator or all_designs
+    if not generator and workers is not None:
+        typer.echo("error: --workers sets the generator's processes; add --generator", err=True)
+        raise typer.Exit(1)
     console = Console(stderr=True)
     try:
         prog, default_tokens = _program(target, list(shape or []))
         buckets = list(num_tokens or default_tokens[-1:] or [1])
         with console.status("searching") as status:
             def progress(message: str, stats) -> None:
-                status.update(f"{message}: {stats.states} states, {stats.plans} plans, "
-                              f"{sum(stats.pruned.values())} pruned, {stats.verified} verified")
-            result = optimize(prog, device, buckets, budget_s=budget, top=top, max_segments=max_kernels,
-                              progress=progress)
+                status.update(f"{message}: {sum(stats.pruned.values())} pruned, {stats.verified} verified")
+            if generator:
+                from prism_serve.optimize.generate.search import optimize as generate
+                result = generate(prog, device, buckets, budget_s=budget, top=top, max_kernels=max_kernels or 2,
+                                  all_designs=all_designs, workers=workers, progress=progress)
+            else:
+                from prism_serve.optimize.search import optimize
+                result = optimize(prog, device, buckets, budget_s=budget, top=top, max_segments=max_kernels or 3,
+                                  progress=progress)
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     Console(width=None if sys.stdout.isatty() else 200).print(_table(result))
     s = result.stats
-    typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s), {s.states} states, pruned "
+    size = (f"{s.designs} designs, {s.kernel_graphs} kernel graphs, {s.block_graphs} block graphs, "
+            f"{s.workers} workers" if generator else f"{s.states} states")
+    typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s), {size}, pruned "
                + ", ".join(f"{k} {v}" for k, v in s.pruned.items())
                + ("; stopped by the time budget" if s.stopped_by_budget else ""))
     if emit is not None:
