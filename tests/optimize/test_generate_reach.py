@@ -18,7 +18,7 @@ from prism_serve.optimize.generate.context import Context, make_context
 from prism_serve.optimize.generate.block import Value
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, op_labels, program_context
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _Costed, _generate, optimize
+from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _check_numerics, _Costed, _generate, optimize
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Program, node
 from prism_serve.optimize.codegen import compile_instance
@@ -308,13 +308,14 @@ def test_mutant_of_the_new_space_is_rejected_by_the_proof_and_numerically_wrong(
     assert max(errors) > TOLERANCE["float32"], errors
 
 
-def test_the_generator_reaches_the_rms_kernel_feeding_a_normalised_projection():
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_generator_reaches_the_rms_kernel_feeding_a_normalised_projection(dtype):
     """(b) for rmsnorm_mlp, walked kernel by kernel as `KernelGenerator._walk` does: the block
     walk of grid (tokens) with a loop over hidden yields the 1/rms kernel, and after it the walk
     of grid (tokens, intermediate) with the same loop yields the projection kernel that reads
-    1/rms as a normalised operand; the design is the hand-built one (canonical hash) and proven.
-    fp32: the generator stores intermediates in the Program's dtype, (b) keeps 1/rms in fp32."""
-    prog = WORKLOADS["rmsnorm_mlp"].program(hidden=48, intermediate=40, dtype="float32")
+    1/rms as a normalised operand; the design is the hand-built one (canonical hash) and proven,
+    in fp32 and in fp16 (the generator stores intermediates in float32, as (b) keeps 1/rms)."""
+    prog = WORKLOADS["rmsnorm_mlp"].program(hidden=48, intermediate=40, dtype=dtype)
     ctx = make_context(prog)
     gen = KernelGenerator(ctx, max_kernels=2, max_block_ops=5, max_grid=MAX_GRID, deadline=time.perf_counter() + 600)
     rms_ops = ["square", "sum", "accum", "mul", "add", "rsqrt"]
@@ -335,3 +336,5 @@ def test_the_generator_reaches_the_rms_kernel_feeding_a_normalised_projection():
     assert not gen.stopped and gen.truncated == 0 and len(reached) == 1
     proof = prove_equivalent(build(prog, reached[0]))
     assert proof.ok, proof.reason
+    verdict = _check_numerics(prog, reached[0], H100)  # outlier channels included, in the dtype
+    assert verdict.ok, verdict.reasons

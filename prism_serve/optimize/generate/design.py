@@ -131,6 +131,14 @@ def _attrs_from(d: dict) -> tuple:
 WHOLE = ":whole"
 
 
+def intermediate_type(t: TensorType) -> TensorType:
+    """A block kernel stores a tensor that only later kernels read in float32, whatever the
+    Program's dtype: such a tensor is a partial result (a row's 1/rms, one projection of two), kept
+    at the accumulators' precision as the hand-built designs keep it (an fp16 1/rms, or an fp16
+    product of an unnormalised row, loses range and digits the reference keeps)."""
+    return TensorType(t.shape, "float32")
+
+
 def whole_ref(ref: str) -> str:
     """The block-op reference to kernel tensor `ref`'s (``@name``) whole loop dim, before the loop."""
     return ref + WHOLE
@@ -245,9 +253,10 @@ def build(prog: Program, design: Design) -> SGraph:
             for o in spec.ops:
                 if o.op == "store" and o.attr("tensor") not in tensors:
                     t, lbs = types[o.inputs[0]]
-                    tensors[o.attr("tensor")] = KTensor(o.attr("tensor"), t, lbs)
                     if o.attr("tensor") not in flat.outputs:
+                        t = intermediate_type(t)
                         decls.append(TensorDecl(o.attr("tensor"), tuple(to_expr(d) for d in t.shape), t.dtype))
+                    tensors[o.attr("tensor")] = KTensor(o.attr("tensor"), t, lbs)
             grid = tuple(GridAxis(axis_symbol(lb, i), lb == NUM_TOKENS) for lb in spec.grid)
             k = BlockKernel(f"k{i}", grid, f"F{i}" if spec.loop else None, tuple(nodes))
             if spec.split:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 from prism_serve.optimize.generate.block import BlockGenerator, Counts, Value, base_label
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
-from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, LibrarySpec
+from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type
 from prism_serve.optimize.ir import NUM_TOKENS
 
 LIBRARY = "library"  # the first-kernel group of library ops (see `KernelGenerator.subtree`)
@@ -172,7 +172,8 @@ class KernelGenerator:
                 for j, (v, o) in enumerate(zip(comp.sinks, comp.outputs)):
                     name = o or f"t{len(kernels)}_{j}"
                     stores.append(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", name),)))
-                    new[f"@{name}"] = Value(f"@{name}", v.type, tuple(base_label(lb) for lb in v.labels), v.expr)
+                    new[f"@{name}"] = Value(f"@{name}", v.type if o else intermediate_type(v.type),
+                                            tuple(base_label(lb) for lb in v.labels), v.expr)
                 ops = comp.ops + tuple(stores)
                 splits = (False, True) if loop else (False,)
                 for split in splits:
