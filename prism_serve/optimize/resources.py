@@ -27,8 +27,11 @@ live at the peak (1.0: all of it):
     chain is too narrow for `cp.async`: it is then loaded into registers and moved into the
     operand layout through shared memory behind a barrier, and the whole K of the chain is live.
     B operands stream from shared memory a k-step at a time (a term for them was fitted to 0);
-  - the m x k x n product of a broadcast-and-sum matmul (`tl.sum(a[:, :, None] * b[None, :, :],
-    axis=1)`), spread over the threads, before the reduction over k;
+  - a broadcast-and-sum matmul (`tl.sum(a[:, :, None] * b[None, :, :], axis=1)`): each product
+    is added into the sum as it is formed, so what stays live are the operands copied into the
+    m x k x n product's layout (Triton's default blocked layout, `blocked_per_thread`): a thread
+    holds the a values of its (m, k) positions and the b values of its (k, n) positions (a term
+    for the product elements themselves was fitted to 0);
   - inputs of a reduction along a row, in fp32.
 The weights are one non-negative least-squares fit (relative error) against ptxas 12.x under
 Triton 3.9: about 970 kernels (the cases of scripts/bench_static.py at the 4 best-ranked and 8
@@ -71,16 +74,16 @@ PAD_MIN_ROWS = 4
 WARP_CHOICES = (4, 8, 16, 32)  # Triton's default is 4; fewer leave a wide tile's loads to few threads
 # Registers per thread = sum over the terms of the module doc of weight x registers of the term.
 REG_WEIGHTS = {
-    "base": 8.7,  # registers, whatever the tiles
-    "pipeline": 12.4,  # registers, when the loop is software-pipelined
+    "base": 8.6,  # registers, whatever the tiles
+    "pipeline": 11.3,  # registers, when the loop is software-pipelined
     "addresses": 2.0,  # per 16-byte vector a thread loads (a 64-bit pointer)
-    "loads": 0.51,  # per 32-bit word of a tile loaded into registers
+    "loads": 0.45,  # per 32-bit word of a tile loaded into registers
     "dot_accumulators": 1.0,  # per fp32 accumulator register of the MMA layout
     "accumulators": 1.0,  # per fp32 element of another accumulator
-    "operand_loads": 0.78,  # per register of a plain-load left operand (repM x 4 x repK)
-    "operand_chains": 0.26,  # per fp32 element of a value computed in a left operand's layout
-    "products": 0.77,  # per element of an m x k x n broadcast product
+    "operand_loads": 0.81,  # per register of a plain-load left operand (repM x 4 x repK)
+    "operand_chains": 0.27,  # per fp32 element of a value computed in a left operand's layout
     "reduced": 0.31,  # per fp32 element of a reduction's input
+    "product_operands": 0.58,  # per operand element held in a broadcast product's layout
 }
 # ptxas forms an operand chain k-step by k-step just ahead of the MMAs that read it: of a long K
 # it keeps about this many columns live (fitted with the weights: 64, 128, 256 and unbounded
@@ -117,7 +120,7 @@ class RegisterDemand:
     loads: tuple[tuple[int, bool], ...]  # (bytes of the tile, loaded every step of a multi-step loop)
     accumulators: tuple[int, ...]  # fp32 elements of each accumulator outside the MMA layout
     dots: tuple[DotTile, ...]
-    products: tuple[int, ...]  # elements of each m x k x n broadcast product
+    products: tuple[tuple[int, int, int], ...]  # m, k, n of each broadcast product
     reduced: tuple[int, ...]  # elements of each reduction's input
     pipelined: bool  # the kernel has a loop of more than one step
 
@@ -143,7 +146,9 @@ class RegisterDemand:
                 t["operand_chains"] += d.chain * rows * (d.k if narrow else min(d.k, CHAIN_K_WINDOW)) / 32
             elif d.first_use:
                 t["operand_loads"] += rows * d.k / 64  # two halves per register
-        t["products"] = sum(spread(e) for e in self.products)
+        for m, k, n in self.products:
+            rm, rk, rn = blocked_per_thread((m, k, n), warps)
+            t["product_operands"] += rm * rk + rk * rn
         t["reduced"] = sum(spread(e) for e in self.reduced)
         return t
 
@@ -153,6 +158,21 @@ class RegisterDemand:
 
     def per_thread(self, warps: int) -> float:
         return sum(REG_WEIGHTS[name] * v for name, v in self.terms(warps).items())
+
+
+def blocked_per_thread(shape: tuple[int, ...], warps: int) -> tuple[int, ...]:
+    """Elements per thread along each dim of Triton's default blocked layout for `shape`: one
+    element per thread per step, a warp's 32 lanes and then the warps laid along the innermost
+    dims first, lanes or warps left over repeating along the outermost dim."""
+    lanes, left = [1] * len(shape), 32
+    for d in reversed(range(len(shape))):
+        lanes[d] = max(1, min(left, shape[d]))
+        left //= lanes[d]
+    wpc, left = [1] * len(shape), warps
+    for d in reversed(range(len(shape))):
+        wpc[d] = max(1, min(left, shape[d] // lanes[d]))
+        left //= wpc[d]
+    return tuple(max(1, s // (lanes[d] * wpc[d])) for d, s in enumerate(shape))
 
 
 def mma_warps(m: int, n: int, warps: int) -> tuple[int, int]:
@@ -273,7 +293,7 @@ def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
         elif n.op == "matmul":
             m, kk, nn = _matmul_dims(padded_of, n)
             if n.name not in dots:
-                products.append(m * kk * nn)
+                products.append((m, kk, nn))
                 continue
             a = n.inputs[0]
             chain = set() if by_name[a].op == "load" else _operand_chain(by_name, padded_of, a, m * kk)

@@ -4,7 +4,7 @@ import pytest
 
 from prism_serve.optimize.codegen import render
 from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.resources import REG_WEIGHTS, kernel_resources, mma_warps
+from prism_serve.optimize.resources import REG_WEIGHTS, blocked_per_thread, kernel_resources, mma_warps
 from prism_serve.optimize.sgraph import instantiate
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
@@ -60,8 +60,8 @@ def test_register_terms_of_the_two_dot_kernel():
     r = kernel_resources(g, k, {"BT": 16, "F": 32, "G": 32})
     assert r.dots == ("u", "v") and not r.mma_padded
     assert r.demand.terms(8) == {"base": 1, "pipeline": 1, "addresses": 18, "loads": 1, "dot_accumulators": 16,
-                                 "accumulators": 1, "operand_loads": 0, "operand_chains": 128, "products": 0,
-                                 "reduced": 8}
+                                 "accumulators": 1, "operand_loads": 0, "operand_chains": 128, "reduced": 8,
+                                 "product_operands": 0}
     assert r.demand.per_thread(8) == pytest.approx(sum(REG_WEIGHTS[t] * v for t, v in r.demand.terms(8).items()))
 
 
@@ -76,3 +76,12 @@ def test_a_plain_load_operand_streams_and_a_one_step_loop_is_not_pipelined():
     assert t["loads"] == 0  # x, w_gate and w_up all move at least 4 bytes a thread
     one = kernel_resources(g, k, {"BT": 16, "F": 1, "G": 512}).demand.terms(8)
     assert one["pipeline"] == 0 and one["loads"] > 0
+
+
+def test_broadcast_product_operands_in_the_default_blocked_layout():
+    """Decode attention's q . k^T product (1 x 128 x 16) over 4 warps: the 32 lanes take the 16
+    keys and 2 of the 128 head dims, the 4 warps 4 more head dims, so a thread holds 128 / 8 = 16
+    head dims of one key: 16 q values and 16 k values in the product's layout."""
+    assert blocked_per_thread((1, 128, 16), 4) == (1, 16, 1)
+    assert blocked_per_thread((1, 16, 128), 4) == (1, 16, 1)  # e . v: lanes and warps along the 128
+    assert blocked_per_thread((2, 2, 2), 4) == (1, 1, 1)  # a tile smaller than a warp is replicated
