@@ -53,14 +53,14 @@ def test_register_terms_of_the_two_dot_kernel():
     registers: 64 words over 256 threads, 1 each. The two dots are 16 x 128 x 128: Triton puts the
     8 warps along N (16 x 16 each), 16 x 16 / 32 = 8 accumulator registers per dot. Their shared
     left operand x * g is computed from x (g is a row, smaller): 2 values x 16 rows x 128 columns
-    / 32 lanes = 128 fp32 elements, counted once. The row sum of x^2 reduces 16 x 128 / 256 = 8
-    elements a thread; its accumulator is 16 x 1, 1 a thread."""
+    / 32 lanes = 128 fp32 elements, counted once. The row sum of x^2 folds x in from its shared-memory
+    stage (no reduction input held); its accumulator is 16 x 1, 1 a thread."""
     g = oracle(WORKLOADS["rmsnorm_mlp"].program())
     (k,) = g.kernels
     r = kernel_resources(g, k, {"BT": 16, "F": 32, "G": 32})
     assert r.dots == ("u", "v") and not r.mma_padded
     assert r.demand.terms(8) == {"base": 1, "pipeline": 1, "addresses": 18, "loads": 1, "dot_accumulators": 16,
-                                 "accumulators": 1, "operand_loads": 0, "operand_chains": 128, "reduced": 8,
+                                 "accumulators": 1, "operand_loads": 0, "operand_chains": 128, "reduced": 0,
                                  "product_operands": 0}
     assert r.demand.per_thread(8) == pytest.approx(sum(REG_WEIGHTS[t] * v for t, v in r.demand.terms(8).items()))
 

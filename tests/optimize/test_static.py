@@ -17,7 +17,8 @@ def test_embedded_gemm_kernels_do_not_spill_and_use_tensor_cores(capability):
     gpu = get_gpu(TARGETS[capability])
     programs = embedded_programs("tiny-llama")
     jobs = []
-    for kind, num_tokens in (("rmsnorm_linear", 1), ("rmsnorm_linear", 16), ("rmsnorm_swiglu", 16)):
+    for kind, num_tokens in (("rmsnorm_linear", 1), ("rmsnorm_linear", 16), ("rmsnorm_swiglu", 16),
+                             ("rmsnorm_swiglu", 64)):
         g = oracle(programs[kind])
         jobs.append((rank(g, gpu, num_tokens, enumerate_instances(g, gpu))[0].instance, capability))
     assert any(inst.resources(inst.sgraph.kernels[0]).dots for inst, _ in jobs)  # tensor cores are exercised
