@@ -124,13 +124,14 @@ def fit(sample: Path) -> int:
     x = np.array([[t[n] for n in free] for t in terms])
     fixed = np.array([sum(w * t[n] for n, w in PHYSICAL.items()) for t in terms])
     y = np.array([r["ptxas_regs"] for r in rows], float)
-    scale = np.array([CHOSEN_WEIGHT if r["chosen"] else 1.0 for r in rows]) / y
+    scale = np.where([r["chosen"] for r in rows], CHOSEN_WEIGHT, 1.0) / y
+    chosen = np.array([r["chosen"] for r in rows])
     weights = dict(zip(free, _nnls(x * scale[:, None], (y - fixed) * scale))) | PHYSICAL
     print("fitted:", {n: round(float(weights[n]), 2) for n in REG_WEIGHTS})
     for label, w in (("fitted", weights), ("in use", REG_WEIGHTS)):
         est = np.ceil([sum(w[n] * t[n] for n in REG_WEIGHTS) for t in terms])
         err = np.abs(est - y) / y
-        for part, mask in (("sample", ~np.array([r["chosen"] for r in rows])), ("chosen", np.array([r["chosen"] for r in rows]))):
+        for part, mask in (("sample", ~chosen), ("chosen", chosen)):
             print(f"{label:7} {part}: {mask.sum()} kernels, |error| median {np.median(err[mask]):.0%}, "
                   f"within {REG_TOLERANCE:.0%}: {(err[mask] <= REG_TOLERANCE).sum()}")
     return 0

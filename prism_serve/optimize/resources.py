@@ -299,8 +299,9 @@ def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
                 continue
             a = n.inputs[0]
             chain = set() if by_name[a].op == "load" else _operand_chain(by_name, padded_of, a, m * kk)
-            feeds = {s for c in chain for s in by_name[c].inputs if s in by_name and by_name[s].op == "load"
-                     and k.stages[s] == "loop"} | {c for c in chain if by_name[c].op == "load" and k.stages[c] == "loop"}
+            in_loop = lambda name: by_name[name].op == "load" and k.stages[name] == "loop"  # noqa: E731
+            feeds = {s for c in chain for s in by_name[c].inputs if s in by_name and in_loop(s)}
+            feeds |= {c for c in chain if in_loop(c)}
             chain_loads = tuple(math.prod(padded_of[s]) * BYTES.get(types[s].dtype, 4) for s in sorted(feeds))
             accumulated = any(x.op == "accum" and x.inputs[0] == n.name for x in k.nodes)
             tiles.append(DotTile(m, kk, nn, len(chain), chain_loads, a not in seen_operands, accumulated))
