@@ -85,3 +85,16 @@ def test_broadcast_product_operands_in_the_default_blocked_layout():
     assert blocked_per_thread((1, 128, 16), 4) == (1, 16, 1)
     assert blocked_per_thread((1, 16, 128), 4) == (1, 16, 1)  # e . v: lanes and warps along the 128
     assert blocked_per_thread((2, 2, 2), 4) == (1, 1, 1)  # a tile smaller than a warp is replicated
+
+
+def test_a_chain_fed_by_a_load_too_narrow_for_cp_async_holds_its_whole_k():
+    """rmsnorm_linear (fp16, hidden 4096) at BT=32, F=16, G=32: the 256 weights of g move 2 bytes
+    per thread on 8 warps, under cp.async's 4, so g is loaded into registers and the x * g chain
+    (2 values, 32 rows a warp) is live over all K = 256 columns: 2 x 32 x 256 / 32 = 512. On 4
+    warps g moves 4 bytes a thread, is staged, and the chain is formed 128 columns at a time: 256.
+    (ptxas: 243 and 179 registers on sm_80, bench/results/static-fit-sample-2026-12-03.jsonl.)"""
+    g = oracle(WORKLOADS["rmsnorm_linear"].program())
+    (k,) = g.kernels
+    demand = kernel_resources(g, k, {"BT": 32, "F": 16, "G": 32}).demand
+    assert demand.terms(8)["operand_chains"] == 512 and demand.terms(8)["loads"] == 1
+    assert demand.terms(4)["operand_chains"] == 256 and demand.terms(4)["loads"] == 0
