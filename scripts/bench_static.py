@@ -10,7 +10,13 @@ resource model's own estimate, and the checks of issue 13's targets:
   - every kernel the model says emits tl.dot has tensor-core instructions (HGMMA / HMMA);
   - the register estimate is within 25 % of ptxas's (registers + stack / 4 where it spills).
 
-Usage: PYTHONPATH=. python scripts/bench_static.py [--json FILE] [--quick]
+With --fit SAMPLE it compiles nothing: it refits the register model's weights (resources.REG_WEIGHTS)
+by non-negative least squares on relative error over a sample of ptxas facts (one JSON object a
+line: source, sm, kernel, assignment, warps, mma_padded, ptxas_regs, stack_bytes, chosen), kernels
+a bench run chose weighed CHOSEN_WEIGHT x, spilling kernels left out, accumulators and addresses at
+their physical weights; it prints the weights and the share within the tolerance.
+
+Usage: PYTHONPATH=. python scripts/bench_static.py [--json FILE] [--quick] [--fit SAMPLE]
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TARGETS = {90: "h100", 80: "a100"}  # the GPU spec each target's instances are chosen for
 DECODE_MAX = 16  # the no-spill target covers instances chosen for 1-16 tokens
 REG_TOLERANCE = 0.25
+CHOSEN_WEIGHT = 3.0  # the kernels the tuner stores matter most
+PHYSICAL = {"dot_accumulators": 1.0, "accumulators": 1.0, "addresses": 2.0}  # registers per unit, not fitted
 
 
 def embedded_programs(name: str, dtype: str = "bfloat16") -> dict[str, object]:
@@ -76,11 +84,67 @@ def model_row(inst, k) -> dict:
             "mma_padded": r.mma_padded}
 
 
+def _nnls(a, b, rounds: int = 500):
+    """min |a x - b| over x >= 0 (Lawson and Hanson's active-set method)."""
+    import numpy as np
+    active = np.zeros(a.shape[1], bool)
+    x = np.zeros(a.shape[1])
+    for _ in range(rounds):
+        grad = a.T @ (b - a @ x)
+        if active.all() or (grad[~active] <= 1e-10).all():
+            break
+        active[np.argmax(np.where(active, -np.inf, grad))] = True
+        while True:
+            z = np.zeros_like(x)
+            z[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+            if (z[active] > 0).all():
+                x = z
+                break
+            neg = active & (z <= 0)
+            x = x + np.min(x[neg] / (x[neg] - z[neg])) * (z - x)
+            active &= x > 1e-12
+    return x
+
+
+def fit(sample: Path) -> int:
+    """Refit REG_WEIGHTS on `sample` (see the module doc) and print them with the fit's errors."""
+    import numpy as np
+
+    from prism_serve.optimize.resources import REG_WEIGHTS, _resources
+    programs = {source: prog for source, prog, _ in cases(False)}
+    graphs: dict = {}
+    rows = [json.loads(line) for line in sample.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if not r["stack_bytes"]]
+    terms = []
+    for r in rows:
+        g = graphs.setdefault(r["source"], oracle(programs[r["source"]]))
+        k = next(k for k in g.kernels if isinstance(k, BlockKernel) and k.name == r["kernel"])
+        terms.append(_resources(g, k, r["assignment"], r["mma_padded"]).demand.terms(r["warps"]))
+    free = [n for n in REG_WEIGHTS if n not in PHYSICAL]
+    x = np.array([[t[n] for n in free] for t in terms])
+    fixed = np.array([sum(w * t[n] for n, w in PHYSICAL.items()) for t in terms])
+    y = np.array([r["ptxas_regs"] for r in rows], float)
+    scale = np.where([r["chosen"] for r in rows], CHOSEN_WEIGHT, 1.0) / y
+    chosen = np.array([r["chosen"] for r in rows])
+    weights = dict(zip(free, _nnls(x * scale[:, None], (y - fixed) * scale))) | PHYSICAL
+    print("fitted:", {n: round(float(weights[n]), 2) for n in REG_WEIGHTS})
+    for label, w in (("fitted", weights), ("in use", REG_WEIGHTS)):
+        est = np.ceil([sum(w[n] * t[n] for n in REG_WEIGHTS) for t in terms])
+        err = np.abs(est - y) / y
+        for part, mask in (("sample", ~chosen), ("chosen", chosen)):
+            print(f"{label:7} {part}: {mask.sum()} kernels, |error| median {np.median(err[mask]):.0%}, "
+                  f"within {REG_TOLERANCE:.0%}: {(err[mask] <= REG_TOLERANCE).sum()}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the rows and the checks here")
     ap.add_argument("--quick", action="store_true", help="buckets 1 and 16, one embedded model")
+    ap.add_argument("--fit", type=Path, help="refit the register weights on this sample of ptxas facts")
     args = ap.parse_args()
+    if args.fit:
+        return fit(args.fit)
     chosen = {}  # (cc, sgraph name, program hash, assignment) -> (instance, sources)
     for source, prog, buckets in cases(args.quick):
         g = oracle(prog)

@@ -1,16 +1,48 @@
 """The resource model: registers, shared memory and warps of one block kernel of an instance.
 
-Registers: what each thread of a block holds, in 32-bit words, as Triton lays tiles out (each
-thread holds its share of a tile, at least one element) and ptxas keeps them live:
-  - loaded tiles, at their storage width (fp16 packed two to a register);
-  - loop accumulators, in fp32;
-  - the m x k x n product of a broadcast-and-sum matmul (`tl.sum(a[:, :, None] * b[None, :, :],
-    axis=1)`): every thread forms its share of the products before reducing over k;
-  - the values feeding a `tl.dot`'s left operand: Triton computes them in the MMA operand layout,
-    where every warp holds all K columns of its rows (rows are split over at most M / 16 warps,
-    the other warps hold copies), so such a chain costs rows-per-warp x K / 32 per value.
-Each kind has one weight (below), the same for every kernel; scripts/bench_static.py prints the
-estimate beside ptxas's count for every kernel warmup would store.
+Registers per thread follow what Triton (3.x, NVIDIA backend) makes of the generated kernel and
+what ptxas then keeps live. Each term below counts 32-bit registers of one thread for one kind
+of value, in the layout Triton gives that value; `REG_WEIGHTS` says how much of it ptxas keeps
+live at the peak (1.0: all of it):
+  - base: program ids, the token mask, base pointers and strides, loop counter;
+  - pipeline: a `for` loop of more than one step is software-pipelined (num_stages 3): loads
+    become `cp.async` copies into shared-memory ring buffers, and the loop carries buffer
+    indices, stage predicates and the next stages' offsets;
+  - addresses: every thread addresses its share of a loaded tile in 16-byte vectors, one 64-bit
+    pointer (two registers) per vector;
+  - loads: a tile loaded into registers (outside a pipelined loop, or too narrow for `cp.async`,
+    which moves at least 4 bytes per thread) at its storage width, spread over the block's
+    threads (at least one register each). A pipelined tile lives in shared memory and is read
+    into registers piecewise where it is used;
+  - accumulators of a `tl.dot`: the MMA layout (mma.sync m16n8k16) gives each warp a
+    (M / warps_m) x (N / warps_n) piece of the tile, at least one 16 x 8 instruction tile, and
+    each thread a 32nd of it in fp32 (`mma_warps` splits the warps as Triton does);
+  - other accumulators, in fp32, spread over the threads;
+  - the left operand of a `tl.dot`: read from shared memory one k-step at a time when it is a
+    plain load (Triton: repM x 4 x repK registers for the whole operand, of which ptxas keeps a
+    part live); computed in registers when it is an elementwise chain (x * g of RMSNorm): every
+    value of the chain is formed in the operand layout (each warp holds all K columns of its rows)
+    in fp32 and converted to half precision as it is packed. ptxas forms the chain k-step by
+    k-step just ahead of the MMAs (`CHAIN_K_WINDOW` columns live), except where a tile of the
+    chain is too narrow for `cp.async`: it is then loaded into registers and moved into the
+    operand layout through shared memory behind a barrier, and the whole K of the chain is live.
+    B operands stream from shared memory a k-step at a time (a term for them was fitted to 0);
+  - a broadcast-and-sum matmul (`tl.sum(a[:, :, None] * b[None, :, :], axis=1)`): each product
+    is added into the sum as it is formed, so what stays live are the operands copied into the
+    m x k x n product's layout (Triton's default blocked layout, `blocked_per_thread`): a thread
+    holds the a values of its (m, k) positions and the b values of its (k, n) positions (a term
+    for the product elements themselves was fitted to 0);
+  - inputs of a reduction along a row, in fp32, outside a pipelined loop (inside one, the input
+    is read piecewise from its shared-memory stage and folded into the sum: fitted to ~0).
+The weights are one non-negative least-squares fit (relative error) against ptxas 12.x under
+Triton 3.9, `scripts/bench_static.py --fit bench/results/static-fit-sample-2026-12-03.jsonl`:
+968 non-spilling kernels (a random share of the cases of bench_static at their 4 best-ranked and
+8 random tilings, 4 and 8 warps, sm_90 and sm_80) plus 510 kernels bench_static runs chose while
+the model was built, weighed 3x as they are the
+ones the tuner stores; spilling kernels left out. Accumulators and addresses keep their physical
+weights (1 and 2 registers). The model does not know the target: on sm_90 the tiniest kernels
+compile to ~30 % fewer registers than estimated, and wgmma (sm_90, M >= 64) keeps operands in
+shared memory.
 
 A token tile below the MMA minimum is padded to 16 rows (masked) where that is cheaper than
 the broadcast product (see `kernel_resources`): codegen then emits `tl.dot`.
@@ -41,42 +73,124 @@ REG_ALLOC_UNIT = 8
 # (Blackwell) the fp32 peak on every architecture in gpus.ARCH, so tl.dot is never slower.
 PAD_MIN_ROWS = 4
 WARP_CHOICES = (4, 8, 16, 32)  # Triton's default is 4; fewer leave a wide tile's loads to few threads
-# Registers per thread = REG_BASE + sum over the kinds of weight x words a thread holds. The
-# weights are one least-squares fit (relative error) against ptxas 12.x under Triton 3.9 over the
-# 302 kernels of the three best-ranked instances per bucket of scripts/bench_static.py's cases,
-# sm_90 and sm_80, with the base fixed at what the smallest kernels need; they read as: a loaded
-# word is nearly always live (loads are issued up front); an accumulator element costs itself plus
-# part of the partial result added to it; a broadcast product element about one register; a
-# dot-operand chain element a third (it is converted to half precision and packed as it is
-# formed). A fit that also weighed values live across a reduction gave them 0.02: ptxas
-# re-materialises them.
-REG_BASE = 11  # program ids, row masks, base pointers and strides, the loop counter
-W_LOADS = 0.88  # per 32-bit word of a loaded tile
-W_ACCUMS = 1.35  # per fp32 accumulator element
-W_PRODUCT = 0.94  # per element of an m x k x n broadcast product
-W_DOT_CHAIN = 0.31  # per fp32 element of a value computed in a tl.dot's operand layout
-MMA_ROWS = 16  # rows of one warp's MMA tile (mma.sync m16n8k16; Triton splits M over warps by it)
-# The estimate may use this share of a thread's register cap: ptxas may need up to a third more
-# than an estimate that is 25 % low (bench_static's tolerance), so an estimate over 75 % of the cap
-# risks spilling; and where the estimate leaves ptxas room, ptxas fills it (kernels estimated near
-# the cap compile to exactly 255 registers), which the estimate cannot follow.
-SPILL_HEADROOM = 0.75
+# Registers per thread = sum over the terms of the module doc of weight x registers of the term.
+REG_WEIGHTS = {
+    "base": 8.85,  # registers, whatever the tiles
+    "pipeline": 13.04,  # registers, when the loop is software-pipelined
+    "addresses": 2.0,  # per 16-byte vector a thread loads (a 64-bit pointer)
+    "loads": 0.29,  # per 32-bit word of a tile loaded into registers
+    "dot_accumulators": 1.0,  # per fp32 accumulator register of the MMA layout
+    "accumulators": 1.0,  # per fp32 element of another accumulator
+    "operand_loads": 0.76,  # per register of a plain-load left operand (repM x 4 x repK)
+    "operand_chains": 0.3,  # per fp32 element of a value computed in a left operand's layout
+    "reduced": 0.5,  # per fp32 element of a reduction's input
+    "product_operands": 0.6,  # per operand element held in a broadcast product's layout
+}
+# ptxas forms an operand chain k-step by k-step just ahead of the MMAs that read it: of a long K
+# it keeps about this many columns live (fitted with the weights: 64, 128, 256 and unbounded
+# were tried; 128 fits best, and an unbounded chain overestimates K = 512 tiles 2.5x).
+CHAIN_K_WINDOW = 128
+MMA_M, MMA_N = 16, 8  # mma.sync m16n8k16: one warp instruction's output tile
+CP_ASYNC_MIN_BYTES = 4  # cp.async moves 4, 8 or 16 bytes per thread (PTX ISA, cp.async)
+VECTOR_BYTES = 16  # widest load per thread (ld.global.v4.b32 / cp.async 16 bytes)
+# The estimate may use this share of a thread's register cap. Where the estimate leaves ptxas
+# room, ptxas fills it: in bench_static (2026-12-03) kernels estimated at 64 % and 73 % of the cap
+# (164 and 187 of 255 registers) compiled to exactly 255, and at 75 % the tuner chose them; at 65 %
+# it does not, and no chosen kernel spills.
+SPILL_HEADROOM = 0.65
+
+
+@dataclass(frozen=True)
+class DotTile:
+    """One `tl.dot` of a block: its padded M x K x N tile and how its left operand reaches registers."""
+
+    m: int
+    k: int
+    n: int
+    chain: int  # values computed in the left operand's layout; 0: the operand is a plain load
+    chain_loads: tuple[int, ...]  # bytes of each tile loaded every loop step that feeds the chain
+    first_use: bool  # the first dot of this left operand (later dots share its registers)
+    accumulated: bool  # its result is a loop accumulator, kept in the MMA layout
 
 
 @dataclass(frozen=True)
 class RegisterDemand:
-    """What a block holds in registers, before it is spread over the block's threads."""
+    """What a block holds in registers, before it is spread over the block's threads (see the
+    module doc for the terms)."""
 
-    tiles: tuple[tuple[float, float], ...]  # (weight, 32-bit words the whole block holds) per tile
-    dot_chains: tuple[tuple[int, int, int], ...]  # (values, M, K) per distinct tl.dot left operand
+    loads: tuple[tuple[int, bool], ...]  # (bytes of the tile, loaded every step of a multi-step loop)
+    accumulators: tuple[int, ...]  # fp32 elements of each accumulator outside the MMA layout
+    dots: tuple[DotTile, ...]
+    products: tuple[tuple[int, int, int], ...]  # m, k, n of each broadcast product
+    reduced: tuple[int, ...]  # elements of each reduction's input
+    pipelined: bool  # the kernel has a loop of more than one step
+
+    def terms(self, warps: int) -> dict[str, float]:
+        """Registers per thread of each term at `warps` warps, before weighting."""
+        threads = warps * 32
+        spread = lambda elements: max(1, math.ceil(elements / threads))  # noqa: E731
+        t = dict.fromkeys(REG_WEIGHTS, 0.0)
+        t["base"] = 1.0
+        t["pipeline"] = float(self.pipelined)
+        for size, in_loop in self.loads:
+            t["addresses"] += spread(size / VECTOR_BYTES)
+            if not self._staged(size, in_loop, threads):
+                t["loads"] += spread(size / 4)
+        t["accumulators"] = sum(spread(e) for e in self.accumulators)
+        for d in self.dots:
+            wm, wn = mma_warps(d.m, d.n, warps)
+            rows = max(MMA_M, d.m // wm)
+            if d.accumulated:
+                t["dot_accumulators"] += rows * max(MMA_N, d.n // wn) / 32
+            if d.first_use and d.chain:
+                narrow = any(not self._staged(b, True, threads) for b in d.chain_loads)
+                t["operand_chains"] += d.chain * rows * (d.k if narrow else min(d.k, CHAIN_K_WINDOW)) / 32
+            elif d.first_use:
+                t["operand_loads"] += rows * d.k / 64  # two halves per register
+        for m, k, n in self.products:
+            rm, rk, rn = blocked_per_thread((m, k, n), warps)
+            t["product_operands"] += rm * rk + rk * rn
+        if not self.pipelined:  # a pipelined loop folds its staged tiles into the sums piecewise
+            t["reduced"] = sum(spread(e) for e in self.reduced)
+        return t
+
+    def _staged(self, size: int, in_loop: bool, threads: int) -> bool:
+        """Whether a tile loaded every loop step is staged through shared memory by cp.async."""
+        return in_loop and self.pipelined and size >= CP_ASYNC_MIN_BYTES * threads
 
     def per_thread(self, warps: int) -> float:
-        threads = warps * 32
-        held = sum(w * max(1.0, math.ceil(words / threads)) for w, words in self.tiles)
-        for values, m, k in self.dot_chains:
-            rows = max(MMA_ROWS, m // max(1, min(warps, m // MMA_ROWS)))
-            held += W_DOT_CHAIN * values * rows * k / 32
-        return held
+        return sum(REG_WEIGHTS[name] * v for name, v in self.terms(warps).items())
+
+
+def blocked_per_thread(shape: tuple[int, ...], warps: int) -> tuple[int, ...]:
+    """Elements per thread along each dim of Triton's default blocked layout for `shape`: one
+    element per thread per step, a warp's 32 lanes and then the warps laid along the innermost
+    dims first, lanes or warps left over repeating along the outermost dim."""
+    lanes, left = [1] * len(shape), 32
+    for d in reversed(range(len(shape))):
+        lanes[d] = max(1, min(left, shape[d]))
+        left //= lanes[d]
+    wpc, left = [1] * len(shape), warps
+    for d in reversed(range(len(shape))):
+        wpc[d] = max(1, min(left, shape[d] // lanes[d]))
+        left //= wpc[d]
+    return tuple(max(1, s // (lanes[d] * wpc[d])) for d, s in enumerate(shape))
+
+
+def mma_warps(m: int, n: int, warps: int) -> tuple[int, int]:
+    """How Triton splits a block's warps over a tl.dot's M x N tile (`warpsPerTileV2` in
+    lib/Dialect/TritonGPU/Transforms/AccelerateMatmul.cpp, Triton 3.x): keep doubling the warps
+    along the dim with more 16 x 8 instruction tiles left per warp, M on ties."""
+    wm = wn = 1
+    rm, rn = -(-m // MMA_M), -(-n // MMA_N)
+    while wm * wn < warps:
+        if rm >= rn:
+            wm *= 2
+            rm = rm // 2 if rm != 1 else 1
+        else:
+            wn *= 2
+            rn //= 2
+    return wm, wn
 
 
 @dataclass(frozen=True)
@@ -84,7 +198,6 @@ class KernelResources:
     """What one block of a kernel holds, for an instance's assignment."""
 
     smem: int  # bytes of shared memory per block
-    base_registers: int  # per thread, whatever the tiles
     demand: RegisterDemand
     largest: tuple[str, int]  # the largest tile: (node, padded elements)
     batched_matmul: str | None  # a matmul whose tile keeps batch dims, if any
@@ -98,7 +211,7 @@ class KernelResources:
 
     @property
     def regs_per_thread(self) -> int:
-        return regs_per_thread(self.base_registers, self.demand, self.warps)
+        return regs_per_thread(self.demand, self.warps)
 
     @property
     def block_registers(self) -> int:
@@ -120,15 +233,15 @@ def usable_regs(warps: int) -> int:
     return int(reg_cap(warps) * SPILL_HEADROOM)
 
 
-def regs_per_thread(base: int, demand: RegisterDemand, warps: int) -> int:
-    return math.ceil(base + demand.per_thread(warps))
+def regs_per_thread(demand: RegisterDemand, warps: int) -> int:
+    return math.ceil(demand.per_thread(warps))
 
 
-def choose_warps(base: int, demand: RegisterDemand) -> int:
+def choose_warps(demand: RegisterDemand) -> int:
     """The fewest warps (from Triton's default 4) whose threads hold the tiles without
     spilling; 32 when none can (the kernel is then infeasible, see `check`)."""
     for w in WARP_CHOICES:
-        if regs_per_thread(base, demand, w) <= usable_regs(w):
+        if regs_per_thread(demand, w) <= usable_regs(w):
             return w
     return WARP_CHOICES[-1]
 
@@ -163,26 +276,38 @@ def _dots(k: BlockKernel, padded_of: dict) -> tuple[str, ...]:
     return tuple(n.name for n in k.nodes if n.op == "matmul" and min(_matmul_dims(padded_of, n)) >= MMA_MIN)
 
 
-def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ...]) -> RegisterDemand:
-    """The tiles a block holds (see the module doc for the kinds and their weights)."""
-    tiles: list[tuple[float, float]] = []
-    chains: dict[str, tuple[int, int, int]] = {}
+def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ...],
+                     values: Mapping[str, int]) -> RegisterDemand:
+    """The tiles a block holds (see the module doc for the terms)."""
+    loads, accums, tiles, products, reduced = [], [], [], [], []
     by_name = {n.name: n for n in k.nodes}
+    seen_operands: set[str] = set()
     for n in k.nodes:
         if n.name not in padded_of:
             continue
         size = math.prod(padded_of[n.name])
-        if n.op == "accum":
-            tiles.append((W_ACCUMS, size))
-        elif n.op == "load":
-            tiles.append((W_LOADS, size * BYTES.get(types[n.name].dtype, 4) / 4))
+        if n.op == "load":
+            loads.append((size * BYTES.get(types[n.name].dtype, 4), k.stages[n.name] == "loop"))
+        elif n.op == "accum" and n.inputs[0] not in dots:
+            accums.append(size)
+        elif n.op in ("sum", "mean", "max"):
+            reduced.append(math.prod(padded_of[n.inputs[0]]))
         elif n.op == "matmul":
             m, kk, nn = _matmul_dims(padded_of, n)
             if n.name not in dots:
-                tiles.append((W_PRODUCT, m * kk * nn))
-            elif n.inputs[0] not in chains:
-                chains[n.inputs[0]] = (len(_operand_chain(by_name, padded_of, n.inputs[0], m * kk)), m, kk)
-    return RegisterDemand(tuple(tiles), tuple(chains.values()))
+                products.append((m, kk, nn))
+                continue
+            a = n.inputs[0]
+            chain = set() if by_name[a].op == "load" else _operand_chain(by_name, padded_of, a, m * kk)
+            in_loop = lambda name: by_name[name].op == "load" and k.stages[name] == "loop"  # noqa: E731
+            feeds = {s for c in chain for s in by_name[c].inputs if s in by_name and in_loop(s)}
+            feeds |= {c for c in chain if in_loop(c)}
+            chain_loads = tuple(math.prod(padded_of[s]) * BYTES.get(types[s].dtype, 4) for s in sorted(feeds))
+            accumulated = any(x.op == "accum" and x.inputs[0] == n.name for x in k.nodes)
+            tiles.append(DotTile(m, kk, nn, len(chain), chain_loads, a not in seen_operands, accumulated))
+            seen_operands.add(a)
+    pipelined = bool(k.forloop) and values.get(k.forloop, 1) > 1
+    return RegisterDemand(tuple(loads), tuple(accums), tuple(tiles), tuple(products), tuple(reduced), pipelined)
 
 
 def _operand_chain(by_name: dict, padded_of: dict, start: str, elements: int) -> set[str]:
@@ -218,14 +343,12 @@ def _smem(g: SGraph, k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
 def _resources(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool) -> KernelResources:
     types, dims_of, padded_of = _analyse(g, k, values, pad)
     dots = _dots(k, padded_of)
-    demand = _register_demand(k, types, padded_of, dots)
+    demand = _register_demand(k, types, padded_of, dots, values)
     largest = max(((n, math.prod(p)) for n, p in padded_of.items()), key=lambda t: t[1], default=("", 0))
     batched = next((n.name for n in k.nodes if n.op == "matmul"
                     and any(d != 1 for s in n.inputs for d in dims_of[s][:-2])), None)
-    base = REG_BASE
-    warps = choose_warps(base, demand)
-    return KernelResources(_smem(g, k, types, padded_of, dots, warps), base, demand, largest, batched, pad, dots,
-                           warps)
+    warps = choose_warps(demand)
+    return KernelResources(_smem(g, k, types, padded_of, dots, warps), demand, largest, batched, pad, dots, warps)
 
 
 def kernel_resources(g: SGraph, k: BlockKernel, values: Mapping[str, int]) -> KernelResources:

@@ -99,12 +99,24 @@ def balanced_assignment(g: SGraph, tile: int = 64, block_tokens: int = 16) -> di
     return out
 
 
+def order(c: Candidate, gpu: GpuSpec) -> tuple:
+    """How candidates are ranked: modeled time (to 1e-6 us), equal times by `cost.tie_key`
+    (fewer registers, more occupancy, fewer warps, less shared memory), never by symbol names."""
+    return round(c.modeled_us, 6), tie_key(c.instance, gpu)
+
+
+def _better(a: Candidate, b: Candidate, gpu: GpuSpec) -> bool:
+    """Whether `a` ranks before `b` (`order`; the tie key is computed only on equal times)."""
+    ta, tb = round(a.modeled_us, 6), round(b.modeled_us, 6)
+    return ta < tb or (ta == tb and tie_key(a.instance, gpu) < tie_key(b.instance, gpu))
+
+
 def best_modeled(g: SGraph, gpu: GpuSpec, num_tokens: int) -> Candidate | None:
     """The best instance descent finds from balanced starts (or the finest tiles), or None
-    when nothing fits `gpu`."""
+    when nothing fits `gpu`; ties by `order`, as in `rank`."""
     found = [c for c in (descend(g, gpu, num_tokens, balanced_assignment(g, t)) for t in (64, 16)) if c]
     found = found or [c for c in [descend(g, gpu, num_tokens, finest_assignment(g))] if c]
-    return min(found, key=lambda c: c.modeled_us) if found else None
+    return min(found, key=lambda c: order(c, gpu)) if found else None
 
 
 def _coupled(g: SGraph) -> list[tuple[str, str]]:
@@ -119,7 +131,8 @@ def _coupled(g: SGraph) -> list[tuple[str, str]]:
 def descend(g: SGraph, gpu: GpuSpec, num_tokens: int, start: dict[str, int]) -> Candidate | None:
     """Coordinate descent on modeled time from a valid `start`, over `symbol_choices` one symbol
     at a time and coupled (split, loop) pairs jointly: a cheap stand-in for `rank` while
-    searching (the final choice of parameters is ranked exhaustively)."""
+    searching. A move is taken when it ranks before the current best by `order`, so equal times
+    move to fewer registers and more occupancy as `rank` would."""
     choices = symbol_choices(g)
     moves = [{s: v} for s in g.symbols for v in choices[s]] + [
         {a: va, b: vb} for a, b in _coupled(g) for va in choices[a] for vb in choices[b]]
@@ -139,9 +152,9 @@ def descend(g: SGraph, gpu: GpuSpec, num_tokens: int, start: dict[str, int]) -> 
                 inst = instantiate(g, values, gpu)
             except SGraphError:
                 continue
-            t = modeled_us(inst, num_tokens, gpu)
-            if t < best.modeled_us:
-                best, improved = Candidate(inst, num_tokens, t), True
+            cand = Candidate(inst, num_tokens, modeled_us(inst, num_tokens, gpu))
+            if _better(cand, best, gpu):
+                best, improved = cand, True
     return best
 
 
@@ -165,7 +178,7 @@ def rank(g: SGraph, gpu: GpuSpec, num_tokens: int, instances: Sequence[Instance]
     if not instances:
         raise SGraphError(f"sGraph '{g.name}': no power-of-two assignment divides its shapes and fits {gpu.name}")
     ranked = [Candidate(i, num_tokens, modeled_us(i, num_tokens, gpu)) for i in instances]
-    return sorted(ranked, key=lambda c: (round(c.modeled_us, 6), tie_key(c.instance, gpu)))
+    return sorted(ranked, key=lambda c: order(c, gpu))
 
 
 def measure(candidates: Sequence[Candidate], timer: Callable[[Instance, int], float], top: int = 5) -> list[Candidate]:

@@ -85,8 +85,9 @@ def test_l2_overflow_sends_rereads_to_dram():
 
 def test_a_design_that_would_spill_is_infeasible():
     """16 rows of 8192 fp16 and the weight: 16 x 8192 / 2 = 65536 and 4096 words; over 1024
-    threads 64 + 4 loaded words a thread, weighed 0.88, plus the base of 11: 71, over the 48 (75 %
-    of 64) a thread of a 32-warp block may count on without spilling."""
+    threads 64 + 4 loaded words a thread (x 0.29), 16 + 1 16-byte vectors to address (x 2) and
+    16 x 8192 / 1024 = 128 squares to sum (x 0.5), plus the base of 8.85: 127 registers, over the
+    41 (65 % of 64) a thread of a 32-warp block may count on without spilling."""
     g = oracle(WORKLOADS["rms_norm"].program(hidden=8192))
     with pytest.raises(SGraphError, match="without spilling"):
         instantiate(g, {"BT": 16}, H100)

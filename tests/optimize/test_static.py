@@ -1,23 +1,26 @@
-"""Static GPU facts of the embedded model's GEMM kernels: compiled by Triton for sm_90 on this
-machine, ptxas's cubin must show no spills, and a tensor-core instruction wherever the
+"""Static GPU facts of the embedded model's GEMM kernels: compiled by Triton for sm_90 and sm_80 on
+this machine, ptxas's cubin must show no spills, and a tensor-core instruction wherever the
 resource model says codegen emitted tl.dot (bf16, as a GPU serves the model); the model's register
 estimate is within 25 % of ptxas's count (issue 13's target, over all kernels in bench_static)."""
+
+import pytest
 
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.static import compile_facts
 from prism_serve.optimize.tune import enumerate_instances, rank
 from prism_serve.optimize.workloads.oracles import oracle
-from scripts.bench_static import embedded_programs
-
-H100 = get_gpu("h100")
+from scripts.bench_static import REG_TOLERANCE, TARGETS, embedded_programs
 
 
-def test_embedded_gemm_kernels_do_not_spill_and_use_tensor_cores():
+@pytest.mark.parametrize("capability", sorted(TARGETS))
+def test_embedded_gemm_kernels_do_not_spill_and_use_tensor_cores(capability):
+    gpu = get_gpu(TARGETS[capability])
     programs = embedded_programs("tiny-llama")
     jobs = []
-    for kind, num_tokens in (("rmsnorm_linear", 1), ("rmsnorm_linear", 16), ("rmsnorm_swiglu", 16)):
+    for kind, num_tokens in (("rmsnorm_linear", 1), ("rmsnorm_linear", 16), ("rmsnorm_swiglu", 16),
+                             ("rmsnorm_swiglu", 64)):
         g = oracle(programs[kind])
-        jobs.append((rank(g, H100, num_tokens, enumerate_instances(g, H100))[0].instance, 90))
+        jobs.append((rank(g, gpu, num_tokens, enumerate_instances(g, gpu))[0].instance, capability))
     assert any(inst.resources(inst.sgraph.kernels[0]).dots for inst, _ in jobs)  # tensor cores are exercised
     for (inst, _), facts in zip(jobs, compile_facts(jobs)):
         (k,) = inst.sgraph.kernels
@@ -25,6 +28,7 @@ def test_embedded_gemm_kernels_do_not_spill_and_use_tensor_cores():
         assert not f.spills, f"{inst.sgraph.name} {inst.values}: {f.stack_bytes} stack bytes per thread"
         assert f.num_warps == inst.warps(k)
         estimate = inst.resources(k).regs_per_thread
-        assert abs(estimate - f.registers) <= 0.25 * f.registers, f"{inst.values}: {estimate} vs ptxas {f.registers}"
+        assert abs(estimate - f.registers) <= REG_TOLERANCE * f.registers, \
+            f"{inst.values}: {estimate} vs ptxas {f.registers}"
         if inst.resources(k).dots:
             assert f.tensor_core_instructions > 0, f"{inst.sgraph.name} {inst.values}: tl.dot without HMMA/HGMMA"

@@ -5,7 +5,7 @@ import pytest
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.cost import instance_cost, modeled_us, unfused_us
 from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.tune import enumerate_instances, measure, rank
+from prism_serve.optimize.tune import best_modeled, enumerate_instances, measure, order, rank
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
@@ -73,3 +73,16 @@ def test_measure_keeps_the_measured_winner_and_drops_failures():
     timed = measure(ranked, timer, top=4)
     assert len(timed) == 3 and ranked[0].instance not in [c.instance for c in timed]
     assert [c.measured_us for c in timed] == sorted(c.measured_us for c in timed)
+
+
+@pytest.mark.parametrize("name, num_tokens", [("silu_and_mul", 16), ("rmsnorm_mlp", 1), ("swiglu", 1)])
+def test_descent_breaks_ties_as_rank_does(name, num_tokens):
+    """Several assignments tie on modeled time here (a memory-bound row op, decode GEMMs whose
+    weight traffic does not depend on the tiling). The generator stores what descent finds, so
+    descent must take the tie rule too (fewer registers, then more occupancy): before, it kept
+    the first equal-time assignment it met (rmsnorm_mlp at 1 token: BT=16, not rank's BT=1)."""
+    g = oracle(WORKLOADS[name].program())
+    ranked = rank(g, H100, num_tokens)
+    first = round(ranked[0].modeled_us, 6)
+    assert sum(round(c.modeled_us, 6) == first for c in ranked) > 1  # the case has ties
+    assert order(best_modeled(g, H100, num_tokens), H100) == order(ranked[0], H100)
