@@ -10,7 +10,8 @@ CI runs `CI_ARCHS` only (each architecture costs a capture, a warmup and a vLLM 
 10 minutes on two shared cores); PRISM_SERVE_TEST_ARCHS=all (or a comma-separated list) runs
 the others. Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds
 Phi-3 as a Llama) serve every stored kind; since the compiled-mode pattern pass (fusion.py) Qwen2
-serves every stored kind too; Granite and OLMo 2 have the `NOT_SERVED` gaps; Gemma and Gemma 2 store nothing: capture reports their GemmaRMSNorm and GeluAndMul as
+and Granite serve every stored kind too (Granite's rmsnorm_linear and rmsnorm_swiglu checked on
+2026-12-03); OLMo 2 has the `NOT_SERVED` gap; Gemma and Gemma 2 store nothing: capture reports their GemmaRMSNorm and GeluAndMul as
 unsupported (no region kind matches those classes yet).
 """
 
@@ -32,11 +33,7 @@ ARCHS = tuple(ARCH_CONFIGS)
 CI_ARCHS = ("tiny-qwen2",)
 MODES = ("eager", "compiled")
 # region kinds warmup stores for an architecture that the plugin does not serve yet, and why
-_NO_LAYER_CLASS = ("served only by replacing the decoder-layer classes of Llama and Qwen3 (patch.hooks."
-                   "DECODER_LAYERS), and {cls} is neither; the fusion pass finds no such region on the CPU build yet")
 NOT_SERVED: dict[tuple[str, str], str] = {
-    ("tiny-granite", "rmsnorm_linear"): _NO_LAYER_CLASS.format(cls="GraniteDecoderLayer"),
-    ("tiny-granite", "rmsnorm_swiglu"): _NO_LAYER_CLASS.format(cls="GraniteDecoderLayer"),
     ("tiny-olmo2", "silu_and_mul"): ("vLLM runs OLMo 2 through its Transformers backend: the plugin installs its "
                                      "SiluAndMul replacement, but no call reaches it there (0 kernel calls, 0 "
                                      "fallbacks, both modes); the cause is not found yet"),
