@@ -34,12 +34,12 @@ from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, get_workload  # noqa: E402
 
 
-def bench(name: str, device: str, budget: float, workers: int | None) -> dict:
+def bench(name: str, device: str, budget: float, workers: int | None, max_block_ops: int) -> dict:
     w = get_workload(name)
     prog = w.program()
     num_tokens = (w.default_num_tokens or (1,))[-1]
     start = time.perf_counter()
-    result = optimize(prog, device, (num_tokens,), budget_s=budget, workers=workers)
+    result = optimize(prog, device, (num_tokens,), budget_s=budget, workers=workers, max_block_ops=max_block_ops)
     elapsed = time.perf_counter() - start
     s = result.stats
     best = result.found[0].kernels[0] if result.found else None
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="h100")
     parser.add_argument("--budget", type=float, default=60.0, help="search budget per workload, seconds")
     parser.add_argument("--workers", type=int, help="worker processes (default: this machine's cores)")
+    parser.add_argument("--max-block-ops", type=int, default=8, help="most block ops per graph-defined kernel")
     parser.add_argument("--workload", action="append", help="only these workloads (default: the five Prism ones)")
     args = parser.parse_args(argv)
     names = args.workload or list(PRISM_WORKLOADS)
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head, flush=True)
     print("-" * len(head))
     for name in names:
-        r = results[name] = bench(name, args.device, args.budget, args.workers)
+        r = results[name] = bench(name, args.device, args.budget, args.workers, args.max_block_ops)
         best = f"{r['best_modeled_us']:.2f}" if r["best_modeled_us"] is not None else "-"
         ranked = f"{r['best_ranked_us']:.2f}" if r["best_ranked_us"] is not None else "-"
         pruned = sum(r["pruned"].values())
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['oracle_modeled_us']:>9.2f} {r['unfused_modeled_us']:>10.2f}  {r['best_design']}", flush=True)
     print("pruned by rule: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in r["pruned"].items())
                                          for n, r in results.items()))
-    args.json.write_text(json.dumps({"device": args.device, "budget_s": args.budget,
+    args.json.write_text(json.dumps({"device": args.device, "budget_s": args.budget, "max_block_ops": args.max_block_ops,
                                      "workers": next(iter(results.values()))["workers"], "workloads": results},
                                     indent=1))
     print(f"wrote {args.json}")

@@ -110,6 +110,7 @@ def optimize_command(
     all_designs: bool = typer.Option(False, "--all", help="with the generator: verify and list every generated "
                                                           "design (no cost rule, no --top), with its canonical hash"),
     workers: Optional[int] = typer.Option(None, "--workers", help="generator worker processes (default: the cores)"),
+    max_block_ops: int = typer.Option(8, "--max-block-ops", help="generator: most block ops per graph-defined kernel"),
 ) -> None:
     """Superoptimize a Program: symbolic search, egglog proofs, numeric checks, tuned instances."""
     interpret_unless_gpu()
@@ -127,7 +128,8 @@ def optimize_command(
             if generator:
                 from prism_serve.optimize.generate.search import optimize as generate
                 result = generate(prog, device, buckets, budget_s=budget, top=top, max_kernels=max_kernels or 2,
-                                  all_designs=all_designs, workers=workers, progress=progress)
+                                  max_block_ops=max_block_ops, all_designs=all_designs, workers=workers,
+                                  progress=progress)
             else:
                 from prism_serve.optimize.search import optimize
                 result = optimize(prog, device, buckets, budget_s=budget, top=top, max_segments=max_kernels or 3,

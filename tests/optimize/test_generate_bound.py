@@ -81,3 +81,18 @@ def test_a_library_op_can_write_the_last_output():
     costed = _listing(prog, get_gpu("h100"), 2, 1)
     libs = [d for d in costed.designs if all(isinstance(k, LibrarySpec) for k in d.kernels)]
     assert [[(k.op, k.out) for k in d.kernels] for d in libs] == [[("silu", "t0_0"), ("mul", "y")]]
+
+
+def test_no_design_keeps_a_dead_kernel():
+    """Every kernel of every design writes an output or something a later kernel reads (a kernel
+    nothing uses was generated in front of rmsnorm_mlp's winner before this rule)."""
+    from prism_serve.optimize.generate.design import reads, writes
+
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
+    costed = _listing(prog, get_gpu("h100"), 2, 3)
+    assert {len(d.kernels) for d in costed.designs} == {1, 2}
+    for d in costed.designs:
+        for i, k in enumerate(d.kernels):
+            later = set().union(*(reads(j) for j in d.kernels[i + 1:]))
+            assert writes(k) & (set(prog.outputs) | later), d.describe()
+    assert costed.stats.pruned["canonical"] > 0

@@ -17,7 +17,7 @@ import math
 from typing import Iterable
 
 from prism_serve.optimize.cost import launch_us
-from prism_serve.optimize.generate.design import BlockSpec, KernelSpec, LibrarySpec, tensor_of
+from prism_serve.optimize.generate.design import BlockSpec, KernelSpec, reads, writes
 from prism_serve.optimize.gpus import GpuSpec
 from prism_serve.optimize.ir import NUM_TOKENS, TensorType
 from prism_serve.optimize.sgraph import BYTES
@@ -25,10 +25,7 @@ from prism_serve.optimize.sgraph import BYTES
 
 def touched(spec: KernelSpec) -> frozenset[str]:
     """The kernel tensors a kernel loads or stores."""
-    if isinstance(spec, LibrarySpec):
-        return frozenset((*spec.inputs, spec.out))
-    names = {tensor_of(i)[0] for o in spec.ops for i in o.inputs if i.startswith("@")}
-    return frozenset(names | {o.attr("tensor") for o in spec.ops if o.op == "store"})
+    return reads(spec) | writes(spec)
 
 
 def _bytes(t: TensorType, num_tokens: int) -> int:

@@ -131,6 +131,20 @@ def _attrs_from(d: dict) -> tuple:
 WHOLE = ":whole"
 
 
+def reads(spec: "KernelSpec") -> frozenset[str]:
+    """The kernel tensors a kernel loads."""
+    if isinstance(spec, LibrarySpec):
+        return frozenset(spec.inputs)
+    return frozenset(tensor_of(i)[0] for o in spec.ops for i in o.inputs if i.startswith("@"))
+
+
+def writes(spec: "KernelSpec") -> frozenset[str]:
+    """The kernel tensors a kernel stores."""
+    if isinstance(spec, LibrarySpec):
+        return frozenset((spec.out,))
+    return frozenset(o.attr("tensor") for o in spec.ops if o.op == "store")
+
+
 def intermediate_type(t: TensorType) -> TensorType:
     """A block kernel stores a tensor that only later kernels read in float32, whatever the
     Program's dtype: such a tensor is a partial result (a row's 1/rms, one projection of two), kept
