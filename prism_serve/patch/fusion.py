@@ -164,7 +164,9 @@ def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
 
     node = graph.call_function(target, args)
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    # a getitem's argument holds a tuple of fake tensors: look inside it for the mode (else the item
+    # has no value, and a later pattern pass reading it fails)
+    mode = detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
     if mode is not None:
         with mode:
             node.meta["val"] = target(*vals)

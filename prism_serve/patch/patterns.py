@@ -304,7 +304,20 @@ def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
         for dtype, dim, eps in sorted(keys - set(served.get(op, ())), key=repr):
             p = _MAKE[op](dtype, dim, eps)
             out.setdefault(p.name, _revert(p))
+            if op == "fused_add_rms_norm":  # also where only the normed value is used (a model's final norm)
+                first = _first_output(p)
+                out.setdefault(first.name, _revert(first))
     return list(out.values())
+
+
+def _first_output(p: Pattern) -> Pattern:
+    """`p` (two outputs) where only its first output is used."""
+    def pattern(x, residual, weight):
+        return p.pattern(x, residual, weight)[0]
+
+    def replacement(x, residual, weight):
+        return p.replacement(x, residual, weight)[0]
+    return Pattern(p.kind, p.name + "/first", pattern, replacement, p.inputs, p.key)
 
 
 # --- regions holding a projection: found by data flow over the ops above ----------------------
