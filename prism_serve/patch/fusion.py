@@ -213,6 +213,11 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
 def serve_regions(graph: fx.Graph, table: Table) -> Counter:
     """Replace each region holding a projection that the table has a kernel for, largest kind
     first; a node goes to one region only. Returns region kind -> count."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    # the op-form replacements go where their match began, which can precede an input computed
+    # later (Gemma's norm weight w + 1): back into topological order, which `_closed` reads
+    stable_topological_sort(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     found = [r for r in patterns.find_regions(graph) if r.key is not None]
     done: Counter = Counter()
