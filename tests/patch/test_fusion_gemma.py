@@ -116,3 +116,20 @@ def test_a_gemma_layer_is_served_and_its_norm_before_qkv_keeps_its_computed_weig
     # plain rmsnorm_linear kernel, the residual add runs beside it, still on w + 1
     done, _ = rewrite(layer, args, table(NORM_LINEAR))
     assert done == {"rmsnorm_linear": 1}
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_norm_weight_computed_after_the_sum_still_gives_the_region(gemm):
+    """Inductor's graph of tiny Gemma computed w + 1 after the residual sum: the op-form replacement,
+    placed where its match began, came before its own weight input, and the region check (which
+    reads graph order) refused layer 1's input norm + qkv until the pass re-sorted the graph."""
+    qkv = Proj(gemm, QKV)
+
+    def fn(x, r, w, wq):  # vLLM's native residual add + RMSNorm body, the weight's offset in the middle
+        s = x + r
+        y = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + EPS)
+        w1 = w.float() + 1.0
+        return qkv(y * w1, wq), s
+    args = [x_(), x_(), w_(H), qkv.arg]
+    tab = table(("fused_add_rmsnorm_linear", (F32, (H, QKV), EPS)))
+    assert rewrite(fn, args, tab) == ({"fused_add_rmsnorm_linear": 1}, {"fused_add_rmsnorm_linear"})
