@@ -18,7 +18,7 @@ Gemma 2's pre-feedforward and the final norm) and, Gemma 2 only, gemma_rms_norm 
 and post-feedforward norms), and serve every one of them in compiled mode with no fallback; nothing
 runs in eager mode (no class hook for Gemma). The post-attention norm + gate_up + GeGLU has no
 region kind holding all three, so it runs as two kernels. The tiny Gemma checkpoints repeat one
-token per prompt (tied embeddings scaled by sqrt(hidden)), so their token check is weaker than the
+token per prompt (the cause is not investigated), so their token check is weaker than the
 others': warmup's check against vLLM's own outputs on the layers' real inputs is the stronger one.
 """
 
