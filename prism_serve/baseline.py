@@ -60,6 +60,9 @@ def _path_programs(prog: Program) -> list[tuple[str, Program]]:
     build = {"rms_norm": lambda: programs.rms_norm(hidden, dtype, eps),
              "fused_add_rms_norm": lambda: programs.fused_add_rms_norm(hidden, dtype, eps),
              "silu_and_mul": lambda: programs.silu_and_mul(dims["intermediate"], dtype),
+             "gemma_rms_norm": lambda: programs.gemma_rms_norm(hidden, dtype, eps),
+             "gemma_fused_add_rms_norm": lambda: programs.gemma_fused_add_rms_norm(hidden, dtype, eps),
+             "gelu_tanh_and_mul": lambda: programs.gelu_tanh_and_mul(dims["intermediate"], dtype),
              "linear": lambda: _linear(hidden, out, dtype)}
     return [(op, build[op]()) for op in kind.vllm_path]
 
@@ -118,6 +121,27 @@ def _silu(vops, gate_up):
     return out
 
 
+def _gelu_tanh(gate_up):
+    """vLLM's GeluAndMul(approximate="tanh") as it runs on this device: its CUDA kernel, or on the CPU
+    its forward_native body (an instance method needing a vLLM config to build, so written out here)."""
+    d = gate_up.shape[-1] // 2
+    if not gate_up.is_cuda:
+        return torch.nn.functional.gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:]
+    out = torch.empty((*gate_up.shape[:-1], d), dtype=gate_up.dtype, device=gate_up.device)
+    torch.ops._C.gelu_tanh_and_mul(out, gate_up)
+    return out
+
+
+def _gemma_weight(w):
+    """GemmaRMSNorm's weight as vLLM passes it to its RMSNorm op: float32, plus one."""
+    return w.float() + 1.0
+
+
+def _vllm_ir():
+    from vllm import ir
+    return ir.ops
+
+
 def _clone_first_two(inputs):
     return [inputs[0].clone(), inputs[1].clone(), *inputs[2:]]
 
@@ -137,6 +161,12 @@ _VLLM = {
         _clone_first_two, lambda x, r, g, w: (v.fused_add_rms_norm(x, r, g, eps),
                                               (torch.nn.functional.linear(x, w), r))[1]),
     "swiglu": lambda v, eps: (_merged, lambda x, w: (_silu(v, torch.nn.functional.linear(x, w)),)),
+    # GemmaRMSNorm.forward_native: vLLM's RMSNorm ops on the float32 weight + 1 (functional, not in place)
+    "gemma_rms_norm": lambda v, eps: (list, lambda x, w: (_vllm_ir().rms_norm(x, _gemma_weight(w), eps),)),
+    "gemma_fused_add_rms_norm": lambda v, eps: (
+        list, lambda x, r, w: tuple(_vllm_ir().fused_add_rms_norm(x, r, _gemma_weight(w), eps))),
+    "gelu_tanh_and_mul": lambda v, eps: (lambda i: [torch.cat(i, dim=-1)], lambda gu: (_gelu_tanh(gu),)),
+    "geglu": lambda v, eps: (_merged, lambda x, w: (_gelu_tanh(torch.nn.functional.linear(x, w)),)),
     # at its site vLLM adds the residual inside its norm: the sum arrives as x with a zero residual
     "rmsnorm_swiglu": lambda v, eps: (
         lambda i: [i[0].clone(), torch.zeros_like(i[0]), *_merged(i[1:])],

@@ -21,11 +21,13 @@ from typing import Callable
 from prism_serve.optimize.ir import Program
 from prism_serve.optimize.workloads import programs
 
-# vLLM's kernels, as `vllm_path` names them: its fused norm kernels, its activation kernel, its GEMM
-VLLM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear")
+# vLLM's kernels, as `vllm_path` names them: its fused norm kernels, its activation kernels, its GEMM,
+# and Gemma's norm (its RMSNorm op on the float32 weight + 1) and GeluAndMul(approximate="tanh")
+VLLM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear", "gemma_rms_norm", "gemma_fused_add_rms_norm",
+            "gelu_tanh_and_mul")
 # how the plugin reaches vLLM for a kind (see patch.hooks): an IR provider, a CustomOp replacement,
-# a model's MLP class, or a decoder layer's modules
-HOOKS = ("ir", "custom_op", "mlp", "decoder_layer")
+# a model's MLP class, a decoder layer's modules, or only the compiled-mode fusion pass (patch.fusion)
+HOOKS = ("ir", "custom_op", "mlp", "decoder_layer", "pattern")
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,18 @@ KINDS: dict[str, RegionKind] = {k.name: k for k in (
                ("post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn"),
                "the post-attention residual add + RMSNorm + gate_up projection + SiLU*mul; the add runs "
                "as one elementwise kernel before it (vLLM folds it into its norm), the rest as one kernel"),
+    # Gemma (GemmaRMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w) in float32; GeluAndMul(approximate="tanh")),
+    # served by the compiled-mode fusion pass only
+    RegionKind("gemma_rms_norm", programs.gemma_rms_norm, (_H,), True, ("gemma_rms_norm",), "pattern",
+               doc="Gemma's RMSNorm scaling by (1 + w), without residual"),
+    RegionKind("gemma_fused_add_rms_norm", programs.gemma_fused_add_rms_norm, (_H,), True,
+               ("gemma_fused_add_rms_norm",), "pattern",
+               doc="residual add + Gemma's RMSNorm scaling by (1 + w), writing the sum as the next residual"),
+    RegionKind("gelu_tanh_and_mul", programs.gelu_tanh_and_mul, (Dim("intermediate", "gate", -1),), False,
+               ("gelu_tanh_and_mul",), "pattern",
+               doc="GeluAndMul(approximate='tanh') on the two halves of gate_up's output"),
+    RegionKind("geglu", programs.geglu, (_H, _I), False, ("linear", "gelu_tanh_and_mul"), "pattern",
+               ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + tanh-GELU*mul (Gemma's GeGLU)"),
 )}
 # kinds whose served path runs a residual add beside the kernel (counted in the modeled speedup)
 SERVED_ADD = frozenset({"rmsnorm_swiglu"})

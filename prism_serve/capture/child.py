@@ -145,9 +145,10 @@ def _not_a_target(regions: list[dict], groups: dict, runner: str, arch: str) -> 
 
 def _near_misses(regions: list[dict], groups: dict) -> list[dict]:
     """A decoder's norms and gated activations of classes the region finder does not match (e.g.
-    GemmaRMSNorm, GeluAndMul), reported unsupported rather than left out of the report."""
+    LayerNorm, GeluAndMulSparse), reported unsupported rather than left out of the report."""
     return _uncovered(regions, groups, NEAR_MISS.search,
-                      lambda cls: f"{cls} is not a module class prism's regions match (RMSNorm, SiluAndMul)")
+                      lambda cls: f"{cls} is not a module class prism's regions match (RMSNorm, GemmaRMSNorm, "
+                                  f"SiluAndMul, GeluAndMul)")
 
 
 def _layer_of(path: str) -> int | None:

@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from prism_serve.patch import patterns
@@ -152,15 +153,10 @@ def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
     groups = module_groups(graph)
     regions: list[dict] = []
     for g in groups.values():
-        if g.cls == "RMSNorm":
+        if g.cls in ("RMSNorm", "GemmaRMSNorm"):
             regions += _norm_regions(g)
-        elif g.cls == "SiluAndMul" and g.ext_inputs and g.ext_outputs:
-            x, y = g.ext_inputs[0], g.ext_outputs[0]
-            inter = _last(y)
-            regions.append(_region("silu_and_mul", [g], {"intermediate": inter}, _dtype(y),
-                                   [_before(x, g.nodes[0], slice=[0, inter]),
-                                    _before(x, g.nodes[0], slice=[inter, 2 * inter])],
-                                   [_after(y, g.nodes[-1])]))
+        elif g.cls in ("SiluAndMul", "GeluAndMul") and g.ext_inputs and g.ext_outputs:
+            regions.append(_act_region(g))
         elif "RotaryEmbedding" in g.cls:
             regions.append(_rotary_region(g))
         elif g.cls == "Attention":
@@ -168,21 +164,58 @@ def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
     return regions + projection_regions(graph), groups
 
 
+def _act_region(g: Group) -> dict:
+    """SiluAndMul, or GeluAndMul with approximate="tanh" (Gemma's): the gate function of the halves."""
+    x, y = g.ext_inputs[0], g.ext_outputs[0]
+    inter = _last(y)
+    kind = "silu_and_mul"
+    if g.cls == "GeluAndMul":
+        fns = {patterns.act_fn(n) for n in g.nodes} - {None}
+        if fns != {"gelu_tanh"}:
+            return _region("gelu_and_mul", [g], {}, _dtype(y), [], [], supported=False,
+                           reason="GeluAndMul with exact GELU (approximate='none'): only the tanh form has a "
+                                  "region kind (gelu_tanh_and_mul)")
+        kind = "gelu_tanh_and_mul"
+    return _region(kind, [g], {"intermediate": inter}, _dtype(y),
+                   [_before(x, g.nodes[0], slice=[0, inter]), _before(x, g.nodes[0], slice=[inter, 2 * inter])],
+                   [_after(y, g.nodes[-1])])
+
+
+def gemma_weight(w: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """GemmaRMSNorm's norm weight `w.float() + 1.0` as Dynamo traces it: (the stored weight, the first
+    node reading it), or None when `w` is not that."""
+    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target in (operator.add, torch.add)
+            and len(w.args) == 2 and w.args[1] == 1.0 and not w.kwargs and isinstance(w.args[0], fx.Node)):
+        return None
+    src = w.args[0]
+    if src.op == "call_method" and src.target == "float" and len(src.args) == 1:
+        return src.args[0], src
+    return src, w
+
+
 def _norm_regions(g: Group) -> list[dict]:
+    gemma = g.cls == "GemmaRMSNorm"  # scales by 1 + w: vLLM's RMSNorm op on the weight w.float() + 1
     nm = _norm(g)
     if nm is None:
-        return [_region("rms_norm", [g], {}, "float32", [], [], supported=False,
-                        reason="RMSNorm not traced as a vllm_ir rms_norm op")]
+        return [_region("gemma_rms_norm" if gemma else "rms_norm", [g], {}, "float32", [], [], supported=False,
+                        reason=f"{g.cls} not traced as a vllm_ir rms_norm op")]
     hidden, dtype = _last(nm.x), _dtype(nm.out)
     rows = len(_shape(nm.x)) > 2  # q/k norm: one row per (token, head)
     extra = {"rows": True} if rows else {}
     dims = {"hidden": hidden} | ({"rows_per_token": int(_shape(nm.x)[-2])} if rows else {})
     w = _before(nm.weight, nm.op)
+    prefix = "gemma_" if gemma else ""
+    if gemma:
+        raw = gemma_weight(nm.weight)
+        if raw is None or _dtype(raw[0]) != dtype:
+            return [_region(prefix + ("fused_add_rms_norm" if nm.fused else "rms_norm"), [g], {}, dtype, [], [],
+                            supported=False, reason="GemmaRMSNorm's weight is not traced as its stored weight + 1")]
+        w = _before(raw[0], raw[1])  # read where the offset chain reads it (the Interpreter frees it after)
     if nm.fused:
         out = [_after(nm.out)] + ([_after(nm.sum)] if nm.sum is not None else [])
-        return [_region("fused_add_rms_norm", [g], dims, dtype,
+        return [_region(prefix + "fused_add_rms_norm", [g], dims, dtype,
                         [_before(nm.x, nm.op, **extra), _before(nm.residual, nm.op, **extra), w], out, nm.eps)]
-    return [_region("rms_norm", [g], dims, dtype, [_before(nm.x, nm.op, **extra), w],
+    return [_region(prefix + "rms_norm", [g], dims, dtype, [_before(nm.x, nm.op, **extra), w],
                     [_after(nm.out, **extra)], nm.eps)]
 
 
@@ -207,7 +240,7 @@ def _projection_region(r: patterns.Region) -> dict | None:
     hidden, n = r.key[1]
     param = {"param": _path(at)}
     halves = [param | {"slice": [0, n]}, param | {"slice": [n, 2 * n]}]
-    if r.kind == "swiglu":
+    if r.kind in ("swiglu", "geglu"):
         first = lin.nodes[0]
         inputs, dims = [_before(lin.x, first), *halves], {"hidden": hidden, "intermediate": n}
     else:

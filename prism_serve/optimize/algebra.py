@@ -10,6 +10,11 @@ a `Sym` names a grid axis or a for-loop, never a number.
 - ``assemble(x, d, s)``: the tiles ``x`` of every index of ``s`` concatenated along ``d`` (a store).
 - ``run_max(x, s)``: the running max inside a loop (only the rescale identity removes it).
 
+The unary ops (``UNARY``: exp, silu, gelu_tanh, sqrt, rsqrt) are uninterpreted function
+symbols: only the rules that hold for every elementwise function move slices, stacks and unit
+dims through them, and the field identities name exp and rsqrt alone, so adding an elementwise
+function (tanh-approximated GELU) adds no equation that could prove a wrong design.
+
 Facts asserted by the translation and propagated here: ``indep(x, s)`` (x does not depend
 on the index of s) and ``bcast(x, d)`` (x has size 1 at dim d, or lacks it).
 """
@@ -59,6 +64,8 @@ class T(Expr):
 
     def silu(self) -> T: ...
 
+    def gelu_tanh(self) -> T: ...
+
     def sqrt(self) -> T: ...
 
     def rsqrt(self) -> T: ...
@@ -96,7 +103,7 @@ MAXD = 6
 DIMS = tuple(range(-1, -MAXD - 1, -1))
 BATCH = DIMS[2:]
 BINARY = ("__add__", "__sub__", "__mul__", "__truediv__")
-UNARY = ("exp", "silu", "sqrt", "rsqrt")
+UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt")
 
 
 def _bin(op: str, a: T, b: T) -> T:

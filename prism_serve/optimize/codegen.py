@@ -25,9 +25,15 @@ from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKe
 
 CODEGEN_VERSION = 3
 BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+# torch's GELU(approximate="tanh") is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); since
+# 1 + tanh(u) = 2 sigmoid(2u) it is x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)): no tanh (which
+# Triton's core language lacks) and no cancellation of 1 + tanh(u) near -1
+GELU_TANH_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
 UNARY = {"exp": "tl.exp({})", "silu": "{0} * tl.sigmoid({0})", "square": "{0} * {0}",
+         "gelu_tanh": "{0} * tl.sigmoid(" + repr(GELU_TANH_SCALE) + " * ({0} + 0.044715 * {0} * {0} * {0}))",
          "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})"}
 TORCH_UNARY = {"exp": "torch.exp({})", "silu": "torch.nn.functional.silu({})", "square": "{0} * {0}",
+               "gelu_tanh": "torch.nn.functional.gelu({}, approximate='tanh')",
                "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})"}
 MIN_DOT = 16  # tl.dot needs every dim >= 16 on GPUs; smaller products use broadcast-and-sum
 TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}

@@ -25,7 +25,7 @@ Dim = int | str  # an int, or NUM_TOKENS
 Shape = tuple[Dim, ...]
 
 ELEMENTWISE_BINARY = ("add", "sub", "mul", "div")
-ELEMENTWISE_UNARY = ("exp", "silu", "square", "sqrt", "rsqrt")
+ELEMENTWISE_UNARY = ("exp", "silu", "gelu_tanh", "square", "sqrt", "rsqrt")
 REDUCTIONS = ("sum", "mean", "max")
 OPS = ("input", "const", "matmul", *ELEMENTWISE_BINARY, *ELEMENTWISE_UNARY, *REDUCTIONS, "rms_norm")
 ARITY = {"input": 0, "const": 0, "matmul": 2, "rms_norm": (1, 2)} | {

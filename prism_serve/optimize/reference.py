@@ -57,6 +57,8 @@ def _apply(n: Node, args: list[torch.Tensor], precision: torch.dtype = torch.flo
         return torch.exp(args[0])
     if op == "silu":
         return torch.nn.functional.silu(args[0])
+    if op == "gelu_tanh":  # torch's own tanh-approximated GELU (Gemma's gelu_pytorch_tanh)
+        return torch.nn.functional.gelu(args[0], approximate="tanh")
     if op == "square":
         return args[0] * args[0]
     if op == "sqrt":

@@ -82,7 +82,7 @@ def _op(n: Node, args: list[T], shapes: list[tuple], ctx: _Ctx) -> T:
                 "div": args[0] / args[1]}[op]
     if op == "square":
         return args[0] * args[0]
-    if op in ("exp", "silu", "sqrt", "rsqrt"):
+    if op in A.UNARY:
         return getattr(args[0], op)()
     if op == "matmul":
         return args[0].mm(args[1].tr() if n.attr("transpose_b") else args[1])

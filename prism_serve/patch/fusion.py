@@ -69,6 +69,7 @@ from torch import fx
 
 from prism_serve.patch import ops, patterns
 from prism_serve.patch.table import Table
+from prism_serve.region_table import KINDS
 
 log = logging.getLogger("vllm.prism_serve")
 NAME = "fusion pass (compiled mode)"
@@ -104,13 +105,13 @@ def _check(p: patterns.Pattern, table: Table, keys: set):
     return check
 
 
-_MATCHERS: dict[int, tuple[Table, list, object]] = {}  # id(table) -> (table, op-form passes, revert pass)
+_MATCHERS: dict[int, tuple] = {}  # id(table) -> (table, op-form passes, revert pass, late passes)
 
 
-def matchers(table: Table) -> tuple[list, object | None]:
-    """torch PatternMatcherPasses for the op forms: one per tier of `patterns.tiers`, and one that
-    reverts the op forms no region took (`patterns.reverted`); built once per table (their checks
-    read it)."""
+def matchers(table: Table) -> tuple[list, object | None, list]:
+    """torch PatternMatcherPasses for the op forms: one per tier of `patterns.tiers`, one that
+    reverts the op forms no region took (`patterns.reverted`), and one per tier of
+    `patterns.late_tiers` (Gemma's norms); built once per table (their checks read it)."""
     if id(table) not in _MATCHERS:
         import torch._inductor.pattern_matcher as pm
         from vllm.compilation.passes.vllm_inductor_pass import VllmFusionPatternMatcherPass
@@ -133,9 +134,11 @@ def matchers(table: Table) -> tuple[list, object | None]:
         back = patterns.reverted(keys)
         revert = build("prism_revert", back, lambda p: _check(p, table, wanted.get(p.kind, set())
                                                               - set(keys.get(p.kind, ())))) if back else None
+        late = [build(f"prism_late_{i}", tier, lambda p: _check(p, table, keys.get(p.kind, set())))
+                for i, tier in enumerate(patterns.late_tiers(keys))]
         ops.COUNTS.update(counted[0])
         ops.MISSES.update(counted[1])
-        _MATCHERS[id(table)] = (table, forward, revert)  # holding the table keeps its id unique
+        _MATCHERS[id(table)] = (table, forward, revert, late)  # holding the table keeps its id unique
     return _MATCHERS[id(table)][1:]
 
 
@@ -161,7 +164,9 @@ def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
 
     node = graph.call_function(target, args)
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    # a getitem's argument holds a tuple of fake tensors: look inside it for the mode (else the item
+    # has no value, and a later pattern pass reading it fails)
+    mode = detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
     if mode is not None:
         with mode:
             node.meta["val"] = target(*vals)
@@ -185,8 +190,8 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
         x = norm.x if norm else lin.x
         if norm is not None and norm.residual is not None and kind != "fused_add_rmsnorm_linear":
             x = outs[norm.sum] = new(aten.add.Tensor, norm.x, norm.residual)  # the next residual
-        if kind == "swiglu":
-            outs[r.act] = new(P.swiglu.default, x, lin.weight, patterns.SITE, n)
+        if kind in ("swiglu", "geglu"):
+            outs[r.act] = new(getattr(P, kind).default, x, lin.weight, patterns.SITE, n)
         elif kind == "rmsnorm_swiglu":
             outs[r.act] = new(P.rmsnorm_swiglu.default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
         elif kind == "rmsnorm_linear":
@@ -208,6 +213,11 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
 def serve_regions(graph: fx.Graph, table: Table) -> Counter:
     """Replace each region holding a projection that the table has a kernel for, largest kind
     first; a node goes to one region only. Returns region kind -> count."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    # the op-form replacements go where their match began, which can precede an input computed
+    # later (Gemma's norm weight w + 1): back into topological order, which `_closed` reads
+    stable_topological_sort(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     found = [r for r in patterns.find_regions(graph) if r.key is not None]
     done: Counter = Counter()
@@ -242,17 +252,20 @@ def _prism_nodes(graph: fx.Graph) -> Counter:
 def rewrite(graph: fx.Graph, table: Table) -> Counter:
     """Replace every region of `graph` the table has a kernel for; return region kind -> count.
 
-    Three steps: vLLM's norm and activation forms become prism ops (also where only a region
+    Four steps: vLLM's norm and activation forms become prism ops (also where only a region
     holding them has a kernel: the op then marks the region), regions holding a projection are
-    replaced largest first (`serve_regions`), and the op forms no region took and no kernel serves
-    go back to vLLM's (so only what a kernel runs is a prism op)."""
+    replaced largest first (`serve_regions`), the op forms no region took and no kernel serves
+    go back to vLLM's (so only what a kernel runs is a prism op), and Gemma's norms still in
+    vLLM's form become prism's (`patterns.late_tiers`)."""
     before = _prism_nodes(graph)
-    forward, revert = matchers(table)
+    forward, revert, late = matchers(table)
     for pm_pass in forward:
         pm_pass.apply(graph)  # erases each match's nodes itself; Inductor's own DCE runs after the pass
     regions = serve_regions(graph, table)
     if revert is not None:
         revert.apply(graph)
+    for pm_pass in late:  # Gemma's norms that no region took, on their raw weight
+        pm_pass.apply(graph)
     after = _prism_nodes(graph)
     ops_done = Counter({k: after[k] - before[k] for k in patterns.OP_KINDS if after[k] > before[k]})
     return ops_done + regions
@@ -337,6 +350,7 @@ def install(table: Table, done) -> None:
 
     if not served(table):
         return
+    done.kinds.update(k for k in served(table) if KINDS[k].hook == "pattern")  # kinds only the pass serves
     cls = type(current_platform)
     if getattr(cls.check_and_update_config, "_prism", False):
         done.names.append(NAME)

@@ -453,9 +453,9 @@ def _install_decoder_layers(table: Table, done: Installed) -> None:
 def _projection_shapes(table: Table) -> set[tuple]:
     """(dtype, out, in) of every projection weight some region kernel of the table multiplies with."""
     shapes = set()
-    for kind in ("rmsnorm_linear", "fused_add_rmsnorm_linear", "swiglu", "rmsnorm_swiglu"):
+    for kind in ("rmsnorm_linear", "fused_add_rmsnorm_linear", "swiglu", "rmsnorm_swiglu", "geglu"):
         for dtype, (hidden, n), _ in table.ops.get(kind, {}):
-            shapes.add((dtype, 2 * n if "swiglu" in kind else n, hidden))
+            shapes.add((dtype, 2 * n if kind.endswith(("swiglu", "geglu")) else n, hidden))
     return shapes
 
 

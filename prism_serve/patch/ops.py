@@ -1,7 +1,8 @@
 """The prism torch custom ops (`prism::rms_norm`, `prism::fused_add_rms_norm`,
-`prism::silu_and_mul`, and the whole-region `prism::swiglu`, `prism::rmsnorm_linear`,
-`prism::fused_add_rmsnorm_linear` and `prism::rmsnorm_swiglu`): opaque to torch.compile, with
-fake impls, dispatching by num_tokens.
+`prism::silu_and_mul`, Gemma's `prism::gemma_rms_norm`, `prism::gemma_fused_add_rms_norm` and
+`prism::gelu_tanh_and_mul`, and the whole-region `prism::swiglu`, `prism::geglu`,
+`prism::rmsnorm_linear`, `prism::fused_add_rmsnorm_linear` and `prism::rmsnorm_swiglu`): opaque to
+torch.compile, with fake impls, dispatching by num_tokens.
 
 Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
 startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
@@ -33,7 +34,7 @@ from prism_serve.patch.table import Table
 log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like the plugin's (see plugin.py)
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear",
-            "rmsnorm_swiglu")
+            "rmsnorm_swiglu", "gemma_rms_norm", "gemma_fused_add_rms_norm", "gelu_tanh_and_mul", "geglu")
 
 
 class _State:
@@ -91,11 +92,30 @@ def ref_rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilo
     return ref_swiglu(ref_rms_norm(x, norm_weight, epsilon), w_gate_up, site)
 
 
+def ref_gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """vLLM's GeluAndMul(approximate="tanh").forward_native (its path on the CPU build)."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def ref_gemma_rms_norm(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
+    """vLLM's GemmaRMSNorm: its RMSNorm op (the current fallback) on the float32 weight + 1."""
+    return FALLBACKS["rms_norm"](x, weight.float() + 1.0, epsilon)
+
+
+def ref_gemma_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    return FALLBACKS["fused_add_rms_norm"](x, residual, weight.float() + 1.0, epsilon)
+
+
 FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm": ref_fused_add_rms_norm,
                                   "silu_and_mul": ref_silu_and_mul, "swiglu": ref_swiglu,
                                   "rmsnorm_linear": ref_rmsnorm_linear,
                                   "fused_add_rmsnorm_linear": ref_fused_add_rmsnorm_linear,
-                                  "rmsnorm_swiglu": ref_rmsnorm_swiglu}
+                                  "rmsnorm_swiglu": ref_rmsnorm_swiglu, "gemma_rms_norm": ref_gemma_rms_norm,
+                                  "gemma_fused_add_rms_norm": ref_gemma_fused_add_rms_norm,
+                                  "gelu_tanh_and_mul": ref_gelu_tanh_and_mul,
+                                  "geglu": lambda x, w_gate_up, site: ref_gelu_tanh_and_mul(
+                                      torch.nn.functional.linear(x, w_gate_up))}
 
 
 # --- a projection's weight: the plain tensor, or vLLM's oneDNN handle on the CPU build ----------
@@ -135,6 +155,8 @@ def _vllm_region(kind: str, site: int, weight: Tensor, out_features: int, *args)
         return FALLBACKS[kind](*args)
     if kind == "swiglu":
         return FALLBACKS["silu_and_mul"](vllm_linear(args[0], weight, out_features))
+    if kind == "geglu":
+        return FALLBACKS["gelu_tanh_and_mul"](vllm_linear(args[0], weight, out_features))
     if kind == "fused_add_rmsnorm_linear":
         x, residual, norm_weight, _, eps, _ = args
         y, r = FALLBACKS["fused_add_rms_norm"](x, residual, norm_weight, eps)
@@ -174,9 +196,9 @@ def _rows(x: Tensor, dim: int) -> Tensor:
     return x if x.dim() == 2 else x.reshape(-1, dim)
 
 
-def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
+def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float, op: str = "rms_norm") -> Tensor:
     dim = x.shape[-1]
-    launcher = pick("rms_norm", x, dim, epsilon)
+    launcher = pick(op, x, dim, epsilon)
     if launcher is not None:
         try:
             (y,) = launcher.run(_rows(x, dim), weight)
@@ -184,15 +206,16 @@ def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed("rms_norm", launcher, exc)
-    MISSES["rms_norm"] += 1
-    return FALLBACKS["rms_norm"](x, weight, epsilon)
+            _failed(op, launcher, exc)
+    MISSES[op] += 1
+    return FALLBACKS[op](x, weight, epsilon)
 
 
-def fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+def fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float,
+                            op: str = "fused_add_rms_norm") -> tuple[Tensor, Tensor]:
     dim = x.shape[-1]
     same = residual.shape == x.shape and residual.dtype == x.dtype
-    launcher = pick("fused_add_rms_norm", x, dim, epsilon) if same else None
+    launcher = pick(op, x, dim, epsilon) if same else None
     if launcher is not None:
         try:
             y, r = launcher.run(_rows(x, dim), _rows(residual, dim), weight)
@@ -200,14 +223,14 @@ def fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed("fused_add_rms_norm", launcher, exc)
-    MISSES["fused_add_rms_norm"] += 1
-    return FALLBACKS["fused_add_rms_norm"](x, residual, weight, epsilon)
+            _failed(op, launcher, exc)
+    MISSES[op] += 1
+    return FALLBACKS[op](x, residual, weight, epsilon)
 
 
-def silu_and_mul_impl(x: Tensor) -> Tensor:
+def silu_and_mul_impl(x: Tensor, op: str = "silu_and_mul") -> Tensor:
     d = x.shape[-1] // 2
-    launcher = pick("silu_and_mul", x, d, None)
+    launcher = pick(op, x, d, None)
     if launcher is not None:
         try:
             x2 = _rows(x, 2 * d)
@@ -216,14 +239,30 @@ def silu_and_mul_impl(x: Tensor) -> Tensor:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed("silu_and_mul", launcher, exc)
-    MISSES["silu_and_mul"] += 1
-    return FALLBACKS["silu_and_mul"](x)
+            _failed(op, launcher, exc)
+    MISSES[op] += 1
+    return FALLBACKS[op](x)
 
 
-def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1) -> Tensor:
+def gemma_rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
+    return rms_norm_impl(x, weight, epsilon, "gemma_rms_norm")
+
+
+def gemma_fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    return fused_add_rms_norm_impl(x, residual, weight, epsilon, "gemma_fused_add_rms_norm")
+
+
+def gelu_tanh_and_mul_impl(x: Tensor) -> Tensor:
+    return silu_and_mul_impl(x, "gelu_tanh_and_mul")
+
+
+def geglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1) -> Tensor:
+    return swiglu_impl(x, w_gate_up, site, out_features, "geglu")
+
+
+def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1, op: str = "swiglu") -> Tensor:
     inter = _out_features(w_gate_up, out_features) // 2
-    launcher = pick("swiglu", x, (x.shape[-1], inter), None)
+    launcher = pick(op, x, (x.shape[-1], inter), None)
     w = plain_weight(w_gate_up) if launcher is not None else None
     if w is not None:
         try:
@@ -232,11 +271,11 @@ def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed("swiglu", launcher, exc)
+            _failed(op, launcher, exc)
     elif launcher is not None:
-        COUNTS["swiglu"] -= 1  # no plain weight was recorded for this handle
-    MISSES["swiglu"] += 1
-    return _vllm_region("swiglu", site, w_gate_up, 2 * inter, x, w_gate_up, site)
+        COUNTS[op] -= 1  # no plain weight was recorded for this handle
+    MISSES[op] += 1
+    return _vllm_region(op, site, w_gate_up, 2 * inter, x, w_gate_up, site)
 
 
 def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
@@ -363,6 +402,42 @@ def _define() -> dict[str, object]:
     def _(x, norm_weight, w_gate_up, epsilon, site, out_features=-1):
         return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
 
+    # Gemma: its norms take the stored weight w (the kernel scales by 1 + w), GeGLU as SwiGLU
+    @torch.library.custom_op("prism::gemma_rms_norm", mutates_args=())
+    def gemma_rms_norm(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
+        return gemma_rms_norm_impl(x, weight, epsilon)
+
+    @gemma_rms_norm.register_fake
+    def _(x, weight, epsilon):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("prism::gemma_fused_add_rms_norm", mutates_args=())
+    def gemma_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
+                                 epsilon: float) -> tuple[Tensor, Tensor]:
+        return gemma_fused_add_rms_norm_impl(x, residual, weight, epsilon)
+
+    @gemma_fused_add_rms_norm.register_fake
+    def _(x, residual, weight, epsilon):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.custom_op("prism::gelu_tanh_and_mul", mutates_args=())
+    def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+        return gelu_tanh_and_mul_impl(x)
+
+    @gelu_tanh_and_mul.register_fake
+    def _(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    @torch.library.custom_op("prism::geglu", mutates_args=())
+    def geglu(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1) -> Tensor:
+        return geglu_impl(x, w_gate_up, site, out_features)
+
+    @geglu.register_fake
+    def _(x, w_gate_up, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
+
+    defined.update(gemma_rms_norm=gemma_rms_norm, gemma_fused_add_rms_norm=gemma_fused_add_rms_norm,
+                   gelu_tanh_and_mul=gelu_tanh_and_mul, geglu=geglu)
     defined.update(fused_add_rmsnorm_linear=fused_add_rmsnorm_linear, rmsnorm_swiglu=rmsnorm_swiglu)
     defined.update(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, silu_and_mul=silu_and_mul,
                    swiglu=swiglu, rmsnorm_linear=rmsnorm_linear)

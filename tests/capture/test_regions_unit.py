@@ -240,10 +240,16 @@ class GeluAndMul:
     pass
 
 
+class GemmaRMSNorm:
+    pass
+
+
 def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=torch.float32, n=3, hidden=16,
-                          inter=24):
+                          inter=24, offset: float | None = None):
     """A post-attention side as vLLM's CPU build traces it in Dynamo: residual add + RMSNorm (the IR op),
-    gate_up as vLLM's in-place oneDNN call on its handle (or torch's linear), `act(x[..., :d]) * x[..., d:]`."""
+    gate_up as vLLM's in-place oneDNN call on its handle (or torch's linear), `act(x[..., :d]) * x[..., d:]`.
+    `act`: "silu", "gelu" (exact) or "gelu_tanh"; `offset`: a GemmaRMSNorm, whose IR op gets the
+    weight `w.float() + offset` (Gemma's is 1.0)."""
     import operator
 
     from vllm import _custom_ops as vops
@@ -256,15 +262,19 @@ def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=
                    (wl, handler.handler_tensor if handler else weight)):
         p.meta["example_value"] = val
 
-    def call(fn, args, path, cls, val, method=False):
-        node = g.call_method(fn, args) if method else g.call_function(fn, args)
+    def call(fn, args, path, cls, val, method=False, **kwargs):
+        node = g.call_method(fn, args, kwargs) if method else g.call_function(fn, args, kwargs)
         node.meta.update(nn_module_stack={path: (f"L['self'].{path}", cls)}, example_value=val)
         return node
 
     norm_path, lin_path = "layers.0.post_attention_layernorm", "layers.0.mlp.gate_up_proj"
     act_path = "layers.0.mlp.act_fn"
-    op = call(fused_add_rms_norm, (x, res, w, 1e-6, None), norm_path, RMSNorm, None)
-    y, s = (call(operator.getitem, (op, i), norm_path, RMSNorm, torch.randn(n, hidden)) for i in (0, 1))
+    norm_cls, norm_w = (RMSNorm, w) if offset is None else (GemmaRMSNorm, None)
+    if offset is not None:  # GemmaRMSNorm.forward_native: weight = self.weight.float() + 1.0
+        wf = call("float", (w,), norm_path, norm_cls, torch.randn(hidden), method=True)
+        norm_w = call(operator.add, (wf, offset), norm_path, norm_cls, torch.randn(hidden))
+    op = call(fused_add_rms_norm, (x, res, norm_w, 1e-6, None), norm_path, norm_cls, None)
+    y, s = (call(operator.getitem, (op, i), norm_path, norm_cls, torch.randn(n, hidden)) for i in (0, 1))
     if gemm == "onednn":
         c = call(torch.empty, ((n, 2 * inter),), lin_path, MergedColumnParallelLinear, torch.randn(n, 2 * inter))
         a = call("reshape", (y, -1, hidden), lin_path, MergedColumnParallelLinear, torch.randn(n, hidden), method=True)
@@ -274,8 +284,11 @@ def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=
     cls = SiluAndMul if act == "silu" else GeluAndMul
     gate = call(operator.getitem, (c, (Ellipsis, slice(None, inter))), act_path, cls, torch.randn(n, inter))
     up = call(operator.getitem, (c, (Ellipsis, slice(inter, None))), act_path, cls, torch.randn(n, inter))
-    fn = torch.nn.functional.silu if act == "silu" else torch.nn.functional.gelu
-    h = call(fn, (gate,), act_path, cls, torch.randn(n, inter))
+    if act == "gelu_tanh":  # GeluAndMul(approximate="tanh"), as Dynamo traces F.gelu
+        h = call(torch._C._nn.gelu, (gate,), act_path, cls, torch.randn(n, inter), approximate="tanh")
+    else:
+        fn = torch.nn.functional.silu if act == "silu" else torch.nn.functional.gelu
+        h = call(fn, (gate,), act_path, cls, torch.randn(n, inter))
     out = call(operator.mul, (h, up), act_path, cls, torch.randn(n, inter))
     g.output((out, s))
     return g, handler
@@ -319,3 +332,58 @@ def test_capture_reports_a_projection_whose_weight_is_not_the_activation_dtype_u
     assert kinds and all(not r["supported"] and "bfloat16" in r["reason"] for r in kinds.values())
     assert _projection_kinds(_post_attention_graph(gemm="linear")[0]).keys() == {
         "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "swiglu"}
+
+
+# --- Gemma: GeluAndMul(approximate="tanh") and GemmaRMSNorm (its IR op on w.float() + 1.0) ----------
+
+def test_gate_up_and_tanh_gelu_mul_are_geglu_and_the_norm_stays_out_of_it(monkeypatch):
+    g, handler = _post_attention_graph(act="gelu_tanh")
+    regions, _ = find_regions(g)
+    kinds = {r["kind"]: r for r in regions if r["supported"]}
+    # no kind holds an RMSNorm before GeGLU: the norm + gate_up and gate_up + GeGLU are separate regions
+    assert sorted(kinds) == ["fused_add_rms_norm", "fused_add_rmsnorm_linear", "geglu", "gelu_tanh_and_mul"]
+    gg = kinds["geglu"]
+    assert gg["modules"] == ["layers.0.mlp.gate_up_proj", "layers.0.mlp.act_fn"]
+    assert gg["dims"] == {"hidden": 16, "intermediate": 24} and gg["eps"] is None
+    assert kinds["gelu_tanh_and_mul"]["dims"] == {"intermediate": 24}
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
+    x, res, w = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16)
+    backend.STATE.record_pending = 1
+    want, _ = run(x, res, w, handler.handler_tensor)
+    names = [r["kind"] for r in backend.STATE.regions]
+    act = backend.STATE.recorded[0][1][names.index("gelu_tanh_and_mul")]
+    gate, up = act["inputs"]
+    torch.testing.assert_close(torch.nn.functional.gelu(gate, approximate="tanh") * up, want)
+    torch.testing.assert_close(act["outputs"], [want])
+
+
+def test_exact_gelu_is_reported_unsupported_not_as_geglu():
+    regions, _ = find_regions(_post_attention_graph(act="gelu")[0])
+    gelu = [r for r in regions if r["modules"] == ["layers.0.mlp.act_fn"]]
+    assert [(r["kind"], r["supported"]) for r in gelu] == [("gelu_and_mul", False)] and "tanh" in gelu[0]["reason"]
+    assert "geglu" not in {r["kind"] for r in regions}
+
+
+def test_gemma_norm_is_reported_with_its_stored_weight(monkeypatch):
+    g, handler = _post_attention_graph(act="gelu_tanh", offset=1.0)
+    regions, _ = find_regions(g)
+    norm = next(r for r in regions if r["modules"] == ["layers.0.post_attention_layernorm"])
+    assert norm["kind"] == "gemma_fused_add_rms_norm" and norm["supported"] and norm["dims"] == {"hidden": 16}
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
+    x, res, w = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16) - 0.5
+    backend.STATE.record_pending = 1
+    run(x, res, w, handler.handler_tensor)
+    names = [r["kind"] for r in backend.STATE.regions]
+    rec = backend.STATE.recorded[0][1][names.index("gemma_fused_add_rms_norm")]
+    torch.testing.assert_close(rec["inputs"], [x, res, w])  # the stored weight, not w + 1
+    s = x + res
+    want = torch.nn.functional.rms_norm(s, (16,), 1 + w, 1e-6)
+    torch.testing.assert_close(rec["outputs"], [want, s])
+
+
+def test_a_norm_weight_offset_other_than_one_is_not_gemmas():
+    regions, _ = find_regions(_post_attention_graph(act="gelu_tanh", offset=2.0)[0])
+    norm = next(r for r in regions if r["modules"] == ["layers.0.post_attention_layernorm"])
+    assert norm["kind"] == "gemma_fused_add_rms_norm" and not norm["supported"] and "+ 1" in norm["reason"]

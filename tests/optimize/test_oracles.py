@@ -29,6 +29,10 @@ TOKEN_CASES = [
     ("rmsnorm_mlp", {"hidden": 80, "intermediate": 48}, (2,)),
     ("rmsnorm_swiglu", {"hidden": 64, "intermediate": 32}, (1, 7, 20)),
     ("rmsnorm_swiglu", {"hidden": 80, "intermediate": 48}, (2,)),
+    ("gemma_rms_norm", {"hidden": 100}, (1, 7, 33)),
+    ("gemma_fused_add_rms_norm", {"hidden": 100}, (1, 7, 33)),
+    ("gelu_tanh_and_mul", {"intermediate": 50}, (1, 7, 33)),
+    ("geglu", {"hidden": 48, "intermediate": 40}, (1, 7, 20)),
 ]
 ATTENTION_CASES = [  # (batch, heads, q_len, kv_len, head_dim, kv_heads), KV splits
     ((2, 8, 1, 96, 32, 4), 4),
@@ -51,7 +55,8 @@ def test_token_oracles_match_reference(name, dims, tokens, dtype):
         check_instance(inst, n, dtype)
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rmsnorm_linear"])
+@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rmsnorm_linear",
+                                  "gemma_rms_norm", "gemma_fused_add_rms_norm", "gelu_tanh_and_mul", "geglu"])
 def test_bf16_within_rounding(name):
     dims = dict(TOKEN_CASES[[c[0] for c in TOKEN_CASES].index(name)][1])
     check_instance(_instance(name, dims, "bfloat16"), 5, "bfloat16")

@@ -32,12 +32,18 @@ TORCH_FORMULAS = {
     "rmsnorm_linear": lambda x, g, w: [rms(x, g) @ w.T],
     "swiglu": lambda x, wg, wu: [F.silu(x @ wg.T) * (x @ wu.T)],
     "rmsnorm_mlp": lambda x, g, wu, wg: [(rms(x, g) @ wu.T) * (rms(x, g) @ wg.T)],
+    "gemma_rms_norm": lambda x, w: [rms(x, 1 + w)],
+    "gemma_fused_add_rms_norm": lambda x, r, w: [rms(x + r, 1 + w), x + r],
+    "gelu_tanh_and_mul": lambda g, u: [F.gelu(g, approximate="tanh") * u],
+    "geglu": lambda x, wg, wu: [F.gelu(x @ wg.T, approximate="tanh") * (x @ wu.T)],
     "attention": lambda q, k, v: [attention(q, k, v)],
     "qk_norm_attention": lambda q, k, v, qw, kw: [attention(rms(q, qw), rms(k, kw), v)],
 }
 DIMS = {"rms_norm": dict(hidden=96), "fused_add_rms_norm": dict(hidden=96), "silu_and_mul": dict(intermediate=50),
         "rmsnorm_linear": dict(hidden=64, out=24), "swiglu": dict(hidden=48, intermediate=40),
         "rmsnorm_mlp": dict(hidden=48, intermediate=40),
+        "gemma_rms_norm": dict(hidden=96), "gemma_fused_add_rms_norm": dict(hidden=96),
+        "gelu_tanh_and_mul": dict(intermediate=50), "geglu": dict(hidden=48, intermediate=40),
         "attention": dict(batch=2, heads=4, q_len=3, kv_len=37, head_dim=16, kv_heads=2),
         "qk_norm_attention": dict(batch=2, heads=4, q_len=3, kv_len=37, head_dim=16, kv_heads=2)}
 

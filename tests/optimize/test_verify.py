@@ -34,6 +34,8 @@ DIMS = {"rms_norm": {"hidden": 64}, "fused_add_rms_norm": {"hidden": 64}, "silu_
         "swiglu": {"hidden": 64, "intermediate": 64},
         "rmsnorm_mlp": {"hidden": 64, "intermediate": 32},
         "rmsnorm_swiglu": {"hidden": 64, "intermediate": 32},
+        "gemma_rms_norm": {"hidden": 64}, "gemma_fused_add_rms_norm": {"hidden": 64},
+        "gelu_tanh_and_mul": {"intermediate": 64}, "geglu": {"hidden": 64, "intermediate": 32},
         "attention": {"batch": 1, "heads": 2, "q_len": 1, "kv_len": 64, "head_dim": 16, "kv_heads": 1},
         "qk_norm_attention": {"batch": 1, "heads": 2, "q_len": 1, "kv_len": 64, "head_dim": 16, "kv_heads": 1}}
 PROVEN = tuple(sorted(ORACLES))
@@ -120,6 +122,15 @@ MUTANTS = {
         ns, "k_eps", node("k_eps", "const", value=1e-5))),
     "swapped_gating": lambda: _edit(_oracle("swiglu"), 0, lambda ns: _swap(
         ns, "sa", node("sa", "silu", "acc_b"))),
+    # Gemma: the norm scaled by w instead of 1 + w; GeGLU gated by SiLU instead of tanh GELU
+    "gemma_offset_dropped": lambda: _edit(_oracle("gemma_rms_norm"), 0, lambda ns: _swap(
+        ns, "y", node("y", "mul", "xr", "w"))),
+    "gemma_fused_offset_dropped": lambda: _edit(_oracle("gemma_fused_add_rms_norm"), 0, lambda ns: _swap(
+        ns, "y", node("y", "mul", "xr", "w"))),
+    "geglu_gated_by_silu": lambda: _edit(_oracle("geglu"), 0, lambda ns: _swap(
+        ns, "ga", node("ga", "silu", "acc_a"))),
+    "gelu_on_up_half": lambda: _edit(_oracle("gelu_tanh_and_mul"), 0, lambda ns: _swap(
+        ns, "g", node("g", "gelu_tanh", "up"))),
 }
 
 

@@ -11,8 +11,16 @@ CI runs `CI_ARCHS` only (each architecture costs a capture, a warmup and a vLLM 
 the others. Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds
 Phi-3 as a Llama) serve every stored kind; since the compiled-mode pattern pass (fusion.py) Qwen2
 and Granite serve every stored kind too (Granite's rmsnorm_linear and rmsnorm_swiglu checked on
-2026-12-03); OLMo 2 has the `NOT_SERVED` gap; Gemma and Gemma 2 store nothing: capture reports their GemmaRMSNorm and GeluAndMul as
-unsupported (no region kind matches those classes yet).
+2026-12-03); OLMo 2 has the `NOT_SERVED` gap. Gemma and Gemma 2
+(PRISM_SERVE_TEST_ARCHS=tiny-gemma,tiny-gemma2, 7.5 min for both on two shared cores) store
+rmsnorm_linear and fused_add_rmsnorm_linear (the input norm + qkv, on the weight w + 1 that vLLM
+computes; fp32 only), geglu (gate_up + tanh GELU*mul), gemma_fused_add_rms_norm (post-attention,
+Gemma 2's pre-feedforward and the final norm) and, Gemma 2 only, gemma_rms_norm (its post-attention
+and post-feedforward norms), and serve every one of them in compiled mode with no fallback; nothing
+runs in eager mode (no class hook for Gemma). The post-attention norm + gate_up + GeGLU has no
+region kind holding all three, so it runs as two kernels. The tiny Gemma checkpoints repeat one
+token per prompt (the cause is not investigated), so their token check is weaker than the
+others': warmup's check against vLLM's own outputs on the layers' real inputs is the stronger one.
 """
 
 from __future__ import annotations

@@ -63,6 +63,33 @@ def fused_add_rms_norm(prog: Program) -> SGraph:
     return SGraph("fused_add_rms_norm_oracle", prog, (), (k,))
 
 
+def gemma_rms_norm(prog: Program) -> SGraph:
+    """rms_norm's one block per BT rows, scaling by 1 + w in the block."""
+    nodes = [load("x", "x", (0,)), load("w", "w", (None,)), node("one", "const", value=1.0),
+             node("w1", "add", "w", "one"), *_rms_nodes("x", _eps(prog)),
+             node("xr", "mul", "x", "r"), node("y", "mul", "xr", "w1"), store("out", "y", "y", (0,))]
+    k = BlockKernel("gemma_rms_norm", (GridAxis(TOKEN_BLOCK, over_tokens=True),), None, tuple(nodes))
+    return SGraph("gemma_rms_norm_oracle", prog, (), (k,))
+
+
+def gemma_fused_add_rms_norm(prog: Program) -> SGraph:
+    nodes = [load("x", "x", (0,)), load("res", "residual", (0,)), load("w", "w", (None,)),
+             node("one", "const", value=1.0), node("w1", "add", "w", "one"),
+             node("sum_xr", "add", "x", "res"), *_rms_nodes("sum_xr", _eps(prog)),
+             node("xr", "mul", "sum_xr", "r"), node("y", "mul", "xr", "w1"),
+             store("out_y", "y", "y", (0,)), store("out_r", "sum_xr", "r", (0,))]
+    k = BlockKernel("gemma_fused_add_rms_norm", (GridAxis(TOKEN_BLOCK, over_tokens=True),), None, tuple(nodes))
+    return SGraph("gemma_fused_add_rms_norm_oracle", prog, (), (k,))
+
+
+def gelu_tanh_and_mul(prog: Program) -> SGraph:
+    """silu_and_mul's blocks of BT rows x (intermediate / G) columns, with tanh GELU."""
+    nodes = [load("gate", "gate", (0, 1)), load("up", "up", (0, 1)), node("g", "gelu_tanh", "gate"),
+             node("y", "mul", "g", "up"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel("gelu_tanh_and_mul", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), None, tuple(nodes))
+    return SGraph("gelu_tanh_and_mul_oracle", prog, (), (k,))
+
+
 def silu_and_mul(prog: Program) -> SGraph:
     """Blocks of BT rows x (intermediate / G) columns."""
     nodes = [load("gate", "gate", (0, 1)), load("up", "up", (0, 1)), node("g", "silu", "gate"),
@@ -110,6 +137,17 @@ def swiglu(prog: Program) -> SGraph:
              node("sa", "silu", "acc_a"), node("y", "mul", "sa", "acc_b"), store("out", "y", "y", (0, 1))]
     k = BlockKernel("swiglu", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
     return SGraph("swiglu_oracle", prog, (), (k,))
+
+
+def geglu(prog: Program) -> SGraph:
+    """swiglu's design: both projections accumulated in one loop; gelu_tanh(a) * b in the epilogue."""
+    nodes = [load("x", "x", (0, None), fmap=1), load("wg", "w_gate", (None, 0), fmap=1),
+             load("wu", "w_up", (None, 0), fmap=1),
+             node("a", "matmul", "x", "wg", transpose_b=True), node("b", "matmul", "x", "wu", transpose_b=True),
+             accum("acc_a", "a", "sum"), accum("acc_b", "b", "sum"),
+             node("ga", "gelu_tanh", "acc_a"), node("y", "mul", "ga", "acc_b"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel("geglu", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
+    return SGraph("geglu_oracle", prog, (), (k,))
 
 
 def rmsnorm_mlp(prog: Program) -> SGraph:
@@ -193,6 +231,8 @@ ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
     "rmsnorm_linear": rmsnorm_linear, "fused_add_rmsnorm_linear": fused_add_rmsnorm_linear, "swiglu": swiglu,
     "rmsnorm_mlp": rmsnorm_mlp, "rmsnorm_swiglu": rmsnorm_swiglu,
+    "gemma_rms_norm": gemma_rms_norm, "gemma_fused_add_rms_norm": gemma_fused_add_rms_norm,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul, "geglu": geglu,
     "attention": attention,
     "qk_norm_attention": qk_norm_attention,
 }

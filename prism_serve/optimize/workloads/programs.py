@@ -46,6 +46,58 @@ def silu_and_mul(intermediate: int = 4096, dtype: str = "float16") -> Program:
     ), ("y",))
 
 
+def _offset_weight(w: str) -> list[Node]:
+    """Gemma's norm scale `1 + w` (vLLM's GemmaRMSNorm: `weight.float() + 1.0`)."""
+    return [node("one", "const", value=1.0), node("w1", "add", w, "one")]
+
+
+def gemma_rms_norm(hidden: int = 4096, dtype: str = "float16", eps: float = EPS) -> Program:
+    """vLLM's GemmaRMSNorm: y = rms_norm(x) * (1 + w), all in float32, rounded once to x's dtype
+    (vLLM adds 1 to the float32 weight and runs its RMSNorm with that weight)."""
+    return Program("gemma_rms_norm", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("w", "input", shape=(hidden,), dtype=dtype),
+        *_offset_weight("w"),
+        node("y", "rms_norm", "x", "w1", eps=eps),
+    ), ("y",))
+
+
+def gemma_fused_add_rms_norm(hidden: int = 4096, dtype: str = "float16", eps: float = EPS) -> Program:
+    """GemmaRMSNorm with a residual: r = x + residual; y = rms_norm(r) * (1 + w). Outputs (y, r)."""
+    return Program("gemma_fused_add_rms_norm", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("residual", "input", shape=(N, hidden), dtype=dtype),
+        node("w", "input", shape=(hidden,), dtype=dtype),
+        node("r", "add", "x", "residual"),
+        *_offset_weight("w"),
+        node("y", "rms_norm", "r", "w1", eps=eps),
+    ), ("y", "r"))
+
+
+def gelu_tanh_and_mul(intermediate: int = 4096, dtype: str = "float16") -> Program:
+    """vLLM's GeluAndMul(approximate="tanh") on the two halves of gate_up's output: gelu_tanh(gate) * up."""
+    return Program("gelu_tanh_and_mul", (
+        node("gate", "input", shape=(N, intermediate), dtype=dtype),
+        node("up", "input", shape=(N, intermediate), dtype=dtype),
+        node("g", "gelu_tanh", "gate"),
+        node("y", "mul", "g", "up"),
+    ), ("y",))
+
+
+def geglu(hidden: int = 4096, intermediate: int | None = None, dtype: str = "float16") -> Program:
+    """Gemma's MLP input: gelu_tanh(x @ W_gate^T) * (x @ W_up^T)."""
+    inter = intermediate or hidden
+    return Program("geglu", (
+        node("x", "input", shape=(N, hidden), dtype=dtype),
+        node("w_gate", "input", shape=(inter, hidden), dtype=dtype),
+        node("w_up", "input", shape=(inter, hidden), dtype=dtype),
+        node("a", "matmul", "x", "w_gate", transpose_b=True),
+        node("b", "matmul", "x", "w_up", transpose_b=True),
+        node("ga", "gelu_tanh", "a"),
+        node("y", "mul", "ga", "b"),
+    ), ("y",))
+
+
 def rmsnorm_linear(hidden: int = 4096, out: int | None = None, dtype: str = "float16", eps: float = EPS) -> Program:
     out = out or hidden
     return Program("rmsnorm_linear", (
@@ -193,6 +245,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rms_norm", rms_norm, {"hidden": 4096}, default_num_tokens=(1, 16, 256, 4096)),
     Workload("fused_add_rms_norm", fused_add_rms_norm, {"hidden": 4096}, default_num_tokens=(1, 16, 256, 4096)),
     Workload("silu_and_mul", silu_and_mul, {"intermediate": 4096}, default_num_tokens=(1, 16, 256, 4096)),
+    Workload("geglu", geglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("gemma_rms_norm", gemma_rms_norm, {"hidden": 4096}, default_num_tokens=(1, 16, 256, 4096)),
+    Workload("gemma_fused_add_rms_norm", gemma_fused_add_rms_norm, {"hidden": 4096},
+             default_num_tokens=(1, 16, 256, 4096)),
+    Workload("gelu_tanh_and_mul", gelu_tanh_and_mul, {"intermediate": 4096}, default_num_tokens=(1, 16, 256, 4096)),
 )}
 PRISM_WORKLOADS = ("rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention")
 
