@@ -55,7 +55,8 @@ def _table(result) -> Table:
     about = (f"vLLM's path: {', '.join(f'{vllm[n]:.1f} us @{n}' for n in buckets)} modeled" if vllm else
              "vLLM has no path for this program, so no speedup")
     hashed = hasattr(result.found[0], "design") if result.found else False  # the generator's Found
-    table = Table("#", "design" if hashed else "plan", *(("canonical hash",) if hashed else ()), "kernels", "grid", "loop", *(f"modeled us @{n}" for n in buckets),
+    table = Table("#", "design" if hashed else "plan", *(("canonical hash",) if hashed else ()), "kernels", "grid",
+                  "loop", *(f"modeled us @{n}" for n in buckets),
                   *((f"measured us @{n}" for n in buckets) if measured else ()),
                   "vs vLLM modeled, per bucket", title=f"{prog.name} on {result.gpu}: verified kernels ({about})")
     for i, f in enumerate(result.found):
@@ -65,7 +66,8 @@ def _table(result) -> Table:
         loop = "; ".join(f"{k.forloop}={c.assignment[k.forloop]}" if k.forloop else "-" for k in blocks) or "-"
         speed = ", ".join(f"{vllm[n] / served_modeled_us(prog, f.kernel_for(n).modeled_us, n, spec):.2f}x"
                           for n in buckets) if vllm else "-"
-        table.add_row(str(i + 1), *((f.design.describe(), canonical_hash(f.sgraph)[:16]) if hashed else (f.plan.describe(),)),
+        named = (f.design.describe(), canonical_hash(f.sgraph)[:16]) if hashed else (f.plan.describe(),)
+        table.add_row(str(i + 1), *named,
                       str(len(f.sgraph.kernels)), grid or "library", loop,
                       *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets),
                       *((_us(f.kernel_for(n).measured_us) for n in buckets) if measured else ()), speed)

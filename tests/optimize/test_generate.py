@@ -4,6 +4,7 @@ verified designs whose winners compute the reference function, and stored design
 from __future__ import annotations
 
 import pytest
+import torch
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize import canonical_hash, prune
@@ -12,7 +13,9 @@ from prism_serve.optimize.generate.context import make_context, program_terms
 from prism_serve.optimize.generate.design import Design, build
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.labels import index_labels
-from prism_serve.optimize.reference import TOLERANCE
+from prism_serve.optimize.codegen import compile_instance
+from prism_serve.optimize.reference import TOLERANCE, max_rel_error, random_inputs
+from prism_serve.optimize.sgraph import instantiate
 from prism_serve.optimize.generate.search import optimize
 from prism_serve.optimize.tune import rank
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle
@@ -139,3 +142,20 @@ def test_values_of_the_generator_carry_their_loop_facts():
     assert isinstance(q, Value)
     s, rule, _ = gen._apply("matmul", (gen._source(q), gen._source(k)), (("transpose_b", True),), 0)
     assert rule is None and s.stage == "loop" and s.partial is None  # contracts the head dim, inside the tile
+
+
+@pytest.mark.parametrize("name,dims", [("gelu_tanh_and_mul", {"intermediate": 40}),
+                                       ("geglu", {"hidden": 48, "intermediate": 40})])
+def test_the_generator_builds_gemmas_tanh_gelu_designs(name, dims):
+    """gelu_tanh is a generator op like silu: Gemma's GeGLU regions get proven, numerically
+    checked one-kernel designs whose output matches torch's tanh GELU."""
+    prog = WORKLOADS[name].program(**dims, dtype="float32")
+    result = optimize(prog, "h100", (1, 16), max_kernels=1, top=1, budget_s=120, workers=1)
+    best = result.best
+    assert best.proof.ok and "gelu_tanh" in best.design.describe()
+    inputs = random_inputs(prog, 5, seed=3)
+    got = compile_instance(instantiate(best.sgraph, best.kernel_for(1).instance.values, H100))(*inputs)
+    a, b = (inputs[0], inputs[1]) if name == "gelu_tanh_and_mul" else (
+        inputs[0] @ inputs[1].T, inputs[0] @ inputs[2].T)
+    want = torch.nn.functional.gelu(a, approximate="tanh") * b
+    assert max_rel_error(got[0], want) <= TOLERANCE["float32"]

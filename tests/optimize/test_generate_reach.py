@@ -141,7 +141,7 @@ def _split_dims(g: SGraph) -> dict[str, int]:
 def _term(op: str, attrs: dict, labels: list[tuple], e: list[Term]) -> Term:
     if op == "square":
         return ("mul", e[0], e[0])
-    if op in ("exp", "silu", "sqrt", "rsqrt"):
+    if op in ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt"):
         return (op, e[0])
     if op in ("add", "sub", "mul", "div"):
         return (op, e[0], e[1])

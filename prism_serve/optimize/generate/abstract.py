@@ -3,7 +3,7 @@
 Every tensor the generator creates (a kernel tensor, or a tile of a block graph) gets a term over
 the Program's inputs, with index labels (`labels.py`) naming the dims that reductions run over:
 
-    ("var", name) | ("const", name) | (op, a[, b]) for op in add sub mul div exp silu sqrt rsqrt
+    ("var", name) | ("const", name) | (op, a[, b]) for op in add sub mul div exp silu gelu_tanh sqrt rsqrt
     | ("sum" | "mean" | "max", label, a)
 
 A matmul contracting label K is ``("sum", K, ("mul", a, b))``; ``square(x)`` is ``x * x``. The
@@ -35,7 +35,7 @@ from egglog.bindings import EggSmolError
 
 Term = tuple
 BINARY = ("add", "sub", "mul", "div")
-UNARY = ("exp", "silu", "sqrt", "rsqrt")
+UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt")
 REDUCE = ("sum", "mean", "max")
 QUERY_ITERATIONS = 2
 TARGET_ITERATIONS = 12
@@ -65,6 +65,8 @@ class Abs(Expr):
     def exp(self) -> Abs: ...
 
     def silu(self) -> Abs: ...
+
+    def gelu_tanh(self) -> Abs: ...
 
     def sqrt(self) -> Abs: ...
 
@@ -159,17 +161,18 @@ def _symbols(t: Term) -> frozenset:
         return _symbols(t[2]) | {("sum", t[1]), ("const", f"inv.{t[1]}")}
     if head in REDUCE:
         return _symbols(t[2]) | {(head, t[1])}
-    own = {head} if head in ("exp", "silu", "add", "sub") else set()
+    own = {head} if head in ("exp", "silu", "gelu_tanh", "add", "sub") else set()
     return frozenset(own).union(*(_symbols(a) for a in t[1:]))
 
 
-_TAGGED = {"sqrt": "root", "rsqrt": "root", "exp": "exp", "silu": "silu", "add": "add", "sub": "sub", "max": "max"}
+_TAGGED = {"sqrt": "root", "rsqrt": "root", "exp": "exp", "silu": "silu", "gelu_tanh": "gelu_tanh", "add": "add",
+           "sub": "sub", "max": "max"}
 
 
 def leaves(t: Term, tags: frozenset = frozenset()) -> Counter:
     """The multiset of `t`'s variables and constants (but the ``inv.<label>`` of a mean), each with
     the set of tags of the ops above it that no rule moves a factor across: sqrt and rsqrt (one
-    tag, ``root``, since x * rsqrt(y) = x / sqrt(y)), exp, silu, add, sub, max. Every rule keeps
+    tag, ``root``, since x * rsqrt(y) = x / sqrt(y)), exp, silu, gelu_tanh, add, sub, max. Every rule keeps
     this multiset (+ and * reassociate within their tag, factors move across products, sums,
     means and divisions, which carry none), so it is the same for every term of an e-class."""
     head = t[0]
@@ -267,7 +270,7 @@ class Oracle:
         key = ac_form(t)  # the rules hold + and * commutative and associative: one query per form
         if key in self._within:
             return self._within[key]
-        # necessary conditions first: no rule creates a variable, a constant, exp, silu, add, sub
+        # necessary conditions first: no rule creates a variable, a constant, exp, silu, gelu_tanh, add, sub
         # or a reduction over a label the target's forms lack, and a subterm's leaves fit the whole's
         ok = _symbols(t) <= self._symbols and any(fits(leaves(t), lv) for lv in self._leaves) and \
             self._query(t, self._check_within)
@@ -306,8 +309,8 @@ class _TextForm:
         name = lambda fn: egraph._callable_to_egg(fn)[1]  # noqa: E731
         self.ops = {op: name(getattr(Abs, attr)) for op, attr in
                     {"add": "__add__", "sub": "__sub__", "mul": "__mul__", "div": "__truediv__", "exp": "exp",
-                     "silu": "silu", "sqrt": "sqrt", "rsqrt": "rsqrt", "var": "var", "const": "const",
-                     "sum": "rsum", "mean": "rmean", "max": "rmax"}.items()}
+                     "silu": "silu", "gelu_tanh": "gelu_tanh", "sqrt": "sqrt", "rsqrt": "rsqrt", "var": "var",
+                     "const": "const", "sum": "rsum", "mean": "rmean", "max": "rmax"}.items()}
         self.label = name(AbsLabel)
         self.within = name(within)
         self._cache: dict[Term, str] = {}

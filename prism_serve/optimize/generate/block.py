@@ -55,7 +55,7 @@ from prism_serve.optimize.generate.abstract import Oracle, Term
 from prism_serve.optimize.generate.design import BlockOp, whole_ref
 from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 
-UNARY = ("exp", "silu", "sqrt", "rsqrt", "square")
+UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt", "square")
 BINARY = ("add", "sub", "mul", "div")
 COMMUTATIVE = ("add", "mul")
 RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression", "cost")

@@ -36,7 +36,7 @@ def program_terms(flat: Program, labels) -> dict[str, Term]:
             t = ("mul", e[0], e[0])
         elif n.op in ("add", "sub", "mul", "div"):
             t = (n.op, e[0], e[1])
-        elif n.op in ("exp", "silu", "sqrt", "rsqrt"):
+        elif n.op in ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt"):
             t = (n.op, e[0])
         elif n.op in ("sum", "mean", "max"):
             t = (n.op, labels.reduced[n.name][0], e[0])
