@@ -41,7 +41,8 @@ def _program(target: str, shapes: list[str]):
         raise ProgramError(f"workload {target!r}: {exc}") from None
 
 
-def _table(result) -> Table:
+def _table(result, generator: bool) -> Table:
+    """The verified designs; the generator's with their canonical hash."""
     from prism_serve.baseline import served_modeled_us, vllm_modeled_us
     from prism_serve.optimize import canonical_hash
     from prism_serve.optimize.gpus import get_gpu
@@ -54,9 +55,8 @@ def _table(result) -> Table:
     measured = any(c.measured_us is not None for f in result.found for c in f.kernels)
     about = (f"vLLM's path: {', '.join(f'{vllm[n]:.1f} us @{n}' for n in buckets)} modeled" if vllm else
              "vLLM has no path for this program, so no speedup")
-    hashed = hasattr(result.found[0], "design") if result.found else False  # the generator's Found
-    table = Table("#", "design" if hashed else "plan", *(("canonical hash",) if hashed else ()), "kernels", "grid",
-                  "loop", *(f"modeled us @{n}" for n in buckets),
+    table = Table("#", "design" if generator else "plan", *(("canonical hash",) if generator else ()), "kernels",
+                  "grid", "loop", *(f"modeled us @{n}" for n in buckets),
                   *((f"measured us @{n}" for n in buckets) if measured else ()),
                   "vs vLLM modeled, per bucket", title=f"{prog.name} on {result.gpu}: verified kernels ({about})")
     for i, f in enumerate(result.found):
@@ -66,7 +66,7 @@ def _table(result) -> Table:
         loop = "; ".join(f"{k.forloop}={c.assignment[k.forloop]}" if k.forloop else "-" for k in blocks) or "-"
         speed = ", ".join(f"{vllm[n] / served_modeled_us(prog, f.kernel_for(n).modeled_us, n, spec):.2f}x"
                           for n in buckets) if vllm else "-"
-        named = (f.design.describe(), canonical_hash(f.sgraph)[:16]) if hashed else (f.plan.describe(),)
+        named = (f.design.describe(), canonical_hash(f.sgraph)[:16]) if generator else (f.plan.describe(),)
         table.add_row(str(i + 1), *named,
                       str(len(f.sgraph.kernels)), grid or "library", loop,
                       *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets),
@@ -139,7 +139,7 @@ def optimize_command(
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    Console(width=None if sys.stdout.isatty() else 200).print(_table(result))
+    Console(width=None if sys.stdout.isatty() else 200).print(_table(result, generator))
     s = result.stats
     size = (f"{s.designs} designs, {s.kernel_graphs} kernel graphs, {s.block_graphs} block graphs, "
             f"{s.workers} workers" if generator else f"{s.states} states")

@@ -121,7 +121,7 @@ MUTANTS = {
     "qk_norm_eps_changed": lambda: _edit(_oracle("qk_norm_attention"), 0, lambda ns: _swap(
         ns, "k_eps", node("k_eps", "const", value=1e-5))),
     "swapped_gating": lambda: _edit(_oracle("swiglu"), 0, lambda ns: _swap(
-        ns, "sa", node("sa", "silu", "acc_b"))),
+        ns, "ga", node("ga", "silu", "acc_b"))),
     # Gemma: the norm scaled by w instead of 1 + w; GeGLU gated by SiLU instead of tanh GELU
     "gemma_offset_dropped": lambda: _edit(_oracle("gemma_rms_norm"), 0, lambda ns: _swap(
         ns, "y", node("y", "mul", "xr", "w"))),

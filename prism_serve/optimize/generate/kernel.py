@@ -147,10 +147,12 @@ class KernelGenerator:
     def _walk(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int,
               choices, first=None) -> Iterator[Design]:
         if written == frozenset(self.ctx.outputs):
-            if len(kernels) == depth and not _dead_kernel(kernels, self.ctx.outputs):
-                yield Design(kernels)
-            elif len(kernels) == depth:
+            if len(kernels) < depth:
+                return
+            if _dead_kernel(kernels, self.ctx.outputs):
                 self._own.pruned["canonical"] += 1  # the same design without its dead kernel has fewer
+            else:
+                yield Design(kernels)
             return
         if len(kernels) >= depth or self._over_bound(kernels, tensors, written, depth - len(kernels)):
             return

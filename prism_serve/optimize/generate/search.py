@@ -172,9 +172,9 @@ class _Costed:
         stats.concrete_graphs += math.prod(len(c) for c in symbol_choices(g).values())
         self.items.append((sum(b.modeled_us for b in best), d, g))
 
-    def best_us(self, depth: int | None = None) -> float:
-        """The best modeled time so far (of the designs with fewer than `depth` kernels)."""
-        return min((c for c, d, _ in self.items if depth is None or len(d.kernels) < depth), default=math.inf)
+    def best_us(self, depth: int) -> float:
+        """The best modeled time of the designs so far with fewer than `depth` kernels."""
+        return min((c for c, d, _ in self.items if len(d.kernels) < depth), default=math.inf)
 
     def ranked(self) -> list[tuple[float, Design, SGraph]]:
         return sorted(self.items, key=lambda t: (t[0], t[1].describe()))

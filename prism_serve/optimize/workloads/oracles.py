@@ -128,26 +128,25 @@ def fused_add_rmsnorm_linear(prog: Program) -> SGraph:
     return SGraph("fused_add_rmsnorm_linear_oracle", prog, (), (k,))
 
 
-def swiglu(prog: Program) -> SGraph:
-    """Both projections accumulated in one loop; silu(a) * b in the epilogue."""
+def _gated(prog: Program, name: str, act: str) -> SGraph:
+    """Both projections accumulated in one loop; act(a) * b in the epilogue."""
     nodes = [load("x", "x", (0, None), fmap=1), load("wg", "w_gate", (None, 0), fmap=1),
              load("wu", "w_up", (None, 0), fmap=1),
              node("a", "matmul", "x", "wg", transpose_b=True), node("b", "matmul", "x", "wu", transpose_b=True),
              accum("acc_a", "a", "sum"), accum("acc_b", "b", "sum"),
-             node("sa", "silu", "acc_a"), node("y", "mul", "sa", "acc_b"), store("out", "y", "y", (0, 1))]
-    k = BlockKernel("swiglu", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
-    return SGraph("swiglu_oracle", prog, (), (k,))
+             node("ga", act, "acc_a"), node("y", "mul", "ga", "acc_b"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel(name, (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
+    return SGraph(f"{name}_oracle", prog, (), (k,))
+
+
+def swiglu(prog: Program) -> SGraph:
+    """Both projections accumulated in one loop; silu(a) * b in the epilogue."""
+    return _gated(prog, "swiglu", "silu")
 
 
 def geglu(prog: Program) -> SGraph:
     """swiglu's design: both projections accumulated in one loop; gelu_tanh(a) * b in the epilogue."""
-    nodes = [load("x", "x", (0, None), fmap=1), load("wg", "w_gate", (None, 0), fmap=1),
-             load("wu", "w_up", (None, 0), fmap=1),
-             node("a", "matmul", "x", "wg", transpose_b=True), node("b", "matmul", "x", "wu", transpose_b=True),
-             accum("acc_a", "a", "sum"), accum("acc_b", "b", "sum"),
-             node("ga", "gelu_tanh", "acc_a"), node("y", "mul", "ga", "acc_b"), store("out", "y", "y", (0, 1))]
-    k = BlockKernel("geglu", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), "F", tuple(nodes))
-    return SGraph("geglu_oracle", prog, (), (k,))
+    return _gated(prog, "geglu", "gelu_tanh")
 
 
 def rmsnorm_mlp(prog: Program) -> SGraph:
