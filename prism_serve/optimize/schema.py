@@ -334,28 +334,65 @@ def dim(value: Any, allowed: Collection[str], where: str):
         raise SGraphError(f"{where}: {exc}") from None
 
 
-# --- plans ----------------------------------------------------------------------------
+# --- generator designs ----------------------------------------------------------------
 
-def plan_from_json(data: Any):
-    """A stored search plan (warmup re-instantiates it; what it builds is then proven and checked)."""
-    from prism_serve.optimize.lower import PLAN_VERSION, BlockChoice, Plan, SegmentPlan
+REF = re.compile(rf"(@{NAME.pattern}(:whole)?|#{NAME.pattern}|{NAME.pattern})")
+_DESIGN_ATTRS: dict[str, Check] = {"dim": _DIM, "keepdim": boolean, "transpose_b": boolean,
+                                   "kind": _Enum(ACCUM_KINDS), "tensor": name}
+MAX_BLOCK_OPS = 64
+
+
+def _design_attrs(raw: Any, where: str) -> tuple:
     E = SGraphError
-    fields(data, ("plan_version", "segments"), (), "plan JSON", E)
-    if data["plan_version"] != PLAN_VERSION or type(data["plan_version"]) is not int:
-        raise E(f"plan JSON has version {_show(data['plan_version'])}, expected {PLAN_VERSION}")
-    segments = []
-    for s in listed(data["segments"], 1, MAX_NODES, "plan JSON: 'segments'", E):
-        fields(s, ("start", "stop", "choice"), (), "plan segment", E)
-        choice = s["choice"]
-        if choice is not None:
-            fields(choice, ("grid", "loop", "split", "hoist"), (), "plan choice", E)
-            grid = tuple(name(g, "plan grid label", E) for g in listed(choice["grid"], 1, 3, "plan grid", E))
-            choice = BlockChoice(grid,
-                                 None if choice["loop"] is None else name(choice["loop"], "plan loop label", E),
-                                 boolean(choice["split"], "plan split", E), boolean(choice["hoist"], "plan hoist", E))
-        segments.append(SegmentPlan(int_in(s["start"], 0, MAX_NODES, "plan start", E),
-                                    int_in(s["stop"], 0, MAX_NODES, "plan stop", E), choice))
-    return Plan(tuple(segments))
+    if not isinstance(raw, dict) or len(raw) > len(_DESIGN_ATTRS):
+        raise E(f"{where}: attrs must be an object of known attributes, got {_show(raw)}")
+    for k in raw:
+        if k not in _DESIGN_ATTRS:
+            raise E(f"{where}: unknown attribute {_show(k)}")
+    return tuple(sorted((k, _DESIGN_ATTRS[k](v, f"{where}: {k}", E)) for k, v in raw.items()))
+
+
+def _ref(value: Any, where: str) -> str:
+    if type(value) is not str or not REF.fullmatch(value):
+        raise SGraphError(f"{where} must be a block value, @tensor[:whole] or #constant, got {_show(value)}")
+    return value
+
+
+def design_from_json(data: Any):
+    """A stored generator design (warmup replays it for the new shapes; what it builds is then
+    proven and checked like a searched one)."""
+    from prism_serve.optimize.generate.design import DESIGN_OPS as ops
+    from prism_serve.optimize.generate.design import DESIGN_VERSION, BlockOp, BlockSpec, Design, LibrarySpec
+    E = SGraphError
+    fields(data, ("design_version", "kernels"), (), "design JSON", E)
+    if type(data["design_version"]) is not int or data["design_version"] != DESIGN_VERSION:
+        raise E(f"design JSON has version {_show(data['design_version'])}, expected {DESIGN_VERSION}")
+    kernels = []
+    for i, k in enumerate(listed(data["kernels"], 1, MAX_KERNELS, "design JSON: 'kernels'", E)):
+        where = f"design JSON kernel {i}"
+        kind = one_of(fields(k, ("kind",), ("out", "op", "inputs", "attrs", "grid", "loop", "split", "ops"),
+                             where, E)["kind"], ("library", "block"), f"{where}: kind", E)
+        if kind == "library":
+            fields(k, ("kind", "out", "op", "inputs", "attrs"), (), where, E)
+            kernels.append(LibrarySpec(
+                name(k["out"], f"{where}: out", E), one_of(k["op"], ops, f"{where}: op", E),
+                tuple(name(x, f"{where}: input", E) for x in listed(k["inputs"], 1, MAX_INPUTS, f"{where}: inputs", E)),
+                _design_attrs(k["attrs"], where)))
+            continue
+        fields(k, ("kind", "grid", "loop", "split", "ops"), (), where, E)
+        block_ops = []
+        for j, o in enumerate(listed(k["ops"], 1, MAX_BLOCK_OPS, f"{where}: ops", E)):
+            at = f"{where} op {j}"
+            fields(o, ("name", "op", "inputs", "attrs"), (), at, E)
+            block_ops.append(BlockOp(
+                name(o["name"], f"{at}: name", E), one_of(o["op"], ops + ("accum", "store"), f"{at}: op", E),
+                tuple(_ref(x, f"{at}: input") for x in listed(o["inputs"], 1, MAX_INPUTS, f"{at}: inputs", E)),
+                _design_attrs(o["attrs"], at)))
+        kernels.append(BlockSpec(
+            tuple(name(g, f"{where}: grid label", E) for g in listed(k["grid"], 1, S.MAX_GRID_AXES, f"{where}: grid", E)),
+            None if k["loop"] is None else name(k["loop"], f"{where}: loop label", E),
+            tuple(block_ops), boolean(k["split"], f"{where}: split", E)))
+    return Design(tuple(kernels))
 
 
 # --- kernel instances -------------------------------------------------------------------

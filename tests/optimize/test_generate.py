@@ -134,6 +134,28 @@ def test_malformed_design_json_is_rejected_with_a_reason():
                                                              "inputs": ["x"], "attrs": {"code": "import os"}}]})
 
 
+@pytest.mark.parametrize("field,value,reason", [
+    ("op", "__import__('os').system('true')", "is not one of"),
+    ("inputs", ["@x); import os; (x"], "must be a block value"),
+    ("attrs", {"dim": "1"}, "must be int"),
+    ("attrs", {"keepdim": 1}, "must be bool"),
+    ("attrs", {"kind": "exec"}, "is not one of"),
+    ("attrs", {"tensor": "y\nimport os"}, "must be a name"),
+    ("name", "b0 = 1; import os", "must be a name"),
+    ("extra", 1, "unknown fields")])
+def test_a_stored_design_is_typed_data_never_source(field, value, reason):
+    """Warmup replays designs from the registry, which is untrusted input (#12): every field of a
+    design is parsed against its type and range, and a string that is not a known op, a name or a
+    reference is refused with one line naming the field."""
+    raw = Design.from_json({
+        "design_version": 1, "kernels": [{"kind": "block", "grid": ["num_tokens"], "loop": None, "split": False,
+                                          "ops": [{"name": "b0", "op": "exp", "inputs": ["@x"], "attrs": {}}]}]}).to_json()
+    raw["kernels"][0]["ops"][0][field] = value
+    with pytest.raises(SGraphError, match=reason) as err:
+        Design.from_json(raw)
+    assert len(str(err.value).splitlines()) == 1
+
+
 def test_values_of_the_generator_carry_their_loop_facts():
     ctx = make_context(WORKLOADS["attention"].program(batch=1, heads=2, kv_heads=1, kv_len=16, head_dim=8,
                                                       dtype="float32"))

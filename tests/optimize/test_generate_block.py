@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from prism_serve.optimize import canonical_hash
-from prism_serve.optimize.generate.abstract import ac_form, fits, leaves
+from prism_serve.optimize.generate.abstract import Oracle, ac_form, fits, leaves
 from prism_serve.optimize.generate.block import BINARY, UNARY, BlockGenerator, _labels
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build
@@ -173,3 +173,59 @@ def test_a_paused_walk_resumes_where_it_stopped_and_finds_what_an_uninterrupted_
     resumed, paused, stopped = walk(True)
     assert none == 0 and paused >= 2 and not stopped
     assert len(uninterrupted) >= 2 and resumed == uninterrupted
+
+
+def _completions(ctx, grid, loop, max_ops: int) -> list:
+    gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, grid, loop, max_ops, frozenset(),
+                         outputs_only=True)
+    return [c.ops for c in gen.run()]
+
+
+def test_the_ops_needed_bound_never_cuts_a_kernel(monkeypatch):
+    """The op-kind bound (`op_tags`: a kind of op the outputs need and no value has costs an op)
+    is sound: the walk without it finds the same kernels, only later."""
+    ctx = make_context(_small_rmsnorm_linear("float32"))
+    with_bound = _completions(ctx, GRID, None, 7)
+    monkeypatch.setattr(BlockGenerator, "_ops_needed",
+                        lambda self, values, uses: sum(v.ref not in uses for v in values) - 1)
+    without = _completions(ctx, GRID, None, 7)
+    assert with_bound and set(with_bound) == set(without)
+
+
+def test_batched_subexpression_queries_give_the_verdicts_of_single_ones():
+    """`Oracle.prefetch` decides many terms in one e-graph run and must agree with `within` alone."""
+    prog = _small_rmsnorm_linear("float32")
+    ctx = make_context(prog)
+    sources = BlockGenerator(ctx.oracle, {}, ctx.inputs, ctx.consts, GRID, LOOP, 1, frozenset()).sources
+    terms = [(op, a.expr, b.expr) for op in ("add", "mul", "div") for a in sources for b in sources]
+    terms += [("sum", "x1", ("mul", t, t)) for t in terms[:20]]
+    single, batched = make_context(prog).oracle, make_context(prog).oracle
+    verdicts = [single.within(t) for t in terms]
+    batched.prefetch(terms)
+    assert any(verdicts) and not all(verdicts)
+    assert [batched.within(t) for t in terms] == verdicts
+    assert batched.queries < single.queries  # one run for the batch, one more per term it marks
+
+
+@pytest.mark.parametrize("name,dims,grid,loop,ops,gain", [
+    ("rmsnorm_swiglu", {"hidden": 48, "intermediate": 40}, ("num_tokens", "w_gate0"), None, 10, 100),
+    ("rmsnorm_mlp", {"hidden": 48, "intermediate": 40}, ("num_tokens", "w_up0"), "x1", 10, 4),
+    ("attention", {"batch": 2, "heads": 2, "kv_len": 32, "head_dim": 16}, ("q0", "q1", "v3"), "k2", 8, 1)])
+def test_ops_of_the_programs_own_terms_come_first_and_reach_a_kernel_sooner(name, dims, grid, loop, ops, gain,
+                                                                           monkeypatch):
+    """Ops that rebuild a term of the Program as written come first, so the depth-first walk goes
+    (nearly) straight down to a complete kernel before it explores algebraic variants: `gain`
+    times fewer states before the first kernel than the same walk without that order (measured:
+    14 against 6516 for rmsnorm_swiglu, 337 against 1525 for rmsnorm_mlp, no change for attention)."""
+    ctx = make_context(WORKLOADS[name].program(**dims, dtype="float32"))
+
+    def states_to_first() -> int:
+        gen = BlockGenerator(make_context(ctx.prog).oracle, ctx.outputs, ctx.inputs, ctx.consts, grid, loop, ops,
+                             frozenset(), outputs_only=True)
+        first = next(c for c in gen.run() if c is not None)
+        assert all(ctx.oracle.within(v.expr) for v in first.sinks)
+        return len(gen.seen)
+    ordered = states_to_first()
+    monkeypatch.setattr(Oracle, "literal", lambda self, t, reduced=False: False)
+    unordered = states_to_first()
+    assert ordered * gain <= unordered, (ordered, unordered)

@@ -13,7 +13,8 @@ from prism_serve.optimize import canonical_hash
 from prism_serve.optimize.generate.bound import DesignBound, touched
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import LibrarySpec, build
-from prism_serve.optimize.generate.search import SearchStats, _Costed, _generate, optimize
+from prism_serve.optimize.generate.kernel import KernelGenerator
+from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _Costed, _generate, optimize
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.tune import best_modeled
 from prism_serve.optimize.workloads.programs import WORKLOADS
@@ -23,7 +24,9 @@ BUCKETS = (1, 16)
 
 def _listing(prog, gpu, max_kernels: int, max_block_ops: int) -> _Costed:
     costed = _Costed(prog, gpu, BUCKETS, SearchStats())
-    _generate(make_context(prog), max_kernels, max_block_ops, time.perf_counter() + 600, costed, None, None)
+    gen = KernelGenerator(make_context(prog), max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
+                          deadline=time.perf_counter() + 600)
+    _generate(gen, costed, None, None)
     return costed
 
 
@@ -96,3 +99,26 @@ def test_no_design_keeps_a_dead_kernel():
             later = set().union(*(reads(j) for j in d.kernels[i + 1:]))
             assert writes(k) & (set(prog.outputs) | later), d.describe()
     assert costed.stats.pruned["canonical"] > 0
+
+
+def test_a_generation_stopped_by_its_deadline_resumes_where_it_paused():
+    """The driver gives generation more time when the first round costed nothing: the round after
+    resumes the paused walks, and the two rounds hand in exactly the designs of one long round."""
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
+    ctx = make_context(prog)
+
+    def gen(deadline):
+        return KernelGenerator(ctx, max_kernels=2, max_block_ops=3, max_grid=MAX_GRID, deadline=deadline)
+    whole = _Costed(prog, get_gpu("h100"), BUCKETS, SearchStats())
+    _generate(gen(time.perf_counter() + 600), whole, None, None)
+    rounds = _Costed(prog, get_gpu("h100"), BUCKETS, SearchStats())
+    g = gen(time.perf_counter() + 0.05)
+    _generate(g, rounds, None, None)
+    assert rounds.stats.stopped_by_budget and len(rounds.designs) < len(whole.designs)
+    g.deadline = time.perf_counter() + 600
+    _generate(g, rounds, None, None)
+    assert not rounds.stats.stopped_by_budget
+    assert set(rounds.designs) == set(whole.designs) and len(rounds.designs) == len(whole.designs)
+    # the second round walks the kernel level again (block walks resume from their caches), so the
+    # library ops it judges again are counted again
+    assert rounds.stats.pruned["abstract_expression"] >= whole.stats.pruned["abstract_expression"]

@@ -39,9 +39,13 @@ def test_the_workers_generate_the_serial_designs_in_the_serial_order(cost_rule):
     bound = DesignBound(H100, (4, 64)) if cost_rule else None
     serial = _Costed(prog, H100, (4, 64), SearchStats())
     parallel = _Costed(prog, H100, (4, 64), SearchStats(workers=2))
-    _generate(make_context(prog), 2, 3, time.perf_counter() + 600, serial, bound, None)
+    def gen():
+        return KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=3, max_grid=MAX_GRID,
+                               deadline=time.perf_counter() + 600, bound=bound)
+    _generate(gen(), serial, bound, None)
     with Pool(2, Config(prog, H100, 2, 3, MAX_GRID, True, bound)) as pool:
-        _generate_parallel(pool, make_context(prog), 2, 3, time.perf_counter() + 600, parallel, bound, None)
+        driver = gen()
+        _generate_parallel(pool, driver, driver.choices(), parallel, bound, None)
     assert parallel.designs == serial.designs
     assert not serial.stats.stopped_by_budget and not parallel.stats.stopped_by_budget
     assert parallel.stats.pruned["abstract_expression"] > 0

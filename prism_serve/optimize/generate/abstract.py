@@ -165,6 +165,22 @@ def _symbols(t: Term) -> frozenset:
     return frozenset(own).union(*(_symbols(a) for a in t[1:]))
 
 
+def op_tags(t: Term) -> frozenset:
+    """The kinds of op in `t` that every equivalent form has: exp, silu, gelu_tanh, add, sub, a root
+    (sqrt or rsqrt), and a sum (a mean is a sum times ``inv.<label>``) or a max over each label. No rule
+    of `_algebra` or of the mean rules creates or removes one (they reorder products and move
+    factors across sums and divisions), so a design must make every kind its output's term has."""
+    head = t[0]
+    if head in ("var", "const"):
+        return frozenset()
+    own = {("root",)} if head in ("sqrt", "rsqrt") else {(head,)} if head in _OWN_TAG else set()
+    if head in REDUCE:
+        own = {("max" if head == "max" else "sum", t[1])}
+        return frozenset(own) | op_tags(t[2])
+    return frozenset(own).union(*(op_tags(a) for a in t[1:]))
+
+
+_OWN_TAG = ("exp", "silu", "gelu_tanh", "add", "sub")
 _TAGGED = {"sqrt": "root", "rsqrt": "root", "exp": "exp", "silu": "silu", "gelu_tanh": "gelu_tanh", "add": "add",
            "sub": "sub", "max": "max"}
 
@@ -196,6 +212,14 @@ def fits(t: Counter, target: Counter) -> bool:
         if need > have:
             return False
     return True
+
+
+def _parts(t: Term):
+    """`t` and every term inside it."""
+    yield t
+    if t[0] not in ("var", "const"):
+        for a in (t[2],) if t[0] in REDUCE else t[1:]:
+            yield from _parts(a)
 
 
 _AC: dict[Term, Term] = {}
@@ -255,6 +279,8 @@ class Oracle:
         self._check_equals = {o: self.egraph._egraph.parse_program(f"(check (= $q $target_{i}))")[0]
                               for i, o in enumerate(targets)}
         self._leaves = [leaves(t) for t in targets.values()]
+        self._literal = frozenset(ac_form(s) for t in targets.values() for s in _parts(t))
+        self._reduced = frozenset(ac_form(s[2]) for t in targets.values() for s in _parts(t) if s[0] in REDUCE)
         self.enabled = True  # False: every term passes (to check that the rule is sound)
         self._within: dict[Term, bool] = {}
         self._equals: dict[tuple[Term, str], bool] = {}
@@ -270,12 +296,43 @@ class Oracle:
         key = ac_form(t)  # the rules hold + and * commutative and associative: one query per form
         if key in self._within:
             return self._within[key]
-        # necessary conditions first: no rule creates a variable, a constant, exp, silu, gelu_tanh, add, sub
-        # or a reduction over a label the target's forms lack, and a subterm's leaves fit the whole's
-        ok = _symbols(t) <= self._symbols and any(fits(leaves(t), lv) for lv in self._leaves) and \
-            self._query(t, self._check_within)
+        ok = self._may_be_within(t) and self._query(t, self._check_within)
         self._within[key] = ok
         return ok
+
+    def literal(self, t: Term, reduced: bool = False) -> bool:
+        """Whether `t` is a subterm of a target as the Program writes it (up to + and * order), and
+        with `reduced` one that the Program reduces (sums, means or maxes) directly: the generator
+        tries such ops first, so the Program's own fused form comes early."""
+        return ac_form(t) in (self._reduced if reduced else self._literal)
+
+    def _may_be_within(self, t: Term) -> bool:
+        """Necessary conditions: no rule creates a variable, a constant, exp, silu, gelu_tanh, add,
+        sub or a reduction over a label the target's forms lack, and a subterm's leaves fit the whole's."""
+        return _symbols(t) <= self._symbols and any(fits(leaves(t), lv) for lv in self._leaves)
+
+    def prefetch(self, terms) -> None:
+        """Decide `within` for many terms with one e-graph run (the per-run cost dominates a query).
+        Exact, not an approximation: rules only add facts, so a term that a run with the others
+        beside it does not mark is not marked alone either (cached False); a term it does mark is
+        confirmed by its own query (the others might have helped), and those are few, since the
+        rule prunes most terms. So every verdict is the one `within` gives alone."""
+        if not self.enabled:
+            return
+        batch: dict[Term, Term] = {}
+        for t in terms:
+            key = ac_form(t)
+            if key in self._within or key in batch:
+                continue
+            if not self._may_be_within(t):
+                self._within[key] = False
+            else:
+                batch[key] = t
+        if len(batch) < 2:
+            return
+        marked = self._query_batch(list(batch.values()))
+        for (key, t), ok in zip(batch.items(), marked):
+            self._within[key] = ok and self._query(t, self._check_within)
 
     def equals(self, t: Term, output: str) -> bool:
         key = (t, output)
@@ -298,6 +355,27 @@ class Oracle:
                 return True
             except EggSmolError:
                 return False
+        finally:
+            self._run(self._pop)
+
+
+    def _query_batch(self, terms: list[Term]) -> list[bool]:
+        """Whether each term is marked `within` after one run of the query schedule with all of them."""
+        self.queries += 1
+        parse = self.egraph._egraph.parse_program
+        self._run(self._push)
+        try:
+            self._run(*parse("".join(f"(let $q{i} {self._text(t)})" for i, t in enumerate(terms))),
+                      self._query_schedule)
+            out = []
+            for i in range(len(terms)):
+                check, = parse(f"(check ({self._text.within} $q{i}))")
+                try:
+                    self._run(check)
+                    out.append(True)
+                except EggSmolError:
+                    out.append(False)
+            return out
         finally:
             self._run(self._pop)
 

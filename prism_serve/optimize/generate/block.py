@@ -51,13 +51,10 @@ from functools import cached_property
 from typing import Iterator
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.generate.abstract import Oracle, Term
-from prism_serve.optimize.generate.design import BlockOp, whole_ref
+from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags
+from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, whole_ref
 from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 
-UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt", "square")
-BINARY = ("add", "sub", "mul", "div")
-COMMUTATIVE = ("add", "mul")
 RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression", "cost")
 
 
@@ -165,9 +162,8 @@ class BlockGenerator:
         pending = [v for v in values if v.partial and v.ref not in uses]  # loop partials awaiting an accumulator
         if left <= 0 and not pending:
             return
-        if self.outputs_only:  # an op joins at most two unused values into one: the bound on ops left
-            dangling = sum(v.ref not in uses for v in values)
-            if dangling - 1 > left:
+        if self.outputs_only:  # the bounds on ops left (see `_ops_needed`)
+            if self._ops_needed(values, uses) > left:
                 return
         while time.perf_counter() > self.deadline:  # paused: the consumer may set a later deadline and resume
             self.stopped = True
@@ -198,9 +194,26 @@ class BlockGenerator:
                 continue
             yield from self._walk(ops + (bop,), values + (new,), nuses, (_key(new), new.ref))
 
+    def _ops_needed(self, values: tuple, uses: dict) -> int:
+        """A lower bound on the ops that still complete a design's last kernel: an op joins at most
+        two unused values into one, and makes at most one kind of op (`abstract.op_tags`) that the
+        outputs' terms have and no value so far has."""
+        dangling = sum(v.ref not in uses for v in values)
+        missing = self._target_tags.difference(*(_tags(v) for v in values))
+        return max(dangling - 1, len(missing))
+
+    @cached_property
+    def _target_tags(self) -> frozenset:
+        """The op kinds of the outputs still to write that no kernel tensor or constant already has."""
+        want = frozenset().union(*(op_tags(self.oracle.targets[o]) for o in self.outputs if o not in self.written))
+        return want.difference(*(_tags(v) for v in self.sources))
+
     def _candidates(self, values: tuple) -> Iterator[tuple[str, tuple, tuple]]:
         """Every well-typed op that reads a block value (ops on the newest value first: designs come
-        sooner), then the ops over kernel tensors and constants alone. The rules of `_op` see the
+        sooner), then the ops over kernel tensors and constants alone; all of those whose result is
+        a term of the Program as written (`Oracle.literal`) before all the others, so that the
+        depth-first walk reaches the Program's own fused form early and its algebraic variants
+        after (the order only: every op is tried). The rules of `_op` see the
         operands' facts only (`Value.facts`), so their verdict on an op is judged and counted once
         per generator (per operand facts: the ops over kernel tensors and constants; the unary
         ops, reductions and pairs with a kernel tensor or constant of a block value; the pairs of
@@ -211,26 +224,37 @@ class BlockGenerator:
         if self._source_ops is None:
             self._source_ops = self._survivors(self.source_candidates(), ())
         fresh = [v for v in reversed(values) if v.partial is None]
-        if values and values[-1].partial is not None:
-            yield "accum", (values[-1],), ()
+        lists = []
         for i, f in enumerate(fresh):  # each pair of block values once
             facts = f.facts
             if facts not in self._per_value:
                 self._per_value[facts] = self._survivors(self._typed(f, self.sources), (f,))
-            yield from self._reuse(self._per_value[facts], (f,))
+            lists.append((self._per_value[facts], (f,)))
             for b in fresh[i:]:
                 key = (facts, b.facts)
                 if key not in self._per_pair:
                     self._per_pair[key] = self._survivors(self._pairs(f, [b]), (f, b))
-                yield from self._reuse(self._per_pair[key], (f, b))
+                lists.append((self._per_pair[key], (f, b)))
+        for cached, _ in lists:
+            cached[2] += 1  # counted in `counts`, not here: adding up Counts per state is a hot path
+        if values and values[-1].partial is not None:
+            yield "accum", (values[-1],), ()
+        for cached, slots in lists:  # first the ops that rebuild a term of the Program as written
+            yield from _fill(cached[0], slots, True)
+        yield from _fill(self._source_ops, (), True)
         for v in values[:-1]:
             if v.partial is not None:
                 yield "accum", (v,), ()
-        yield from self._source_ops
+        for cached, slots in lists:
+            yield from _fill(cached[0], slots, False)
+        yield from _fill(self._source_ops, (), False)
 
     def _survivors(self, cands: Iterator, slots: tuple[Value, ...]) -> list:
         """The candidates that pass the rules judged on operand facts alone, with each operand that
         is one of the block values `slots` replaced by its position there (filled in per state)."""
+        cands = list(cands)
+        built = (self._build(op, ins, attrs, "") for op, ins, attrs in cands if op != "accum")
+        self.oracle.prefetch(new.expr for new, rule in built if rule is None)  # one e-graph run for all
         out, pruned = [], Counts()
         for op, ins, attrs in cands:
             pruned.generated += 1
@@ -238,20 +262,15 @@ class BlockGenerator:
             if rule:
                 pruned.pruned[rule] += 1
             else:
-                out.append((op, tuple(next((j for j, s in enumerate(slots) if v is s), v) for v in ins), attrs))
+                new = self._apply(op, ins, attrs, 0)[0]  # a whole row leads on only through a reduction of it:
+                literal = self.oracle.literal(new.expr, reduced=any(_is_whole(lb) for lb in new.labels))
+                out.append((op, tuple(next((j for j, s in enumerate(slots) if v is s), v) for v in ins), attrs,
+                            literal))
         if not slots:  # ops over kernel tensors and constants: counted once per generator
             self._counts.add(pruned)
             return out
         pruned.generated -= len(out)  # the survivors are counted where the walk takes them
         return [out, pruned, 0]  # the survivors, what the rules pruned, how many states reused them
-
-    def _reuse(self, cached: list, slots: tuple[Value, ...]) -> Iterator[tuple[str, tuple, tuple]]:
-        """Cached survivors with this state's block values filled in; the candidates the cache
-        pruned count as pruned in this state too (each is a different graph not expanded)."""
-        out = cached[0]
-        cached[2] += 1  # counted in `counts`, not here: adding up Counts per state is a hot path
-        for op, ins, attrs in out:
-            yield op, tuple(slots[v] if isinstance(v, int) else v for v in ins), attrs
 
     @property
     def counts(self) -> Counts:
@@ -321,6 +340,13 @@ class BlockGenerator:
         return named, None, BlockOp(name, op, tuple(i.ref for i in ins), attrs)
 
     def _op(self, op: str, ins: tuple[Value, ...], attrs: tuple, name: str) -> tuple[Value | None, str | None]:
+        new, rule = self._build(op, ins, attrs, name)
+        if rule is None and not self.oracle.within(new.expr):
+            return None, "abstract_expression"
+        return new, rule
+
+    def _build(self, op: str, ins: tuple[Value, ...], attrs: tuple, name: str) -> tuple[Value | None, str | None]:
+        """The op's result and the first rule that prunes it, but the subexpression query."""
         if any(v.partial for v in ins) and self.oracle.enabled:
             return None, "abstract_expression"  # a loop-tile partial is no subexpression of the target
         a = dict(attrs)
@@ -351,8 +377,6 @@ class BlockGenerator:
                 if op == "mean":  # accumulate it as a sum, times the constant 1/size after the loop
                     return None, "schedule"
                 partial = "sum" if op == "matmul" else op
-        if not self.oracle.within(expr):
-            return None, "abstract_expression"
         return Value(name, t, labels, expr, stage, partial, next(iter(rescales), None)), None
 
     def _accum(self, v: Value, name: str):
@@ -399,6 +423,10 @@ def whole_label(lb: str) -> str:
     return lb + WHOLE_LABEL
 
 
+def _is_whole(lb: str | None) -> bool:
+    return bool(lb) and lb.endswith(WHOLE_LABEL)
+
+
 def base_label(lb: str | None) -> str | None:
     """The index label a (possibly whole) dim label stands for."""
     return lb[:-len(WHOLE_LABEL)] if lb and lb.endswith(WHOLE_LABEL) else lb
@@ -421,6 +449,24 @@ def _broadcasts(x: tuple, y: tuple) -> bool:
     if ok is None:
         ok = _BROADCASTS[key] = all(not p or not q or p == q for p, q in zip(reversed(x), reversed(y)))
     return ok
+
+
+_TAGS: dict[int, frozenset] = {}
+
+
+def _tags(v: Value) -> frozenset:
+    tags = _TAGS.get(v.eid)
+    if tags is None:
+        tags = _TAGS[v.eid] = op_tags(v.expr)
+    return tags
+
+
+def _fill(survivors: list, slots: tuple[Value, ...], literal: bool) -> Iterator[tuple[str, tuple, tuple]]:
+    """Cached survivors (those whose result is a term of the Program as written, or the others)
+    with this state's block values filled in."""
+    for op, ins, attrs, lit in survivors:
+        if lit is literal:
+            yield op, tuple(slots[v] if isinstance(v, int) else v for v in ins), attrs
 
 
 def _key(v: Value) -> tuple:

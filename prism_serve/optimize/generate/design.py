@@ -29,6 +29,11 @@ from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.sgraph import BlockKernel, GridAxis, Kernel, LibraryKernel, SGraph, TensorDecl, to_expr
 
 DESIGN_VERSION = 1
+UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt", "square")  # the ops a design's kernels may run
+BINARY = ("add", "sub", "mul", "div")
+COMMUTATIVE = ("add", "mul")
+REDUCE = ("sum", "mean", "max")
+DESIGN_OPS = UNARY + BINARY + REDUCE + ("matmul",)
 
 
 @dataclass(frozen=True)
@@ -91,41 +96,13 @@ class Design:
 
     @staticmethod
     def from_json(data: Any) -> "Design":
-        try:
-            if data["design_version"] != DESIGN_VERSION:
-                raise SGraphError(f"design JSON has version {data['design_version']!r}, expected {DESIGN_VERSION}")
-            ks: list[KernelSpec] = []
-            for k in data["kernels"]:
-                if k["kind"] == "library":
-                    ks.append(LibrarySpec(str(k["out"]), str(k["op"]), tuple(map(str, k["inputs"])),
-                                          _attrs_from(k["attrs"])))
-                elif k["kind"] == "block":
-                    ops = tuple(BlockOp(str(o["name"]), str(o["op"]), tuple(map(str, o["inputs"])),
-                                        _attrs_from(o["attrs"])) for o in k["ops"])
-                    ks.append(BlockSpec(tuple(map(str, k["grid"])), None if k["loop"] is None else str(k["loop"]),
-                                        ops, bool(k["split"])))
-                else:
-                    raise SGraphError(f"design JSON: unknown kernel kind {k['kind']!r}")
-            return Design(tuple(ks))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise SGraphError(f"malformed design JSON: {type(exc).__name__}: {exc}") from None
+        """Typed parsing of stored JSON (`schema.design_from_json`): a design is untrusted data."""
+        from prism_serve.optimize.schema import design_from_json
+        return design_from_json(data)
 
 
 def _attrs_json(attrs) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs}
-
-
-_ATTR_TYPES = {"dim": int, "keepdim": bool, "transpose_b": bool, "kind": str, "tensor": str}
-
-
-def _attrs_from(d: dict) -> tuple:
-    out = []
-    for k, v in dict(d).items():
-        typ = _ATTR_TYPES.get(k)
-        if typ is None or not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            raise SGraphError(f"malformed design JSON: attribute {k!r}={v!r}")
-        out.append((k, v))
-    return tuple(sorted(out))
 
 
 WHOLE = ":whole"

@@ -47,6 +47,9 @@ class KernelGenerator:
     def __init__(self, ctx: Context, *, max_kernels: int, max_block_ops: int, max_grid: int, deadline: float,
                  bound: DesignBound | None = None):
         self.ctx, self.max_kernels, self.max_block_ops, self.max_grid = ctx, max_kernels, max_block_ops, max_grid
+        # the kernel of a one-kernel design holds the whole Program: it may have as many ops as the
+        # Program has (an MLP with its RMSNorm has 9), its own fused form among them
+        self.alone_ops = max(max_block_ops, sum(n.op not in ("input", "const") for n in ctx.flat.nodes))
         self.deadline = deadline
         self.bound = bound
         self.best_us = math.inf  # the best modeled design with fewer kernels than the current depth
@@ -58,6 +61,7 @@ class KernelGenerator:
         self.pending = 1  # block enumerations still to run in this pass: each gets an equal share of time
         self._pass_deadline = deadline
         self._resumed: set | None = None  # in a resumption pass: the enumerations resumed so far
+        self._choices: list | None = None
 
     @property
     def counts(self) -> Counts:
@@ -75,7 +79,10 @@ class KernelGenerator:
     def choices(self) -> list[tuple[tuple[str, ...], str | None]]:
         """(grid labels, loop label) per graph-defined kernel, more grid axes first and then loops
         over longer reductions first (an order only: what comes sooner); the choice-level shape
-        rule drops grids without the token label where tensors have tokens."""
+        rule drops grids without the token label where tensors have tokens. Judged (and counted)
+        once per generator."""
+        if self._choices is not None:
+            return self._choices
         ctx = self.ctx
         out_labels = [lb for lb in ctx.labels if any(lb in v.labels for v in self._outputs_labels())]
         reduced = [lb for lb in ctx.labels if any(lb in r for r in _reduced(ctx))]
@@ -91,6 +98,7 @@ class KernelGenerator:
                         self._own.pruned["shape"] += 1
                         continue
                     out.append((grid, loop))
+        self._choices = out
         return out
 
     def _outputs_labels(self) -> list[Value]:
@@ -109,6 +117,7 @@ class KernelGenerator:
         the designs their new block graphs complete (each design is yielded once)."""
         choices = self.choices()
         yielded: set[Design] = set()
+        self.stopped = False  # a later run (with a later deadline) resumes the paused block enumerations
         for depth in range(1, self.max_kernels + 1):
             if best_below is not None:
                 self.best_us = best_below(depth)
@@ -168,7 +177,7 @@ class KernelGenerator:
                 continue
             yield from self._walk(kernels + (spec,), tensors | new, outs, depth, choices)
         for grid, loop in choices if first is None else [c for c in choices if c == first]:
-            for comp in self._blocks(tensors, written, grid, loop, last):
+            for comp in self._blocks(tensors, written, grid, loop, last, not kernels and last):
                 outs = {o for o in comp.outputs if o}
                 if last and not set(self.ctx.outputs) - written <= outs:
                     continue
@@ -207,12 +216,14 @@ class KernelGenerator:
         self._own.pruned["cost"] += 1
         return True
 
-    def _blocks(self, tensors: dict[str, Value], written: frozenset[str], grid, loop, last: bool):
-        key = (frozenset((k, v.expr) for k, v in tensors.items()), written, grid, loop, last)
+    def _blocks(self, tensors: dict[str, Value], written: frozenset[str], grid, loop, last: bool, alone: bool):
+        """The block graphs of one (grid, loop) over `tensors`; the kernel of a one-kernel design
+        (`alone`) may have `alone_ops`."""
+        key = (frozenset((k, v.expr) for k, v in tensors.items()), written, grid, loop, last, alone)
         entry = self._cache.get(key)
         if entry is None:
             gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, self.ctx.consts, grid, loop,
-                                 self.max_block_ops, written, outputs_only=last)
+                                 self.alone_ops if alone else self.max_block_ops, written, outputs_only=last)
             entry = self._cache[key] = [[], gen, gen.run()]
             self._advance(entry)
         elif self._resumed is not None and entry[2] is not None and key not in self._resumed:

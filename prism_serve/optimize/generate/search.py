@@ -1,12 +1,5 @@
-"""Prism's generator as a search driver: generate designs operator by operator, verify them,
-instantiate the best.
-
-Status (#11, open): this driver is run by `scripts/bench_generate.py` and its tests; warmup,
-`prism-serve optimize` and the plugin still use the plan search (`optimize/search.py`), because
-the generator finds no design for rmsnorm_mlp and qk_norm_attention within the issue's 60 s, nor
-for warmup's rmsnorm_swiglu region (one kernel needs 10 block ops, the default bound is 8, and
-the two-kernel space is not walked within the budget); see the module docstrings of `generate/`
-for what it enumerates and what it does not.
+"""Prism's generator as the search driver: generate designs operator by operator, verify them,
+instantiate the best. Warmup, `prism-serve optimize` and `scripts/bench_search.py` run it.
 
 Stage 1 (`generate/`): the kernel-level generator adds one kernel at a time (a library op or a
 graph-defined kernel whose block graph is itself built one op at a time), pruned per new tensor
@@ -60,6 +53,7 @@ from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
 MAX_GRID = 4  # logical grid axes per generated kernel (the sGraph allows up to MAX_GRID_AXES)
+GENERATE_SHARES = (0.5, 0.85)  # of the budget: generation's deadline, and its extension when nothing was costed
 GRACE_S = 10.0  # how long past a deadline the driver waits for a worker's answer (a subtree, a verification)
 Progress = Callable[[str, "SearchStats"], None]
 
@@ -143,8 +137,13 @@ class _Costed:
         self.designs: list[Design] = []  # every design handed in, in order
         self.items: list[tuple[float, Design, SGraph]] = []  # (modeled us, design, sGraph) of those kept
         self._seen: set[str] = set()
+        self._handed: set[Design] = set()
 
     def add(self, d: Design) -> None:
+        """Cost a design (one handed in again by a later generation round is ignored)."""
+        if d in self._handed:
+            return
+        self._handed.add(d)
         stats = self.stats
         self.designs.append(d)
         try:
@@ -233,49 +232,43 @@ def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdic
     return Found(design, g, proof, verdict.worst_error, _instances(g, gpu, buckets, timer, measure_top))
 
 
-def _generate(ctx, max_kernels: int, max_block_ops: int, deadline: float, costed: _Costed,
-              bound: DesignBound | None, progress: Progress | None) -> int:
-    """Stage 1 in this process: every design, fewer kernels first, until `deadline`, each handed
-    to `costed` as it comes (with a `bound`, the cost rule cuts a depth by the designs of fewer
-    kernels). Returns the number of designs."""
+def _generate(gen: KernelGenerator, costed: _Costed, bound: DesignBound | None, progress: Progress | None) -> None:
+    """Stage 1 in this process: every design, fewer kernels first, until `gen.deadline`, each
+    handed to `costed` as it comes (with a `bound`, the cost rule cuts a depth by the designs of
+    fewer kernels). A second call with a later deadline resumes the block enumerations the first
+    one paused (`KernelGenerator.run`)."""
     stats = costed.stats
-    gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
-                          deadline=deadline, bound=bound)
+    before = gen.counts
     n = 0
     for d in gen.run(costed.best_us if bound else None):
         n += 1
         costed.add(d)
         if progress and n % 10 == 0:
-            progress(f"generated {n} designs", stats)
-    stats.kernel_graphs, stats.block_graphs = gen.kernel_graphs, gen.block_graphs
-    stats.generated = gen.counts.generated
-    for rule, k in gen.counts.pruned.items():
-        stats.pruned[rule] += k
+            progress(f"generated {len(costed.designs)} designs", stats)
+    after = gen.counts
+    stats.kernel_graphs, stats.block_graphs, stats.generated = gen.kernel_graphs, gen.block_graphs, after.generated
+    for rule, k in after.pruned.items():
+        stats.pruned[rule] += k - before.pruned[rule]
     stats.stopped_by_budget = gen.stopped or gen.truncated > 0
-    return n
 
 
-def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, deadline: float, costed: _Costed,
-                       bound: DesignBound | None, progress: Progress | None) -> int:
+def _generate_parallel(pool: Pool, gen: KernelGenerator, choices: list, costed: _Costed, bound: DesignBound | None,
+                       progress: Progress | None) -> None:
     """Stage 1 in the workers: one task per (depth, first-kernel group), merged in `run`'s order
     (depth, then library ops, then the (grid, loop) choices in order), so the designs and their
     order are those of `_generate` whenever neither stops at its deadline. A depth's tasks start
     once the designs of fewer kernels are costed (the cost rule's threshold, as in `_generate`),
     and share the depth's time as `KernelGenerator.run` does (`DEPTH_SHARE`).
     Each task's block enumerations get a share of the time as if the groups still to run were
-    split over the workers. Returns the number of designs."""
+    split over the workers (`choices`: the driver's `gen.choices()`, counted there once). A later
+    call with a later `gen.deadline` resumes the workers' paused block enumerations."""
     stats = costed.stats
-    gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
-                          deadline=deadline, bound=bound)
-    choices = gen.choices()  # counted here once: the workers do not count it again
-    stats.generated = gen.counts.generated
-    for rule, k in gen.counts.pruned.items():
-        stats.pruned[rule] += k
+    deadline, max_kernels = gen.deadline, gen.max_kernels
     if time.perf_counter() > deadline:
         stats.stopped_by_budget = True
-        return 0
+        return
+    stats.stopped_by_budget = False
     groups = [LIBRARY] + choices
-    n = 0
     for depth in range(1, max_kernels + 1):
         factor = 1 if depth == 1 else 4
         left = max(0.0, deadline - time.perf_counter())  # each depth but the last gets DEPTH_SHARE of it, as in `run`
@@ -291,10 +284,9 @@ def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, de
             if not ok:
                 log.warning("a generator worker outlived the budget by %.0f s; its subtree is dropped", GRACE_S)
                 stats.stopped_by_budget = True
-                return n
+                return
             for d in sub.designs:
                 costed.add(d)
-            n += len(sub.designs)
             stats.generated += sub.generated
             for rule, k in sub.pruned.items():
                 stats.pruned[rule] += k
@@ -302,8 +294,7 @@ def _generate_parallel(pool: Pool, ctx, max_kernels: int, max_block_ops: int, de
             stats.block_graphs += sub.block_graphs
             stats.stopped_by_budget |= sub.stopped
             if progress:
-                progress(f"generated {n} designs", stats)
-    return n
+                progress(f"generated {len(costed.designs)} designs", stats)
 
 
 def _verify_parallel(pool: Pool, costed, deadline: float, take: Callable[..., bool]) -> bool:
@@ -340,7 +331,8 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     of the same family) are rebuilt and verified instead of searching. The search stops cleanly
     at `budget_s` with the best found so far; `all_designs` verifies every generated design
     instead of stopping after `top`; `abstract_rule=False` turns the abstract-expression rule off
-    (to check that it is sound).
+    (to check that it is sound). A graph-defined kernel has at most `max_block_ops` ops, the
+    kernel of a one-kernel design at least as many as the Program (`KernelGenerator.alone_ops`).
 
     `workers` processes (default: this machine's cores) generate independent subtrees and verify
     designs in parallel (`workers.py`); what is found does not depend on their number unless the
@@ -371,14 +363,27 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
         if known:
             for d in known:
                 costing.add(d)
-            stats.designs = len(known)
         else:
             ctx = make_context(prog)
             ctx.oracle.enabled = abstract_rule
-            gen_deadline = start + budget_s * 0.5
-            stats.designs = (
-                _generate_parallel(pool, ctx, max_kernels, max_block_ops, gen_deadline, costing, bound, progress)
-                if pool else _generate(ctx, max_kernels, max_block_ops, gen_deadline, costing, bound, progress))
+            gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
+                                  deadline=0.0, bound=bound)
+            choices = gen.choices() if pool else []  # the serial walk counts its own
+            if pool:
+                stats.generated += gen.counts.generated
+                for rule, k in gen.counts.pruned.items():
+                    stats.pruned[rule] += k
+            # half the budget for generating; a round that found nothing to verify goes on, resuming
+            # where it paused, into the time that verification would have had (but VERIFY_RESERVE)
+            for share in GENERATE_SHARES:
+                gen.deadline = start + budget_s * share
+                if pool:
+                    _generate_parallel(pool, gen, choices, costing, bound, progress)
+                else:
+                    _generate(gen, costing, bound, progress)
+                if costing.items or not stats.stopped_by_budget:
+                    break
+        stats.designs = len(costing.designs)
         costed = costing.ranked()
         found: list[Found] = []
 
