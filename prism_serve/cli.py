@@ -136,7 +136,7 @@ def warmup(
         buckets = ", ".join(f"{lo}-{hi}" for lo, hi in r.buckets) or "-"
         measured = _speeds(r.measured_speedup) + (f" ({r.baseline})" if r.baseline != "vllm" and
                                                   r.measured_speedup else "")
-        table.add_row(r.kind, (r.plan + (" (reused)" if r.reused else "")) or "-", buckets,
+        table.add_row(r.kind, (r.design + (" (reused)" if r.reused else "")) or "-", buckets,
                       "yes" if r.verified else "-", _speeds(r.modeled_speedup), measured,
                       f"{r.status}: {r.reason}" if r.reason else r.status)
     Console(width=None if sys.stdout.isatty() else 200).print(table)

@@ -4,9 +4,9 @@ For each supported region of the model (as found by capture under the real vLLM)
 plugin would serve (the region table's `served_sites`: a region no hook serves, or one that
 runs inside a larger served region, is skipped and says so; largest regions go first, so a
 region whose search fails leaves its parts to be warmed instead):
-reuse the stored verified plans of its Program when the registry has any (shape-
-generic: a plan of the same Program family is re-instantiated, not searched again),
-else search; instantiate the best design for this device and each num_tokens bucket;
+reuse the stored verified designs of its Program when the registry has any (shape-
+generic: a design of the same Program family is rebuilt and re-verified, not searched again),
+else search with Prism's generator (`optimize.generate.search`); instantiate the best design for this device and each num_tokens bucket;
 check it on the layer's real weights and the inputs vLLM saw against vLLM's own
 outputs; on a GPU, time it against vLLM's own path (`baseline`); store every kernel with
 its proof, checks and timings. A region that fails (search, proof, its check against vLLM) is
@@ -44,8 +44,8 @@ class RegionOutcome:
     program_hash: str | None
     layers: list[int]
     buckets: list[tuple[int, int]] = field(default_factory=list)
-    plan: str = ""
-    reused: bool = False  # re-instantiated from stored plans, no search
+    design: str = ""  # the winning design, described
+    reused: bool = False  # rebuilt from stored designs, no search
     verified: bool = False
     vllm_max_rel_error: float | None = None  # vs vLLM's own outputs on the layer's real inputs
     # per bucket (in `buckets` order), over vLLM's path for the region: modeled, and measured on a GPU
@@ -162,30 +162,31 @@ def _all_stored(registry: str | None, cached: dict, device, env) -> list[dict] |
         reg.close()
 
 
-def known_plans(session, prog) -> list:
-    """Verified plans stored for this Program, or for any Program of the same family (name) whose
-    plan still builds for it: re-instantiated for the new shapes instead of searching."""
+def known_designs(session, prog) -> list:
+    """Verified designs stored for this Program, or for any Program of the same family (name)
+    whose design still builds for it: rebuilt (and verified again) for the new shapes instead of
+    searching. A stored design is untrusted data: it is parsed by the typed loader."""
     from sqlalchemy import select
 
     from prism_serve.errors import SGraphError
-    from prism_serve.optimize.lower import Plan, build
+    from prism_serve.optimize.generate.design import Design, build
     from prism_serve.registry.models import ProgramRecord, SGraphRecord
 
     rows = session.execute(select(SGraphRecord.proof, ProgramRecord.hash).join(
         ProgramRecord, SGraphRecord.program_id == ProgramRecord.id).where(ProgramRecord.name == prog.name)).all()
-    rows = sorted(rows, key=lambda r: r[1] != prog.canonical_hash)  # this very Program's plans first
-    plans = []
+    rows = sorted(rows, key=lambda r: r[1] != prog.canonical_hash)  # this very Program's designs first
+    designs = []
     for proof, _ in rows:
-        if not (proof or {}).get("ok") or "plan" not in proof:
+        if not isinstance(proof, dict) or not proof.get("ok") or "design" not in proof:
             continue
         try:
-            plan = Plan.from_json(proof["plan"])
-            build(prog, plan)
+            design = Design.from_json(proof["design"])
+            build(prog, design)
         except SGraphError:
             continue
-        if plan not in plans:
-            plans.append(plan)
-    return plans
+        if design not in designs:
+            designs.append(design)
+    return designs
 
 
 def warmup(model: str | Path | None = None, *, registry: str | None = None, budget_s: float = 60.0,
@@ -266,7 +267,7 @@ def run_status(outcomes: list[RegionOutcome]) -> str:
 def _warm_region(region, captured, model: str, reg, device, device_type: str, env, run_id: int,
                  budget_s: float) -> RegionOutcome:
     from prism_serve.optimize.gpus import get_gpu
-    from prism_serve.optimize.search import optimize
+    from prism_serve.optimize.generate.search import optimize
     from prism_serve.patch.table import CPU_BOUNDS_GPU
     from prism_serve.registry.gate import admit
     from prism_serve.registry.store import KernelResult, add_kernels
@@ -277,11 +278,13 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
     out = RegionOutcome(region.kind, prog.canonical_hash, region.layers, ranges)
     spec = device.spec or get_gpu(device.name if device.kind == "gpu" else CPU_BOUNDS_GPU)
     with reg.read() as s:
-        plans = known_plans(s, prog)
+        designs = known_designs(s, prog)
+    # one process: on two cores the workers' start-up (5-10 s) costs more than they save (see #11's notes)
+    search = lambda known=(): optimize(prog, spec, sizes, budget_s=budget_s, known=known, workers=1)  # noqa: E731
     try:
-        result = optimize(prog, spec, sizes, budget_s=budget_s, known=plans)
-        if plans and not result.found:  # stored plans no longer verify here: search afresh
-            result, plans = optimize(prog, spec, sizes, budget_s=budget_s), []
+        result = search(designs)
+        if designs and not result.found:  # stored designs no longer verify here: search afresh
+            result, designs = search(), []
     except PrismError as exc:
         out.status, out.reason = "failed", f"optimizer: {exc}"
         return out
@@ -290,7 +293,7 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
                                                                   if result.stats.stopped_by_budget else "")
         return out
     best = result.best
-    out.reused, out.plan, out.verified = bool(plans), best.plan.describe(), True
+    out.reused, out.design, out.verified = bool(designs), best.design.describe(), True
     kernels = {rng: best.kernel_for(size) for rng, size in zip(ranges, sizes)}
     try:
         out.vllm_max_rel_error = _check_against_vllm(prog, kernels, captured, device_type)
@@ -324,7 +327,7 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
             baseline=against if baseline is not None else None, baseline_us=baseline,
             baseline_modeled_us=vllm_modeled[rng], modeled_speedup=modeled_speedup,
             proof={"ok": best.proof.ok, "reason": best.proof.reason, "seconds": best.proof.seconds,
-                   "plan": best.plan.to_json()},
+                   "design": best.design.to_json()},
             tests={"small_instance_max_rel_error": best.numeric_error,
                    "vllm_max_rel_error": out.vllm_max_rel_error},
             sources=tuple((model, m) for m in region.modules), warmup_run_id=run_id))

@@ -7,7 +7,7 @@ of the same Program. For every region kind of the region table it also times vLL
 the region (`prism_serve.baseline`: vLLM's own ops where vLLM is installed, else eager torch,
 named so) beside the cost model's price of that path, so one run gives the model's error on
 vLLM's path (Spearman and median measured/modeled ratio per region), and what the plugin would
-run (the kernel, plus the residual add beside rmsnorm_swiglu's) against it. The superoptimizer's own best plan for each Prism workload (read from
+run (the kernel, plus the residual add beside rmsnorm_swiglu's) against it. The superoptimizer's own best design for each Prism workload that it found (read from
 the newest bench/results/search-*.json that scripts/bench_search.py wrote, proven there) is
 rebuilt for each shape and checked and timed the same way, in the first dtype, as design
 "searched". Writes gpu_check.json and gpu_check.md under --out and prints the table.
@@ -39,8 +39,7 @@ from prism_serve.baseline import baseline, served, served_modeled_us, vllm_model
 from prism_serve.optimize.codegen import compile_instance  # noqa: E402
 from prism_serve.optimize.cost import unfused_us  # noqa: E402
 from prism_serve.optimize.gpus import get_gpu  # noqa: E402
-from prism_serve.optimize.instantiate import rank_plan  # noqa: E402
-from prism_serve.optimize.lower import Plan  # noqa: E402
+from prism_serve.optimize.generate.design import Design, build  # noqa: E402
 from prism_serve.optimize.reference import (TOLERANCE, TORCH_DTYPES, as_torch_function, evaluate,  # noqa: E402
                                             max_rel_error, random_inputs)
 from prism_serve.optimize.timing import median_us, rotation, spearman  # noqa: E402
@@ -77,23 +76,20 @@ def device_spec():
     return get_gpu("h100"), "CPU (Triton interpreter; modeled as h100)"
 
 
-def searched_plans(path: Path | None) -> dict[str, Plan]:
-    """workload -> the search's best plan, from a bench_search JSON (the newest one by default)."""
+def searched_designs(path: Path | None) -> dict[str, Design]:
+    """workload -> the search's best design, from a bench_search JSON (the newest one by default)."""
     if path is None:
         found = sorted((ROOT / "bench" / "results").glob("search-*.json"))
         if not found:
             return {}
         path = found[-1]
     data = json.loads(path.read_text())["workloads"]
-    return {name: Plan.from_json(r["best_plan_json"]) for name, r in data.items() if r.get("best_plan_json")}
+    return {name: Design.from_json(r["best_design_json"]) for name, r in data.items() if r.get("best_design_json")}
 
 
-def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, plan: Plan | None = None):
+def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, design: Design | None = None):
     prog = WORKLOADS[name].program(**dims, dtype=dtype)
-    if plan is None:
-        ranked = rank(oracle(prog), spec, num_tokens)
-    else:
-        ranked = rank_plan(prog, plan, spec, num_tokens, top=max(args.top, 1))
+    ranked = rank(oracle(prog) if design is None else build(prog, design), spec, num_tokens)
     nbytes = sum(t.numel() * t.element_size() for t in random_inputs(prog, num_tokens, seed=0))
     sets = rotation(lambda s: random_inputs(prog, num_tokens, seed=s, device=device), nbytes,
                     int(spec.l2_mb * 2**20), max_sets=args.max_sets)
@@ -105,8 +101,8 @@ def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, plan
 
     timed = measure(ranked, timer, top=args.top)
     row = {"workload": name, "dims": dims, "num_tokens": num_tokens, "dtype": dtype,
-           "design": "oracle" if plan is None else "searched",
-           "plan": "hand-built" if plan is None else plan.describe(),
+           "design": "oracle" if design is None else "searched",
+           "describe": "hand-built" if design is None else design.describe(),
            "candidates": [{"assignment": c.assignment, "modeled_us": c.modeled_us, "measured_us": c.measured_us}
                           for c in timed],
            "unfused_modeled_us": unfused_us(prog, num_tokens, spec)}
@@ -226,8 +222,8 @@ def main(argv=None):
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     ap.add_argument("--workloads", nargs="*", default=None)
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
-    ap.add_argument("--plans", type=Path, default=None,
-                    help="bench_search JSON with the searched plans (default: newest bench/results/search-*.json)")
+    ap.add_argument("--designs", type=Path, default=None,
+                    help="bench_search JSON with the searched designs (default: newest bench/results/search-*.json)")
     args = ap.parse_args(argv)
     tiny = args.interpret
     # The interpreter runs each block in Python: one timed run of the top candidate proves the path.
@@ -243,7 +239,7 @@ def main(argv=None):
     start = time.monotonic()
     deadline = start + args.budget_s
     rows, skipped = [], []
-    searched = searched_plans(args.plans)
+    searched = searched_designs(args.designs)
     for name in args.workloads or plan:
         dims_list, tokens = plan[name]
         designs = [None] + ([searched[name]] if name in searched else [])

@@ -112,6 +112,7 @@ def test_optimize_all_lists_every_verified_design_of_the_generator_with_its_hash
     assert all(f["proof"]["ok"] for f in found)
 
 
-def test_optimize_workers_need_the_generator():
-    result = runner.invoke(app, ["optimize", "silu_and_mul", "--workers", "2"])
-    assert result.exit_code == 1 and "--generator" in result.output
+def test_optimize_refuses_a_worker_count_below_one_in_one_line():
+    result = runner.invoke(app, ["optimize", "silu_and_mul", "--workers", "0"])
+    assert result.exit_code == 1 and "workers must be a positive int" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output

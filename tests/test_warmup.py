@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from prism_serve.errors import PrismError
-from prism_serve.optimize.lower import build
+from prism_serve.optimize.generate.design import build
 from prism_serve.optimize.workloads.programs import rmsnorm_linear
 from prism_serve.registry import open_registry
 from prism_serve.registry.store import list_kernels
-from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_plans, warmup
+from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, warmup
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "patch" / "vllm_child.py"
@@ -59,7 +59,7 @@ def test_every_served_region_is_verified_against_vllm(warmed):
     done = [r for r in first.regions if r.status != "skipped"]
     assert {r.kind for r in done} == SERVED
     for r in done:
-        assert r.status == "verified" and r.verified and r.plan, r
+        assert r.status == "verified" and r.verified and r.design, r
         assert r.vllm_max_rel_error is not None and r.vllm_max_rel_error < 1e-4  # fp32 model
         # against vLLM's path for the region, per bucket; nothing is measured on a CPU
         assert len(r.modeled_speedup) == len(r.buckets) and r.measured_speedup == []
@@ -74,22 +74,22 @@ def test_every_served_region_is_verified_against_vllm(warmed):
     assert unsupported == {"attention", "rotary_embedding"}
 
 
-def test_the_registry_holds_each_kernel_with_its_proof_plan_and_checks(warmed):
+def test_the_registry_holds_each_kernel_with_its_proof_design_and_checks(warmed):
     first, _, url, _, _ = warmed
     reg = open_registry(url)
     with reg.read() as s:
         kernels = list_kernels(s)
         assert {k.program.name for k in kernels} == SERVED
         for k in kernels:
-            assert k.status == "verified" and k.sgraph.proof["ok"] and "plan" in k.sgraph.proof
+            assert k.status == "verified" and k.sgraph.proof["ok"] and "design" in k.sgraph.proof
             assert k.sgraph.tests["vllm_max_rel_error"] < 1e-4
             assert k.baseline_modeled_us > 0 and k.speedup is None  # vLLM's path modeled; nothing measured here
         reported = sorted(round(x, 9) for r in first.regions if r.status != "skipped" for x in r.modeled_speedup)
         assert sorted(round(k.modeled_speedup, 9) for k in kernels) == reported
-        # shape-generic reuse: the stored rmsnorm_linear plan builds for other dims of the family
+        # shape-generic reuse: the stored rmsnorm_linear design builds for other dims of the family
         other = rmsnorm_linear(256, 384, "float32")
-        plans = known_plans(s, other)
-        assert plans and build(other, plans[0]).program == other
+        designs = known_designs(s, other)
+        assert designs and build(other, designs[0]).program == other
     reg.close()
     n_regions = len([r for r in first.regions if r.status != "skipped"])
     assert len(kernels) == sum(len(r.buckets) for r in first.regions if r.status != "skipped") >= 2 * n_regions
@@ -101,14 +101,14 @@ def test_a_second_run_with_nothing_new_skips_vllm(warmed):
     assert {r.kind for r in second.regions} == SERVED and all(r.status == "stored" for r in second.regions)
 
 
-def test_a_rerun_reuses_the_stored_plans_and_capture_still_sees_vllm(warmed):
+def test_a_rerun_reuses_the_stored_designs_and_capture_still_sees_vllm(warmed):
     first, _, _, _, third = warmed
     assert not third.nothing_new
     done = {r.kind: r for r in third.regions if r.status != "skipped"}
     assert set(done) == SERVED
     for r in done.values():
         assert r.reused and r.status == "verified" and r.vllm_max_rel_error < 1e-4, r
-    assert {r.kind: r.plan for r in first.regions} == {r.kind: r.plan for r in third.regions}
+    assert {r.kind: r.design for r in first.regions} == {r.kind: r.design for r in third.regions}
 
 
 def test_bucket_ranges_are_disjoint_and_cover_everything():

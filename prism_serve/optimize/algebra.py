@@ -97,7 +97,6 @@ class T(Expr):
 
 indep = relation("indep", T, Sym)
 bcast = relation("bcast", T, i64)
-within = relation("within", T)  # a subterm of a target expression, modulo the rewrites
 
 MAXD = 6
 DIMS = tuple(range(-1, -MAXD - 1, -1))
@@ -218,23 +217,6 @@ def arith(x: T, y: T, z: T, d: i64):
     yield rewrite(x.exp() * y.exp()).to((x + y).exp())
     yield rewrite(x.sum(d) * y).to((x * y).sum(d), bcast(y, d))
     yield rewrite((x - y) + (y - z)).to(x - z)
-
-
-@ruleset
-def subterms(e: T, x: T, y: T, s: Sym, d: i64):
-    """Mark every subterm of a `within` term: with saturation, every subexpression of any
-    equivalent form of the target is marked."""
-    for op in BINARY:
-        yield rule(within(e), eq(e).to(_bin(op, x, y))).then(within(x), within(y))
-    for op in UNARY + ("tr",):
-        yield rule(within(e), eq(e).to(getattr(x, op)())).then(within(x))
-    yield rule(within(e), eq(e).to(x.mm(y))).then(within(x), within(y))
-    for op in ("sum", "max", "squeeze", "unsq"):
-        yield rule(within(e), eq(e).to(getattr(x, op)(d))).then(within(x))
-    for op in ("part", "assemble"):
-        yield rule(within(e), eq(e).to(getattr(x, op)(d, s))).then(within(x))
-    for op in ("replicate", "red_sum", "red_max", "run_max"):
-        yield rule(within(e), eq(e).to(getattr(x, op)(s))).then(within(x))
 
 
 def schedule(iterations: int = 12):

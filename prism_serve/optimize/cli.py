@@ -1,4 +1,4 @@
-"""`prism-serve optimize <workload | program.json>`: search, verify, instantiate; print the table."""
+"""`prism-serve optimize <workload | program.json>`: generate (Prism's generator), verify, instantiate; print the table."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def _program(target: str, shapes: list[str]):
         raise ProgramError(f"workload {target!r}: {exc}") from None
 
 
-def _table(result, generator: bool) -> Table:
-    """The verified designs; the generator's with their canonical hash."""
+def _table(result) -> Table:
+    """The verified designs, with their canonical hash."""
     from prism_serve.baseline import served_modeled_us, vllm_modeled_us
     from prism_serve.optimize import canonical_hash
     from prism_serve.optimize.gpus import get_gpu
@@ -55,7 +55,7 @@ def _table(result, generator: bool) -> Table:
     measured = any(c.measured_us is not None for f in result.found for c in f.kernels)
     about = (f"vLLM's path: {', '.join(f'{vllm[n]:.1f} us @{n}' for n in buckets)} modeled" if vllm else
              "vLLM has no path for this program, so no speedup")
-    table = Table("#", "design" if generator else "plan", *(("canonical hash",) if generator else ()), "kernels",
+    table = Table("#", "design", "canonical hash", "kernels",
                   "grid", "loop", *(f"modeled us @{n}" for n in buckets),
                   *((f"measured us @{n}" for n in buckets) if measured else ()),
                   "vs vLLM modeled, per bucket", title=f"{prog.name} on {result.gpu}: verified kernels ({about})")
@@ -66,8 +66,7 @@ def _table(result, generator: bool) -> Table:
         loop = "; ".join(f"{k.forloop}={c.assignment[k.forloop]}" if k.forloop else "-" for k in blocks) or "-"
         speed = ", ".join(f"{vllm[n] / served_modeled_us(prog, f.kernel_for(n).modeled_us, n, spec):.2f}x"
                           for n in buckets) if vllm else "-"
-        named = (f.design.describe(), canonical_hash(f.sgraph)[:16]) if generator else (f.plan.describe(),)
-        table.add_row(str(i + 1), *named,
+        table.add_row(str(i + 1), f.design.describe(), canonical_hash(f.sgraph)[:16],
                       str(len(f.sgraph.kernels)), grid or "library", loop,
                       *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets),
                       *((_us(f.kernel_for(n).measured_us) for n in buckets) if measured else ()), speed)
@@ -100,26 +99,20 @@ def optimize_command(
     shape: Optional[List[str]] = typer.Option(None, "--shape", help="workload dim, name=int (repeatable)"),
     num_tokens: Optional[List[int]] = typer.Option(None, "--num-tokens", "-n", help="num_tokens buckets"),
     emit: Optional[Path] = typer.Option(None, "--emit", help="write each verified kernel's Triton source here"),
-    json_file: Optional[Path] = typer.Option(None, "--json", help="write the result (plans, sGraphs, stats) here"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the result (designs, sGraphs, stats) here"),
     budget: float = typer.Option(60.0, "--budget", help="seconds the search may take"),
     top: int = typer.Option(3, "--top", help="how many verified designs to return"),
-    max_kernels: Optional[int] = typer.Option(None, "--max-kernels",
-                                              help="most kernels per design (plan search: segments, default 3; "
-                                                   "generator: default 2)"),
-    generator: bool = typer.Option(False, "--generator",
-                                   help="search with Prism's operator-by-operator generator (issue #11, in "
-                                        "progress) instead of the plan search that warmup runs"),
-    all_designs: bool = typer.Option(False, "--all", help="with the generator: verify and list every generated "
-                                                          "design (no cost rule, no --top), with its canonical hash"),
+    max_kernels: int = typer.Option(2, "--max-kernels", help="most kernels per design"),
+    all_designs: bool = typer.Option(False, "--all", help="verify and list every generated design (no cost rule, "
+                                                          "no --top), with its canonical hash"),
     workers: Optional[int] = typer.Option(None, "--workers", help="generator worker processes (default: the cores)"),
-    max_block_ops: int = typer.Option(8, "--max-block-ops", help="generator: most block ops per graph-defined kernel"),
+    max_block_ops: int = typer.Option(8, "--max-block-ops",
+                                      help="most block ops per graph-defined kernel (a one-kernel design's: at least the "
+                                           "Program's)"),
 ) -> None:
-    """Superoptimize a Program: symbolic search, egglog proofs, numeric checks, tuned instances."""
+    """Superoptimize a Program with Prism's generator: designs built operator by operator, egglog
+    proofs, numeric checks, tuned instances."""
     interpret_unless_gpu()
-    generator = generator or all_designs
-    if not generator and workers is not None:
-        typer.echo("error: --workers sets the generator's processes; add --generator", err=True)
-        raise typer.Exit(1)
     console = Console(stderr=True)
     try:
         prog, default_tokens = _program(target, list(shape or []))
@@ -127,22 +120,16 @@ def optimize_command(
         with console.status("searching") as status:
             def progress(message: str, stats) -> None:
                 status.update(f"{message}: {sum(stats.pruned.values())} pruned, {stats.verified} verified")
-            if generator:
-                from prism_serve.optimize.generate.search import optimize as generate
-                result = generate(prog, device, buckets, budget_s=budget, top=top, max_kernels=max_kernels or 2,
-                                  max_block_ops=max_block_ops, all_designs=all_designs, workers=workers,
-                                  progress=progress)
-            else:
-                from prism_serve.optimize.search import optimize
-                result = optimize(prog, device, buckets, budget_s=budget, top=top, max_segments=max_kernels or 3,
-                                  progress=progress)
+            from prism_serve.optimize.generate.search import optimize
+            result = optimize(prog, device, buckets, budget_s=budget, top=top, max_kernels=max_kernels,
+                              max_block_ops=max_block_ops, all_designs=all_designs, workers=workers,
+                              progress=progress)
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    Console(width=None if sys.stdout.isatty() else 200).print(_table(result, generator))
+    Console(width=None if sys.stdout.isatty() else 200).print(_table(result))
     s = result.stats
-    size = (f"{s.designs} designs, {s.kernel_graphs} kernel graphs, {s.block_graphs} block graphs, "
-            f"{s.workers} workers" if generator else f"{s.states} states")
+    size = f"{s.designs} designs, {s.kernel_graphs} kernel graphs, {s.block_graphs} block graphs, {s.workers} workers"
     typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s), {size}, pruned "
                + ", ".join(f"{k} {v}" for k, v in s.pruned.items())
                + ("; stopped by the time budget" if s.stopped_by_budget else ""))

@@ -52,7 +52,6 @@ class _Ctx:
     def __init__(self, symbols: tuple[str, ...]):
         self.symbols = symbols
         self.facts: list = []
-        self.accums: dict[str, T] = {}  # "kernel.node" -> the accumulator's term
 
     def note(self, term: T, shape: tuple, deps: frozenset[str]) -> T:
         for i in range(1, MAX_RANK + 1):
@@ -114,8 +113,8 @@ def program_terms(g: SGraph, ctx: _Ctx) -> dict[str, T]:
     return {o: env[o] for o in prog.outputs}
 
 
-def sgraph_terms(g: SGraph, ctx: _Ctx, everything: bool = False) -> dict[str, T]:
-    """Terms of the sGraph's outputs (of every tensor it writes, with `everything`)."""
+def sgraph_terms(g: SGraph, ctx: _Ctx) -> dict[str, T]:
+    """Terms of the sGraph's outputs."""
     env: dict[str, T] = {n.name: T.var(n.name) for n in g.program.inputs}  # noted by program_terms
     for k in g.kernels:
         if isinstance(k, BlockKernel):
@@ -125,7 +124,7 @@ def sgraph_terms(g: SGraph, ctx: _Ctx, everything: bool = False) -> dict[str, T]
             shapes = [tuple(g.tensors[s].shape) for s in n.inputs]
             env[n.name] = ctx.note(_op(n, [env[s] for s in n.inputs], shapes, ctx), tuple(g.tensors[n.name].shape),
                                    frozenset())
-    return env if everything else {o: env[o] for o in g.program.outputs}
+    return {o: env[o] for o in g.program.outputs}
 
 
 def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
@@ -159,7 +158,6 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
                 scale = (run - local[m]).exp()
                 term = (body * scale).red_sum(loop)
             local[n.name], deps[n.name] = term, deps[n.inputs[0]] - {k.forloop}
-            ctx.accums[f"{k.name}.{n.name}"] = term
         elif n.op == "store":
             decl = g.tensors[n.attr("tensor")]
             value, rank = local[n.inputs[0]], len(decl.shape)
@@ -193,35 +191,25 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
         ctx.note(local[n.name], shape, deps[n.name])
 
 
-@dataclass(frozen=True)
-class SubtermResult:
-    ok: bool
-    failed: tuple[str, ...]  # accumulators / intermediate tensors outside the target
-    seconds: float
-
-
 _CACHE: dict[str, ProofResult] = {}
-_SUB_CACHE: dict[str, SubtermResult] = {}
 
 
 def _key(g: SGraph, iterations: int) -> str:
     return json.dumps(g.to_json(), sort_keys=True, default=str) + f"#{iterations}"
 
 
-def _saturated(g: SGraph, iterations: int, probes: bool = False):
+def _saturated(g: SGraph, iterations: int):
     """The e-graph of both sides after the bounded schedule: (egraph, ctx, want and got handles
-    per output, probe handles per accumulator / intermediate). Raises Unsupported."""
+    per output). Raises Unsupported."""
     ctx = _Ctx(tuple(g.symbols))
     want = program_terms(g, ctx)
-    env = sgraph_terms(g, ctx, everything=True)
+    env = sgraph_terms(g, ctx)
     egraph = EGraph()
     wants = {o: egraph.let(f"want_{o}", want[o]) for o in g.program.outputs}
     gots = {o: egraph.let(f"got_{o}", env[o]) for o in g.program.outputs}
-    terms = (dict(ctx.accums) | {t.name: env[t.name] for t in g.intermediates}) if probes else {}
-    handles = {name: egraph.let(f"probe_{i}", term) for i, (name, term) in enumerate(terms.items())}
     egraph.register(*ctx.facts)
     egraph.run(A.schedule(iterations))
-    return egraph, ctx, wants, gots, handles
+    return egraph, ctx, wants, gots
 
 
 def _release(egraph: EGraph) -> None:
@@ -242,26 +230,6 @@ def _holds(egraph: EGraph, fact) -> bool:
     return True
 
 
-def check_subterms(g: SGraph, *, iterations: int = ITERATIONS) -> SubtermResult:
-    """Search's abstract-expression rule: every accumulator and every intermediate tensor of `g`
-    must be a subexpression of (an equivalent form of) one of its Program's outputs (cached)."""
-    key = _key(g, iterations)
-    if key in _SUB_CACHE:
-        return _SUB_CACHE[key]
-    start = time.perf_counter()
-    try:
-        egraph, _, wants, _, handles = _saturated(g, iterations, probes=True)
-    except Unsupported as exc:
-        return SubtermResult(False, (f"unsupported: {exc}",), time.perf_counter() - start)
-    egraph.register(*(A.within(h) for h in wants.values()))
-    egraph.run(A.subterms.saturate())
-    failed = tuple(name for name, h in handles.items() if not _holds(egraph, A.within(h)))
-    _release(egraph)
-    result = SubtermResult(not failed, failed, time.perf_counter() - start)
-    _SUB_CACHE[key] = result
-    return result
-
-
 def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
     """Prove every output of `g` equal to its Program's, over symbolic sizes (cached)."""
     key = _key(g, iterations)
@@ -269,7 +237,7 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
         return _CACHE[key]
     start = time.perf_counter()
     try:
-        egraph, ctx, wants, gots, _ = _saturated(g, iterations)
+        egraph, ctx, wants, gots = _saturated(g, iterations)
     except Unsupported as exc:
         return ProofResult(False, f"unsupported: {exc}", time.perf_counter() - start)
     failed = [o for o in g.program.outputs if not _holds(egraph, eq(wants[o]).to(gots[o]))]

@@ -168,7 +168,7 @@ def test_no_egraph_is_left_for_another_thread_to_drop(monkeypatch):
     import sys
     import threading
 
-    from prism_serve.optimize.verify import check_subterms, prove_equivalent
+    from prism_serve.optimize.verify import prove_equivalent
     from prism_serve.optimize.workloads import programs
     from prism_serve.optimize.workloads.oracles import oracle
 
@@ -176,7 +176,6 @@ def test_no_egraph_is_left_for_another_thread_to_drop(monkeypatch):
     monkeypatch.setattr(sys, "unraisablehook", lambda u: caught.append(str(u.exc_value)))
     gc.collect()
     prove_equivalent(oracle(programs.rms_norm(88, "float32", 3e-6)))  # dims no other test caches
-    check_subterms(oracle(programs.rms_norm(88, "float32", 3e-6)))
     t = threading.Thread(target=gc.collect)
     t.start()
     t.join()

@@ -7,9 +7,10 @@ from scripts.bench_search import main
 
 def test_bench_search_reports_every_field(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["--json", str(out), "--workload", "swiglu"]) == 0
+    assert main(["--json", str(out), "--workload", "swiglu", "--workers", "1"]) == 0
     r = json.loads(out.read_text())["workloads"]["swiglu"]
-    assert set(r["pruned"]) == {"canonical", "shape", "schedule", "hardware", "abstract_expression"}
-    assert r["verified"] >= 1 and r["states"] > 0 and r["search_s"] >= r["verify_s"] > 0
+    assert set(r["pruned"]) == {"canonical", "shape", "schedule", "hardware", "abstract_expression", "cost"}
+    assert r["verified"] >= 1 and r["kernel_graphs"] >= r["block_graphs"] > 0 and r["search_s"] >= r["verify_s"] > 0
+    assert r["concrete_graphs"] >= r["designs"] > 0 and r["workers"] == 1
     assert r["best_modeled_us"] <= r["oracle_modeled_us"] + 1e-9 < r["unfused_modeled_us"]
     assert "swiglu" in capsys.readouterr().out
