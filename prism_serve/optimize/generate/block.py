@@ -34,8 +34,14 @@ per operand facts and counted again in every state that offers the same op (each
 graph), but for ops over kernel tensors and constants alone, judged and counted once.
 
 Two bounds cut the walk without being counted as rules: at most `max_ops` ops (accumulators
-aside), and for a design's last kernel (`outputs_only`) no more unused values than the ops left
-can still join into its outputs.
+aside), and for a design's last kernel (`outputs_only`) a lower bound on the ops it still needs
+(`_ops_needed`: unused values to join into its outputs, kinds of op its outputs have and no
+value has yet).
+
+The walk is depth first, and the order in which it tries ops decides what comes sooner (never
+what comes at all): ops on the newest value first, and ops whose result is a term of the
+Program as written before their algebraic variants (`_candidates`), so that the Program's own
+fused form is among the first kernels.
 
 A state whose unused tensors can all be stored (program outputs where the abstract expression
 equals an output's, intermediates otherwise; never a loop partial) is a complete kernel. A
