@@ -32,10 +32,11 @@ def _attn(dtype: str = "float16"):  # GQA: 3 q heads per kv head, 24 keys: nothi
 
 
 PROJ = {"BT": 16, "G": 2, "F": 3}
+PROJ2 = {"BT2": 4, "G2": 4, "F2": 2}  # the second projection kernel of (c), tiled on its own
 CASES = {  # design -> (builder, assignment)
     "b_rmsnorm_linear": (lambda: D.rms_then_projection(_norm("rmsnorm_linear", out=40)), PROJ | {"BR": 4, "FR": 2}),
     "b_rmsnorm_mlp": (lambda: D.rms_then_projection(_norm("rmsnorm_mlp", intermediate=40)), PROJ | {"BR": 4, "FR": 2}),
-    "c_rmsnorm_mlp": (lambda: D.rms_recomputed(_norm("rmsnorm_mlp", intermediate=40)), PROJ),
+    "c_rmsnorm_mlp": (lambda: D.rms_recomputed(_norm("rmsnorm_mlp", intermediate=40)), PROJ | PROJ2),
     "c_rmsnorm_linear": (lambda: D.rms_recomputed(_norm("rmsnorm_linear", out=40)), PROJ),
     "a_gqa_decode": (lambda: D.gqa_decode(_attn()), {"B": 1, "H": 2, "Q": 3, "S": 2, "F": 3}),
     "d_divide_before_pv": (lambda: D.attention_whole_row(_attn(), divide_first=True), {"B": 1, "H": 2}),
@@ -119,7 +120,7 @@ def _recomputed_from_wrong_input() -> SGraph:
 MUTANTS = {
     "replicated_where_partition_needed": (_replicated_partial_rms, PROJ | {"BR": 4, "FR": 2, "K": 2}),
     "transposed_imap": (_transposed_imap, PROJ | {"BR": 4, "FR": 2}),
-    "recomputed_producer_wrong_input": (_recomputed_from_wrong_input, PROJ),
+    "recomputed_producer_wrong_input": (_recomputed_from_wrong_input, PROJ | PROJ2),
 }
 
 

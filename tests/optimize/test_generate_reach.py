@@ -338,3 +338,50 @@ def test_the_generator_reaches_the_rms_kernel_feeding_a_normalised_projection(dt
     assert proof.ok, proof.reason
     verdict = _check_numerics(prog, reached[0], H100)  # outlier channels included, in the dtype
     assert verdict.ok, verdict.reasons
+
+
+def _store_all(c) -> tuple:
+    return tuple(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", o or "t0_0"),)) for j, (v, o) in
+                 enumerate(zip(c.sinks, c.outputs)))
+
+
+def test_the_generator_reaches_the_rms_recomputed_in_each_projection_kernel():
+    """(c) for rmsnorm_mlp, walked kernel by kernel as `KernelGenerator._walk` does, with the block
+    walks the search runs (8 ops, the Program's terms first): the first kernel of grid (tokens,
+    intermediate) computes 1/rms from the whole row before its loop and writes u = xn @ W_up^T; the
+    second recomputes 1/rms the same way and multiplies its own projection by u. The design is the
+    hand-built one (canonical hash), proven, and passes the numeric check in fp16."""
+    from prism_serve.optimize.generate.abstract import ac_form
+    from prism_serve.optimize.generate.block import BlockGenerator
+
+    prog = WORKLOADS["rmsnorm_mlp"].program(hidden=48, intermediate=40, dtype="float16")
+    ctx = make_context(prog)
+    grid, want = (N, "w_up0"), canonical_hash(D.rms_recomputed(prog))
+
+    def walk(tensors, last, keep, limit=20000):
+        gen = BlockGenerator(ctx.oracle, ctx.outputs, tensors, ctx.consts, grid, "x1", 8, frozenset(),
+                             outputs_only=last)
+        for c in itertools.islice(gen.run(), limit):
+            if keep(c):
+                return c
+        return None
+
+    u_term = ctx.targets["y"][1]  # y = u * v: u = sum_x1(xn * w_up), as the Program writes it
+    first = walk(dict(ctx.inputs), False, lambda c: c.outputs == (None,) and ac_form(c.sinks[0].expr) == ac_form(u_term) and
+                 sum(o.op == "matmul" for o in c.ops) == 1 and any(i.endswith(":whole") for o in c.ops for i in o.inputs))
+    assert first is not None
+    u = first.sinks[0]
+    k1 = BlockSpec(grid, "x1", first.ops + _store_all(first))
+    tensors = dict(ctx.inputs) | {"@t0_0": Value("@t0_0", u.type, u.labels, u.expr)}
+    reached = []
+
+    def is_c(c) -> bool:
+        design = Design((k1, BlockSpec(grid, "x1", c.ops + _store_all(c))))
+        if canonical_hash(build(prog, design)) == want:
+            reached.append(design)
+        return bool(reached)
+    assert walk(tensors, True, is_c) is not None
+    proof = prove_equivalent(build(prog, reached[0]))
+    assert proof.ok, proof.reason
+    verdict = _check_numerics(prog, reached[0], H100)
+    assert verdict.ok, verdict.reasons

@@ -65,21 +65,22 @@ def rms_then_projection(prog: Program) -> SGraph:
 def rms_recomputed(prog: Program) -> SGraph:
     """(c) 1/rms recomputed from the whole row before the loop of every projection kernel, whose
     dot then takes the normalised operand: for rmsnorm_mlp two kernels, the second multiplying the
-    first's output (`u`) into its own in the epilogue; for rmsnorm_linear one kernel."""
+    first's output (`u`) into its own in the epilogue, each tiled on its own (the gate kernel's
+    symbols end in 2); for rmsnorm_linear one kernel."""
     weights = _weights(prog)
     eps = _eps(prog)
 
-    def kernel(name: str, weight: str, epilogue: list[Node]) -> BlockKernel:
+    def kernel(name: str, weight: str, epilogue: list[Node], suffix: str = "") -> BlockKernel:
         nodes = [load("row", "x", (0, None)), *_rms_nodes("row", eps),
                  load("x", "x", (0, None), fmap=1), load("g", "g", (None, None), fmap=0),
                  node("xr", "mul", "x", "r"), node("xn", "mul", "xr", "g"), *_project((weight,), "xn"), *epilogue]
-        return BlockKernel(name, (GridAxis("BT", True), GridAxis("G")), "F", tuple(nodes))
+        return BlockKernel(name, (GridAxis(f"BT{suffix}", True), GridAxis(f"G{suffix}")), f"F{suffix}", tuple(nodes))
 
     if len(weights) == 1:
         return SGraph(f"{prog.name}_rms_recomputed", prog, (), (kernel("projection", weights[0], _epilogue(weights)),))
     up = kernel("up", "w_up", [store("st_u", "acc0", "u", (0, 1))])
     gate = kernel("gate", "w_gate", [load("u", "u", (0, 1)), node("y", "mul", "u", "acc0"),
-                                     store("out", "y", "y", (0, 1))])
+                                     store("out", "y", "y", (0, 1))], "2")
     inter = prog.by_name["w_up"].attr("shape")[0]
     return SGraph(f"{prog.name}_rms_recomputed", prog, (TensorDecl("u", (TOKENS, to_expr(inter)), "float32"),),
                   (up, gate))
