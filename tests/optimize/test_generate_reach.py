@@ -265,7 +265,7 @@ def _split_partials_replicated() -> SGraph:  # raises SGraphError
     """(a) with the running sums stored replicated over the KV split (the split axis maps no dim
     of l_part): the splits overwrite each other where each needs its own slot."""
     g = D.gqa_decode(_attn32())
-    return _with_nodes(g, 0, {"st_l": store("st_l", "l", "l_part", (0, 1, 3, None))})
+    return _with_nodes(g, 0, {"st_l": store("st_l", "l", "l_part", (1, 2, 3, None))})
 
 
 def _q_heads_transposed() -> SGraph:  # raises SGraphError
@@ -382,6 +382,31 @@ def test_the_generator_reaches_the_rms_recomputed_in_each_projection_kernel():
         return bool(reached)
     assert walk(tensors, True, is_c) is not None
     proof = prove_equivalent(build(prog, reached[0]))
+    assert proof.ok, proof.reason
+    verdict = _check_numerics(prog, reached[0], H100)
+    assert verdict.ok, verdict.reasons
+
+
+def test_the_generator_reaches_gqa_decode_over_four_grid_axes_with_a_kv_split():
+    """(a): the block walk of grid (batch, kv head, q rows of the group) with a loop over the KV
+    row, split across a fourth axis, is the hand-built GQA decode design (canonical hash): every
+    q head of a kv head in one block, so each K/V tile is loaded once per group, and a combine
+    kernel (derived by `split.py`) that rescales the partials to the global max; proven and
+    checked."""
+    from prism_serve.optimize.generate.block import BlockGenerator
+
+    prog = _attn32()
+    ctx = make_context(prog)
+    grid, want = ("q0", "q1", "q2"), canonical_hash(D.gqa_decode(prog))
+    gen = BlockGenerator(ctx.oracle, ctx.outputs, dict(ctx.inputs), ctx.consts, grid, "k2", 8, frozenset(),
+                         outputs_only=True)
+    reached = [d for c in gen.run()
+               if canonical_hash(build(prog, d := Design((BlockSpec(grid, "k2", c.ops + _store_all(c), True),))))
+               == want]
+    assert len(reached) == 1
+    g = build(prog, reached[0])
+    assert len(g.kernels) == 2 and len(g.kernels[0].grid) == 4
+    proof = prove_equivalent(g)
     assert proof.ok, proof.reason
     verdict = _check_numerics(prog, reached[0], H100)
     assert verdict.ok, verdict.reasons

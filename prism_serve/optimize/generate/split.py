@@ -41,19 +41,21 @@ def split_kernel(k: BlockKernel, spec, i: int, tensors: dict, types: dict
         omap = tuple(labels.index(lb) if lb in labels else None for lb in spec.grid)
         k1.append(node(f"st_{a.name}_part", "store", a.name, tensor=part, omap=grid_dims(omap) + (0,)))
         combine.append(node(f"{a.name}_parts", "load", tensor=part, imap=grid_dims(omap), fmap=None))
+    post = [n for n in k.nodes if stage[n.name] == "post" and n.op not in ("accum", "store")]
+    stores = [n for n in k.nodes if n.op == "store" and stage[n.inputs[0]] == "post"]
+    read = {s for n in post + stores for s in n.inputs}
     for a in accs:
         b, kind = a.name, a.attr("kind")
-        if kind == "max":
+        if kind == "max":  # the rescaling weights; the global max itself only where the epilogue reads it
             combine += [node(f"{b}_gmax", "max", f"{b}_parts", dim=0, keepdim=True),
                         node(f"{b}_dm", "sub", f"{b}_parts", f"{b}_gmax"), node(f"{b}_w", "exp", f"{b}_dm"),
-                        node(b, "max", f"{b}_parts", dim=0)]
+                        *([node(b, "max", f"{b}_parts", dim=0)] if b in read else [])]
     for a in accs:
         b, kind = a.name, a.attr("kind")
         if kind == "rescaled_sum":
             combine += [node(f"{b}_rs", "mul", f"{b}_parts", f"{a.inputs[1]}_w"), node(b, "sum", f"{b}_rs", dim=0)]
         elif kind in ("sum", "mean"):
             combine.append(node(b, kind, f"{b}_parts", dim=0))
-    post = [n for n in k.nodes if stage[n.name] == "post" and n.op not in ("accum", "store")]
     need = {s for n in post for s in n.inputs}
     pre = []
     for n in reversed(k.nodes):  # the pre-loop values the epilogue reads, reloaded without the split
@@ -62,8 +64,7 @@ def split_kernel(k: BlockKernel, spec, i: int, tensors: dict, types: dict
             pre.append(n)
     reloaded = [node(n.name, "load", tensor=n.attr("tensor"), imap=n.attr("imap"), fmap=None) if n.op == "load" else n
                 for n in reversed(pre)]
-    combine = reloaded + combine + post
-    combine += [n for n in k.nodes if n.op == "store" and stage[n.inputs[0]] == "post"]
+    combine = reloaded + combine + post + stores
     del by
     return decls, [BlockKernel(k.name, k.grid + (s_axis,), k.forloop, tuple(k1)),
                    BlockKernel(f"{k.name}_combine", k.grid, None, tuple(combine))]

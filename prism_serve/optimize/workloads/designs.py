@@ -95,10 +95,10 @@ def gqa_decode(prog: Program) -> SGraph:
         raise SGraphError(f"design gqa_decode is for attention, not {prog.name!r}")
     b, hk, gq, hd = prog.by_name["q"].attr("shape")
     dims = lambda *d: tuple(to_expr(x) for x in d)  # noqa: E731
-    inter = (TensorDecl("o_part", dims(b, hk, "S", gq, hd), "float32"),
-             TensorDecl("l_part", dims(b, hk, "S", gq, 1), "float32"),
-             TensorDecl("m_part", dims(b, hk, "S", gq, 1), "float32"))
-    parts = (0, 1, 3, 2)  # batch, kv head; the q block splits dim 3 (q rows), the KV split dim 2
+    inter = (TensorDecl("o_part", dims("S", b, hk, gq, hd), "float32"),
+             TensorDecl("l_part", dims("S", b, hk, gq, 1), "float32"),
+             TensorDecl("m_part", dims("S", b, hk, gq, 1), "float32"))
+    parts = (1, 2, 3, 0)  # the KV split leads (as the generator's split-KV lays partials out)
     partial = [
         load("q", "q", (0, 1, 2, None)), load("k", "k", (0, 1, None, 2), fmap=2),
         load("v", "v", (0, 1, None, 2), fmap=2),
@@ -110,10 +110,10 @@ def gqa_decode(prog: Program) -> SGraph:
         node("pv", "matmul", "e", "v"), accum("acc", "pv", "rescaled_sum", "m"),
         store("st_o", "acc", "o_part", parts), store("st_l", "l", "l_part", parts), store("st_m", "m", "m_part", parts)]
     combine = [
-        load("op", "o_part", (0, 1, 3)), load("lp", "l_part", (0, 1, 3)), load("mp", "m_part", (0, 1, 3)),
-        node("mx", "max", "mp", dim=2, keepdim=True), node("dm", "sub", "mp", "mx"), node("w", "exp", "dm"),
-        node("ow", "mul", "op", "w"), node("num", "sum", "ow", dim=2),
-        node("lw", "mul", "lp", "w"), node("den", "sum", "lw", dim=2),
+        load("op", "o_part", (1, 2, 3)), load("lp", "l_part", (1, 2, 3)), load("mp", "m_part", (1, 2, 3)),
+        node("mx", "max", "mp", dim=0, keepdim=True), node("dm", "sub", "mp", "mx"), node("w", "exp", "dm"),
+        node("ow", "mul", "op", "w"), node("num", "sum", "ow", dim=0),
+        node("lw", "mul", "lp", "w"), node("den", "sum", "lw", dim=0),
         node("o", "div", "num", "den"), store("st", "o", "o", (0, 1, 2))]
     grid = (GridAxis("B"), GridAxis("H"), GridAxis("Q"), GridAxis("S"))
     return SGraph("attention_gqa_decode", prog, inter, (BlockKernel("split_kv", grid, "F", tuple(partial)),
