@@ -173,14 +173,12 @@ def op_tags(t: Term) -> frozenset:
     head = t[0]
     if head in ("var", "const"):
         return frozenset()
-    own = {("root",)} if head in ("sqrt", "rsqrt") else {(head,)} if head in _OWN_TAG else set()
     if head in REDUCE:
-        own = {("max" if head == "max" else "sum", t[1])}
-        return frozenset(own) | op_tags(t[2])
+        return frozenset({("max" if head == "max" else "sum", t[1])}) | op_tags(t[2])
+    own = {(_TAGGED[head],)} if head in _TAGGED else set()
     return frozenset(own).union(*(op_tags(a) for a in t[1:]))
 
 
-_OWN_TAG = ("exp", "silu", "gelu_tanh", "add", "sub")
 _TAGGED = {"sqrt": "root", "rsqrt": "root", "exp": "exp", "silu": "silu", "gelu_tanh": "gelu_tanh", "add": "add",
            "sub": "sub", "max": "max"}
 
@@ -357,7 +355,6 @@ class Oracle:
                 return False
         finally:
             self._run(self._pop)
-
 
     def _query_batch(self, terms: list[Term]) -> list[bool]:
         """Whether each term is marked `within` after one run of the query schedule with all of them."""

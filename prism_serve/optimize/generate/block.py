@@ -259,16 +259,21 @@ class BlockGenerator:
         """The candidates that pass the rules judged on operand facts alone, with each operand that
         is one of the block values `slots` replaced by its position there (filled in per state)."""
         cands = list(cands)
-        built = (self._build(op, ins, attrs, "") for op, ins, attrs in cands if op != "accum")
-        self.oracle.prefetch(new.expr for new, rule in built if rule is None)  # one e-graph run for all
+        built = {}  # the results not judged yet, by the `_apply` memo's key, all rules but the query
+        for op, ins, attrs in cands:
+            key = (op, attrs, tuple(v.facts for v in ins))
+            if key not in self.memo and key not in built:
+                built[key] = self._build(op, ins, attrs, "b0")
+        self.oracle.prefetch(new.expr for new, rule in built.values() if rule is None)  # one e-graph run for all
+        for key, (new, rule) in built.items():
+            self.memo[key] = self._query(new, rule)
         out, pruned = [], Counts()
         for op, ins, attrs in cands:
             pruned.generated += 1
-            rule = self._judge(op, ins, attrs)
+            new, rule, _ = self._apply(op, ins, attrs, 0)
             if rule:
                 pruned.pruned[rule] += 1
-            else:
-                new = self._apply(op, ins, attrs, 0)[0]  # a whole row leads on only through a reduction of it:
+            else:  # a whole row leads on only through a reduction of it:
                 literal = self.oracle.literal(new.expr, reduced=any(_is_whole(lb) for lb in new.labels))
                 out.append((op, tuple(next((j for j, s in enumerate(slots) if v is s), v) for v in ins), attrs,
                             literal))
@@ -290,9 +295,6 @@ class BlockGenerator:
                     total.pruned[rule] += n * uses
                 total.generated += pruned.generated * uses
         return total
-
-    def _judge(self, op: str, ins: tuple, attrs: tuple) -> str | None:
-        return self._apply(op, ins, attrs, 0)[1]
 
     def source_candidates(self) -> Iterator[tuple[str, tuple, tuple]]:
         """Every well-typed op over the kernel tensors and constants alone."""
@@ -346,7 +348,10 @@ class BlockGenerator:
         return named, None, BlockOp(name, op, tuple(i.ref for i in ins), attrs)
 
     def _op(self, op: str, ins: tuple[Value, ...], attrs: tuple, name: str) -> tuple[Value | None, str | None]:
-        new, rule = self._build(op, ins, attrs, name)
+        return self._query(*self._build(op, ins, attrs, name))
+
+    def _query(self, new: Value | None, rule: str | None) -> tuple[Value | None, str | None]:
+        """A built result through the last rule: its abstract expression is within the target's."""
         if rule is None and not self.oracle.within(new.expr):
             return None, "abstract_expression"
         return new, rule

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_serve.errors import ProgramError, SGraphError
-from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, TensorType, infer_type, node
+from prism_serve.optimize.ir import NUM_TOKENS, REDUCTIONS, Node, Program, TensorType, infer_type, node
 from prism_serve.optimize.labels import Labels, index_labels
 from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.sgraph import BlockKernel, GridAxis, Kernel, LibraryKernel, SGraph, TensorDecl, to_expr
@@ -32,8 +32,7 @@ DESIGN_VERSION = 1
 UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt", "square")  # the ops a design's kernels may run
 BINARY = ("add", "sub", "mul", "div")
 COMMUTATIVE = ("add", "mul")
-REDUCE = ("sum", "mean", "max")
-DESIGN_OPS = UNARY + BINARY + REDUCE + ("matmul",)
+DESIGN_OPS = UNARY + BINARY + REDUCTIONS + ("matmul",)
 
 
 @dataclass(frozen=True)
