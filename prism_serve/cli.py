@@ -21,7 +21,11 @@ from prism_serve.registry.cli import registry_app
 
 app = typer.Typer(help="Superoptimized, verified Triton kernels for vLLM endpoints.", no_args_is_help=True,
                   add_completion=False)
-console = Console()
+
+
+def _stdout() -> Console:
+    """Tables to stdout: the terminal's width, or 200 columns when piped (no name cut short)."""
+    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _fail(exc: Exception) -> typer.Exit:
@@ -85,6 +89,7 @@ def doctor(
                                               in device else ""))
     table.add_row("registry", report["registry"])
     table.add_row("kernel cache", report["cache"])
+    console = _stdout()
     console.print(table)
     if model is not None:
         patch = report["patch"]
@@ -139,7 +144,7 @@ def warmup(
         table.add_row(r.kind, (r.design + (" (reused)" if r.reused else "")) or "-", buckets,
                       "yes" if r.verified else "-", _speeds(r.modeled_speedup), measured,
                       f"{r.status}: {r.reason}" if r.reason else r.status)
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    _stdout().print(table)
     if json_file is not None:
         json_file.write_text(json.dumps(report.to_json(), indent=1))
     if run_status(report.regions) == "failed":  # one failed region is reported, not fatal
@@ -155,7 +160,7 @@ def demo(
     from prism_serve.optimize.demo import run_demo
 
     try:
-        run_demo(workload, list(num_tokens or [1, 7, 64]), console)
+        run_demo(workload, list(num_tokens or [1, 7, 64]), _stdout())
     except PrismError as exc:
         raise _fail(exc) from None
 
@@ -171,7 +176,7 @@ def workloads() -> None:
         dims = {n.name: n.attr("shape") for n in prog.inputs}
         table.add_row(name, ", ".join(f"{k}{list(v)}" for k, v in dims.items()), prog.canonical_hash,
                       str(len(prog.nodes)))
-    console.print(table)
+    _stdout().print(table)
 
 
 app.command("capture")(capture_command)

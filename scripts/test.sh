@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite; kernels run through Triton's interpreter.
+# Two worker processes (PRISM_TEST_WORKERS), each taking whole files: most tests run one core.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export TRITON_INTERPRET=1
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n "${PRISM_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -4,10 +4,7 @@ the kernels warmup stored (through the Triton interpreter, forced: nothing is me
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,9 @@ from prism_serve.registry import open_registry
 from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, warmup
 
+from .patch.vllm_run import config, run_vllm
+
 ROOT = Path(__file__).resolve().parents[1]
-CHILD = ROOT / "tests" / "patch" / "vllm_child.py"
 # what the plugin serves in the tiny Llama: each layer's two sides as regions, and the final norm
 SERVED = {"rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "fused_add_rms_norm"}
 # captured and supported, but run inside a served region (or, gate_up's norm, by no hook): not searched
@@ -116,23 +114,12 @@ def test_bucket_ranges_are_disjoint_and_cover_everything():
     assert bucket_ranges([1, 16, 256]) == [(1, 1), (2, 16), (17, MAX_TOKENS)]
 
 
-def _serve(url: str | None, tmp: Path, **env) -> dict:
-    out = tmp / f"out-{os.urandom(4).hex()}.json"
-    full = {k: v for k, v in os.environ.items() if not k.startswith("PRISM_SERVE_")}
-    full.update(TRITON_INTERPRET="1", PRISM_SERVE_FORCE="1", PYTHONPATH=str(ROOT), **env)
-    if url:
-        full["PRISM_SERVE_REGISTRY"] = url
-    model = ROOT / "prism_serve" / "capture" / "models" / "tiny-llama"
-    proc = subprocess.run([sys.executable, str(CHILD), str(model), str(out), "eager"], env=full, cwd=tmp,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return json.loads(out.read_text())
-
-
 def test_vllm_serves_the_same_tokens_on_the_warmed_kernels(warmed, tmp_path):
     _, _, url, _, _ = warmed
-    stock = _serve(url, tmp_path, PRISM_SERVE_DISABLE="1")
-    prism = _serve(url, tmp_path)
+    model = ROOT / "prism_serve" / "capture" / "models" / "tiny-llama"
+    runs = run_vllm(model, tmp_path, [config("stock", url, "eager", PRISM_SERVE_DISABLE="1"),
+                                      config("prism", url, "eager")])
+    prism, stock = runs["prism"], runs["stock"]
     assert prism["plugin"]["state"] == "patched", prism["plugin"]
     run = prism["runs"]["eager"]
     assert run["tokens"] == stock["runs"]["eager"]["tokens"]

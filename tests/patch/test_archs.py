@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -35,7 +34,7 @@ from prism_serve.capture.embedded import resolve_model
 from prism_serve.warmup import model_fingerprint, warmup
 
 from ..checkpoints import ARCH_CONFIGS, write_checkpoint
-from .test_vllm import config, run_vllm
+from .vllm_run import config, run_vllm
 
 ARCHS = tuple(ARCH_CONFIGS)
 CI_ARCHS = ("tiny-qwen2",)

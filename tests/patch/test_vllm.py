@@ -1,8 +1,11 @@
 """The plugin inside real vLLM (CPU build, Triton interpreter), each run in a fresh process.
 
-One process per (model, plugin on/off) runs both eager and compiled mode; each fault is its
-own process (the plugin acts once per process). Greedy tokens must equal stock vLLM's, the
-counters must show each patched op ran, and exactly one log line must say what happened.
+One vLLM process per model runs every config one after the other, each as a fresh process would
+(see vllm_child): stock vLLM, the plugin's op kernels and the region kernels, eager and compiled;
+for tiny-llama also each registry fault and the registry attacks. Greedy tokens must equal stock
+vLLM's, the counters must show each patched op ran, and exactly one log line must say what
+happened. A fault that leaves nothing patched is served by an engine once (`corrupt`); the others
+check the plugin's start-up alone, since with nothing patched vLLM's path is its own.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from prism_serve.capture.embedded import embedded_path
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.workloads import programs
 from prism_serve.patch import seed
@@ -27,42 +31,13 @@ from prism_serve.registry.store import DeviceInfo, Versions, current_versions
 
 from ..checkpoints import write_checkpoint
 from .conftest import MODELS, fill, model_results
-from .vllm_child import MARK, MAX_TOKENS, PROMPTS
+from .vllm_child import MAX_TOKENS, PROMPTS
+from .vllm_run import TIMEOUT_S, config, run_vllm
 
-CHILD = Path(__file__).with_name("vllm_child.py")
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 300
 OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
 REGIONS = ("swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu")
-
-
-def run_vllm(model: Path, tmp: Path, configs: list[dict]) -> dict:
-    """Every config in one vLLM process (see vllm_child): name -> its result, with `log_lines`, the
-    plugin's lines of that config's part of the log."""
-    name = os.urandom(4).hex()
-    out, spec = tmp / f"out-{name}.json", tmp / f"configs-{name}.json"
-    spec.write_text(json.dumps(configs))
-    full = {k: v for k, v in os.environ.items() if not k.startswith("PRISM_SERVE_")}
-    full.update(TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(CHILD), str(model), str(out), str(spec)], check=False, env=full,
-                          cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=TIMEOUT_S * sum(len(c["modes"]) for c in configs))  # per engine
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    results = json.loads(out.read_text())
-    current = None
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARK):
-            current = results[line[len(MARK):]]
-            current["log_lines"] = []
-        elif "prism-serve:" in line and current is not None:
-            current["log_lines"].append(line)
-    return results
-
-
-def config(name: str, registry: str | None, *modes: str, faults: dict | None = None, **env) -> dict:
-    """A vllm_child config: the plugin forced (verified kernels) on `registry`, as a fresh process."""
-    env = {"PRISM_SERVE_FORCE": "1", **({"PRISM_SERVE_REGISTRY": registry} if registry is not None else {}), **env}
-    return {"name": name, "env": env, "modes": list(modes), **({"faults": faults} if faults else {})}
+ENGINE_FAULTS = ("corrupt", "kernel fails to compile")  # the faults whose config also builds an engine
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +61,8 @@ def runs(checkpoints, kernels_registry, regions_registry, tmp_path_factory):
                    config("regions", regions_registry, "eager", "compiled")]
         if m == "tiny-llama":
             faults = _faults(tmp)
-            configs += [config(name, url, "eager") for name, (url, _) in faults.items()]
+            configs += [config(name, url, *(("eager",) if name in ENGINE_FAULTS else ()))
+                        for name, (url, _) in faults.items()]
             marker = tmp / "pwned"
             attack_url, attack = _attack_registry(tmp, marker)
             configs.append(config("attacks", attack_url, "eager",
@@ -132,6 +108,30 @@ def test_a_decoder_layers_two_sides_run_as_region_kernels_with_stock_tokens(runs
     assert len(line) == 1
     assert "LlamaDecoderLayer (rmsnorm_linear, fused_add_rmsnorm_linear, rmsnorm_swiglu)" in line[0]
     assert "Qwen3DecoderLayer (rmsnorm_linear, fused_add_rmsnorm_linear, rmsnorm_swiglu)" in line[0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_compiled_mode_serves_the_regions_through_the_fusion_pass_alone(runs, model):
+    """The plugin's config hook puts the pass into vLLM's config, Inductor runs it on the model's
+    graph, and it replaces every decoder region the registry has a kernel for, on vLLM's oneDNN
+    projections; no Llama or Qwen class hook serves anything in compiled mode."""
+    cfg = json.loads((embedded_path(model) / "config.json").read_text())
+    layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
+    regions = runs[model, "regions"]
+    compiled = regions["runs"]["compiled"]["compile"]
+    # vLLM's CPU build compiles with Inductor in mode 2 and ran the pass the hook put in its config
+    assert (compiled["mode"], compiled["backend"], compiled["config_pass"]) == (2, "inductor", "PrismFusionPass")
+    assert "fusion pass (compiled mode)" in regions["plugin"]["patched"] and compiled["graphs"] >= 1
+    assert compiled["class_hooked"] == 0
+    # per graph: layer 0's norm + qkv, later layers' residual add + norm + qkv, every post-attention side
+    assert compiled["replaced"] == {"rmsnorm_linear": 1, "fused_add_rmsnorm_linear": layers - 1,
+                                    "rmsnorm_swiglu": layers}
+    # the plain weights recorded when vLLM packed them: each layer's gate_up and qkv (recording goes
+    # by the shapes kernels serve, so lm_head, [vocab, hidden] = qkv's shape in these tiny models, too)
+    shapes = [tuple(s) for s in compiled["packed"]]
+    assert shapes.count((2 * cfg["intermediate_size"], h)) == layers and shapes.count((qkv, h)) >= layers
+    assert set(shapes) == {(2 * cfg["intermediate_size"], h), (qkv, h)}
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -193,7 +193,7 @@ def fault_runs(runs):
 def test_faults_serve_stock_output_with_one_clear_line(fault_runs, runs, fault):
     result, text, url = fault_runs[fault]
     stock = runs["tiny-llama", "stock"]["runs"]["eager"]["tokens"]
-    assert result["runs"]["eager"]["tokens"] == stock
+    assert result["runs"]["eager"]["tokens"] == stock if fault in ENGINE_FAULTS else not result["runs"]
     summary = [line for line in result["log_lines"] if "refused kernel" not in line]
     refused = [line for line in result["log_lines"] if "refused kernel" in line]
     assert len(summary) == 1, result["log_lines"]
@@ -207,7 +207,7 @@ def test_faults_serve_stock_output_with_one_clear_line(fault_runs, runs, fault):
     else:
         assert not refused
         assert result["plugin"]["state"] in ("nothing", "error") and not result["plugin"]["patched"]
-        assert not any(result["runs"]["eager"]["kernel"].values())
+        assert not any(any(run["kernel"].values()) for run in result["runs"].values())
     if fault == "missing":
         assert not Path(url).parent.exists()  # the plugin never creates a registry
 

@@ -3,7 +3,6 @@ once per *config* of a list, one after the other: greedy tokens for fixed prompt
 the config asks for, the plugin's status and the prism op counters per mode, as JSON.
 
     python tests/patch/vllm_child.py MODEL_DIR OUT.json CONFIGS.json
-    python tests/patch/vllm_child.py MODEL_DIR OUT.json eager [compiled]   (one config: this env)
 
 CONFIGS.json is a list of {"name", "env": {PRISM_SERVE_* settings}, "modes": ["eager", ...],
 "faults": optional (see `inject_faults`)}. The plugin acts once per process, so before each
@@ -33,22 +32,30 @@ def run(model: str, mode: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from prism_serve.patch import ops
+    from prism_serve.patch import fusion, hooks, ops
 
-    before = ops.counters()
+    before, graphs, replaced = ops.counters(), fusion.RUNS["graphs"], fusion.REPLACED.copy()
+    sites = len(hooks.LAYER_SITES) + len(hooks.SITES)
     has_weights = any(f.endswith(".safetensors") for f in os.listdir(model))
     t0 = time.time()
     llm = LLM(model=model, load_format="auto" if has_weights else "dummy", skip_tokenizer_init=True,
               max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8, dtype="float32", seed=0,
               **MODES[mode])
+    cc = llm.llm_engine.vllm_config.compilation_config
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     after = ops.counters()
+    packed = sorted(list(w.shape) for w in ops.PACKED.values())  # plain weights held while the model lives
     del llm
     gc.collect()
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(time.time() - t0, 2),
             "kernel": {k: after["kernel"][k] - before["kernel"][k] for k in after["kernel"]},
-            "fallback": {k: after["fallback"][k] - before["fallback"][k] for k in after["fallback"]}}
+            "fallback": {k: after["fallback"][k] - before["fallback"][k] for k in after["fallback"]},
+            # what vLLM compiled with and what the fusion pass did in this run
+            "compile": {"mode": int(cc.mode), "backend": cc.backend,
+                        "config_pass": type(cc.inductor_compile_config.get("post_grad_custom_post_pass")).__name__,
+                        "graphs": fusion.RUNS["graphs"] - graphs, "replaced": dict(fusion.REPLACED - replaced),
+                        "class_hooked": len(hooks.LAYER_SITES) + len(hooks.SITES) - sites, "packed": packed}}
 
 
 def inject_faults(spec: dict):
@@ -114,21 +121,15 @@ def run_config(model: str, config: dict, scratch: str) -> dict:
     return result
 
 
-def main(model: str, out: str, args: list[str]) -> int:
-    """`args`: a CONFIGS.json path, or modes for one config with this process's PRISM_SERVE_*
-    settings (then OUT.json holds that config's result alone)."""
+def main(model: str, out: str, configs: str) -> int:
     os.environ.update(ENV)
     scratch = os.path.join(os.path.dirname(os.path.abspath(out)), f"caches-{os.getpid()}")
-    if args and args[0].endswith(".json"):
-        with open(args[0]) as f:
-            results = {c["name"]: run_config(model, c, scratch) for c in json.load(f)}
-    else:
-        env = {k: v for k, v in os.environ.items() if k.startswith("PRISM_SERVE_")}
-        results = run_config(model, {"name": "env", "env": env, "modes": args or ["eager"]}, scratch)
+    with open(configs) as f:
+        results = {c["name"]: run_config(model, c, scratch) for c in json.load(f)}
     with open(out, "w") as f:
         json.dump(results, f)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
+    sys.exit(main(*sys.argv[1:4]))
