@@ -39,6 +39,8 @@ ARCH_CONFIGS: dict[str, dict] = {
                      "attention_bias": False, "mlp_bias": False},
     "tiny-olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
                    "pad_token_id": 0},
+    "tiny-mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
+                     "num_local_experts": 4, "num_experts_per_tok": 2},
 }
 # an encoder for the pooling runner (not a prism target): BERT layout, its own tokenizer
 BERT_CONFIG = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 128, "intermediate_size": 256,
@@ -107,9 +109,17 @@ def _layer_tensors(cfg: dict, rand, norm) -> dict[str, torch.Tensor]:
              "mlp.gate_up_proj.weight": rand(2 * inter, h)}
     else:
         t = {"self_attn.q_proj.weight": rand(q, h), "self_attn.k_proj.weight": rand(kv, h),
-             "self_attn.v_proj.weight": rand(kv, h), "self_attn.o_proj.weight": rand(h, q),
-             "mlp.gate_proj.weight": rand(inter, h), "mlp.up_proj.weight": rand(inter, h)}
-    t["mlp.down_proj.weight"] = rand(h, inter)
+             "self_attn.v_proj.weight": rand(kv, h), "self_attn.o_proj.weight": rand(h, q)}
+    if kind == "mixtral":  # a router and experts (w1 gate, w3 up, w2 down) in place of one MLP
+        t["block_sparse_moe.gate.weight"] = rand(cfg["num_local_experts"], h)
+        for e in range(cfg["num_local_experts"]):
+            t |= {f"block_sparse_moe.experts.{e}.w1.weight": rand(inter, h),
+                  f"block_sparse_moe.experts.{e}.w3.weight": rand(inter, h),
+                  f"block_sparse_moe.experts.{e}.w2.weight": rand(h, inter)}
+    else:
+        if kind != "phi3":
+            t |= {"mlp.gate_proj.weight": rand(inter, h), "mlp.up_proj.weight": rand(inter, h)}
+        t["mlp.down_proj.weight"] = rand(h, inter)
     if kind != "olmo2":  # OLMo 2 normalises after attention and MLP, not before
         t["input_layernorm.weight"] = norm(h)
     t["post_attention_layernorm.weight"] = norm(h)

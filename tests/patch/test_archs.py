@@ -6,9 +6,11 @@ warmup stored must have run as a prism kernel in compiled mode, except the (arch
 pairs of `NOT_SERVED`, each with the reason, which are checked to still be unserved (so the
 list shrinks when serving closes a gap).
 
-CI runs `CI_ARCHS` only (each architecture costs a capture, a warmup and a vLLM process: 4 to
+CI runs `CI_ARCHS` only (each architecture costs a capture, a warmup and a vLLM process: 3 to
 10 minutes on two shared cores); PRISM_SERVE_TEST_ARCHS=all (or a comma-separated list) runs
-the others. Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds
+the others. Mixtral (in CI) is the mixture of experts: its router and experts are vLLM's FusedMoE,
+which no region kind spans, so they stay vLLM's; the input norm + qkv and the residual add + norm
+before the experts are served (in compiled mode; in eager mode only the norm, as an op). Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds
 Phi-3 as a Llama) serve every stored kind; since the compiled-mode pattern pass (fusion.py) Qwen2
 and Granite serve every stored kind too (Granite's rmsnorm_linear and rmsnorm_swiglu checked on
 2026-12-03); OLMo 2 has the `NOT_SERVED` gap. Gemma and Gemma 2
@@ -33,11 +35,11 @@ import pytest
 from prism_serve.capture.embedded import resolve_model
 from prism_serve.warmup import model_fingerprint, warmup
 
-from ..checkpoints import ARCH_CONFIGS, write_checkpoint
+from ..checkpoints import ARCH_CONFIGS, config_of, write_checkpoint
 from .vllm_run import config, run_vllm
 
 ARCHS = tuple(ARCH_CONFIGS)
-CI_ARCHS = ("tiny-qwen2",)
+CI_ARCHS = ("tiny-qwen2", "tiny-mixtral")
 MODES = ("eager", "compiled")
 # region kinds warmup stores for an architecture that the plugin does not serve yet, and why
 NOT_SERVED: dict[tuple[str, str], str] = {
@@ -45,6 +47,8 @@ NOT_SERVED: dict[tuple[str, str], str] = {
                                      "SiluAndMul replacement, but no call reaches it there (0 kernel calls, 0 "
                                      "fallbacks, both modes); the cause is not found yet"),
 }
+# the kinds of an MLP's activation, with or without its projection and norm
+MLP_KINDS = {"silu_and_mul", "swiglu", "rmsnorm_swiglu", "gelu_tanh_and_mul", "geglu"}
 # the module fixture runs a warmup (a capture, a search when the registry has no plan yet) and a
 # vLLM process with four engines: minutes on two busy cores
 pytestmark = pytest.mark.timeout(1800)
@@ -123,3 +127,14 @@ def test_a_projection_bias_makes_its_regions_unsupported_and_nothing_else_does(a
         assert {r["kind"] for r in biased} == {"rmsnorm_linear", "fused_add_rmsnorm_linear"}
     else:
         assert not biased
+
+
+def test_a_mixture_of_experts_keeps_its_experts_on_vllms_path_and_serves_the_rest(arch):
+    if "num_local_experts" not in config_of(arch["name"]):
+        pytest.skip("not a mixture of experts")
+    stored = _stored(arch)
+    assert not stored & MLP_KINDS  # no region spans the router and the experts
+    around = {"rmsnorm_linear", "fused_add_rmsnorm_linear", "fused_add_rms_norm"}
+    assert around <= stored
+    ran = arch["runs"]["prism"]["runs"]["compiled"]["kernel"]
+    assert all(ran[k] > 0 for k in around) and not any(ran.get(k, 0) for k in MLP_KINDS), ran
