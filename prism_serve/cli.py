@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -15,17 +14,13 @@ from rich.table import Table
 
 from prism_serve import __version__
 from prism_serve.capture.cli import capture_command
+from prism_serve.console import stdout_console
 from prism_serve.errors import PrismError
 from prism_serve.optimize.cli import interpret_unless_gpu, optimize_command
 from prism_serve.registry.cli import registry_app
 
 app = typer.Typer(help="Superoptimized, verified Triton kernels for vLLM endpoints.", no_args_is_help=True,
                   add_completion=False)
-
-
-def _stdout() -> Console:
-    """Tables to stdout: the terminal's width, or 200 columns when piped (no name cut short)."""
-    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _fail(exc: Exception) -> typer.Exit:
@@ -89,7 +84,7 @@ def doctor(
                                               in device else ""))
     table.add_row("registry", report["registry"])
     table.add_row("kernel cache", report["cache"])
-    console = _stdout()
+    console = stdout_console()
     console.print(table)
     if model is not None:
         patch = report["patch"]
@@ -144,7 +139,7 @@ def warmup(
         table.add_row(r.kind, (r.design + (" (reused)" if r.reused else "")) or "-", buckets,
                       "yes" if r.verified else "-", _speeds(r.modeled_speedup), measured,
                       f"{r.status}: {r.reason}" if r.reason else r.status)
-    _stdout().print(table)
+    stdout_console().print(table)
     if json_file is not None:
         json_file.write_text(json.dumps(report.to_json(), indent=1))
     if run_status(report.regions) == "failed":  # one failed region is reported, not fatal
@@ -160,7 +155,7 @@ def demo(
     from prism_serve.optimize.demo import run_demo
 
     try:
-        run_demo(workload, list(num_tokens or [1, 7, 64]), _stdout())
+        run_demo(workload, list(num_tokens or [1, 7, 64]), stdout_console())
     except PrismError as exc:
         raise _fail(exc) from None
 
@@ -176,7 +171,7 @@ def workloads() -> None:
         dims = {n.name: n.attr("shape") for n in prog.inputs}
         table.add_row(name, ", ".join(f"{k}{list(v)}" for k, v in dims.items()), prog.canonical_hash,
                       str(len(prog.nodes)))
-    _stdout().print(table)
+    stdout_console().print(table)
 
 
 app.command("capture")(capture_command)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from prism_serve.console import stdout_console
 from prism_serve.errors import PrismError, ProgramError
 
 
@@ -127,7 +127,7 @@ def optimize_command(
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    Console(width=None if sys.stdout.isatty() else 200).print(_table(result))
+    stdout_console().print(_table(result))
     s = result.stats
     size = f"{s.designs} designs, {s.kernel_graphs} kernel graphs, {s.block_graphs} block graphs, {s.workers} workers"
     typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s), {size}, pruned "

@@ -178,9 +178,23 @@ def _install_silu(table: Table, done: Installed) -> None:
         forward_cuda = forward_cpu = forward_xpu = forward_hip = forward_oot = forward_native
 
     SiluAndMul.register_oot(PrismSiluAndMul, name="SiluAndMul")
-    done.undo.append(lambda: op_registry_oot.pop("SiluAndMul", None))
+    _forget_built_silu()
+    done.undo.append(lambda: (op_registry_oot.pop("SiluAndMul", None), _forget_built_silu()))
     done.names.append("SiluAndMul")
     done.kinds.add("silu_and_mul")
+
+
+def _forget_built_silu() -> None:
+    """Drop the SiluAndMul instances vLLM built before the switch (to or from prism's). vLLM builds
+    each named activation once and keeps it (`activation.get_act_and_mul_fn`, which its Transformers
+    backend uses, OLMo 2's among others): without this, a model built after the switch would get
+    the instance built before it."""
+    from vllm.model_executor.layers import activation
+
+    built = getattr(getattr(activation, "_ACTIVATION_AND_MUL_REGISTRY", None), "_dict", None)
+    if isinstance(built, dict):
+        for name in [n for n, op in built.items() if isinstance(op, activation.SiluAndMul)]:
+            del built[name]
 
 
 # --- whole region: a SwiGLU MLP's gate_up projection + SiLU*mul as one prism::swiglu ----------

@@ -287,3 +287,29 @@ def test_a_silu_miss_off_cuda_runs_vllms_own_silu_and_mul(live):
     finally:
         done.revert()
     assert ops.FALLBACKS["silu_and_mul"] is ops.ref_silu_and_mul
+
+
+def test_an_activation_vllm_built_before_the_switch_is_built_again(live):
+    """vLLM keeps each named activation it built (`get_act_and_mul_fn`, its Transformers backend's
+    path): one built before the plugin switched SiluAndMul, or before it switched back, must not be
+    handed out after the switch."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import get_act_and_mul_fn
+
+    from prism_serve.patch import hooks
+
+    with set_current_vllm_config(VllmConfig()):  # vLLM builds its ops inside a config
+        stock = get_act_and_mul_fn("silu")
+        assert not getattr(stock, "_prism", False)
+        done = hooks.Installed([], [])
+        hooks._install_silu(live, done)
+        try:
+            prism = get_act_and_mul_fn("silu")
+            assert getattr(prism, "_prism", False) and getattr(get_act_and_mul_fn("swish"), "_prism", False)
+            before = ops.COUNTS["silu_and_mul"] + ops.MISSES["silu_and_mul"]
+            x = torch.randn(5, 2 * 128)
+            torch.testing.assert_close(prism(x), stock.forward_native(x))
+            assert ops.COUNTS["silu_and_mul"] + ops.MISSES["silu_and_mul"] == before + 1
+        finally:
+            done.revert()
+        assert not getattr(get_act_and_mul_fn("silu"), "_prism", False)
