@@ -212,6 +212,30 @@ def fits(t: Counter, target: Counter) -> bool:
     return True
 
 
+def _frozen(c: Counter) -> frozenset:
+    return frozenset(c.items())
+
+
+def _operand_signatures(t: Term) -> tuple:
+    """What the operands of `t`'s head must be, up to the algebra, for `t` to be a node of some
+    form of a target that holds the same signature. No rule creates sub, exp, silu, gelu_tanh, a
+    root or a max: such a node of a saturated form is congruent to one of the target as written,
+    so its operands are equal to that one's and have its leaves (which every rule keeps). A
+    division is created only by moving a divisor the target already has (or from x * rsqrt(y), as
+    x / sqrt(y)): its divisor is equal to one of those. Heads the rules create or rebuild
+    (add, mul, sum, mean) sign nothing."""
+    head = t[0]
+    if head in ("sub", "exp", "silu", "gelu_tanh"):
+        return ((head,) + tuple(_frozen(leaves(a)) for a in t[1:]),)
+    if head in ("sqrt", "rsqrt"):
+        return (("root", _frozen(leaves(t[1]))), ("divisor", _frozen(leaves(("sqrt", t[1])))))
+    if head == "max":
+        return (("max", t[1], _frozen(leaves(t[2]))),)
+    if head == "div":
+        return (("divisor", _frozen(leaves(t[2]))),)
+    return ()
+
+
 def _parts(t: Term):
     """`t` and every term inside it."""
     yield t
@@ -255,8 +279,12 @@ def ac_form(t: Term) -> Term:
 class Oracle:
     """The target's terms saturated once; `within(term)` and `equals(term, output)` queries, cached."""
 
-    def __init__(self, targets: dict[str, Term], var_labels: dict[str, frozenset[str]], consts: tuple[str, ...]):
+    def __init__(self, targets: dict[str, Term], var_labels: dict[str, frozenset[str]], consts: tuple[str, ...],
+                 nodes: tuple[tuple[Term, tuple], ...] = ()):
         self.targets = targets
+        self._positions: dict[tuple[Term, tuple], int] = {}  # (AC form, labels) -> its first node's index
+        for i, (t, labels) in enumerate(nodes):
+            self._positions.setdefault((ac_form(t), labels), i)
         labels = sorted(set().union(*var_labels.values())) if var_labels else []
         self.egraph = EGraph()
         facts = [indep(Abs.var(v), AbsLabel(lb)) for v, have in var_labels.items() for lb in labels if lb not in have]
@@ -277,6 +305,7 @@ class Oracle:
         self._check_equals = {o: self.egraph._egraph.parse_program(f"(check (= $q $target_{i}))")[0]
                               for i, o in enumerate(targets)}
         self._leaves = [leaves(t) for t in targets.values()]
+        self._operands = frozenset(sig for t in targets.values() for s in _parts(t) for sig in _operand_signatures(s))
         self._literal = frozenset(ac_form(s) for t in targets.values() for s in _parts(t))
         self._reduced = frozenset(ac_form(s[2]) for t in targets.values() for s in _parts(t) if s[0] in REDUCE)
         self.enabled = True  # False: every term passes (to check that the rule is sound)
@@ -294,20 +323,32 @@ class Oracle:
         key = ac_form(t)  # the rules hold + and * commutative and associative: one query per form
         if key in self._within:
             return self._within[key]
-        ok = self._may_be_within(t) and self._query(t, self._check_within)
+        ok = key in self._literal or self._may_be_within(t) and self._query(t, self._check_within)
         self._within[key] = ok
         return ok
 
-    def literal(self, t: Term, reduced: bool = False) -> bool:
+    def literal(self, t: Term, reduced: bool = False, labels: tuple | None = None) -> bool:
         """Whether `t` is a subterm of a target as the Program writes it (up to + and * order), and
-        with `reduced` one that the Program reduces (sums, means or maxes) directly: the generator
-        tries such ops first, so the Program's own fused form comes early."""
-        return ac_form(t) in (self._reduced if reduced else self._literal)
+        with `reduced` one that the Program reduces (sums, means or maxes) directly; with `labels`,
+        the result of a node of the Program laid out as the Program lays it out (`position`). The
+        generator tries such ops first, so the Program's own fused form comes early."""
+        key = ac_form(t)
+        if key not in (self._reduced if reduced else self._literal):
+            return False
+        return labels is None or (key, labels) in self._positions
+
+    def position(self, t: Term, labels: tuple) -> int | None:
+        """The index, in the Program's order, of the first node that computes `t` (up to + and *
+        order) laid out with these index labels, or None: neither a transposed product nor the
+        elementwise product inside a matmul is a node of the Program."""
+        return self._positions.get((ac_form(t), labels))
 
     def _may_be_within(self, t: Term) -> bool:
         """Necessary conditions: no rule creates a variable, a constant, exp, silu, gelu_tanh, add,
-        sub or a reduction over a label the target's forms lack, and a subterm's leaves fit the whole's."""
-        return _symbols(t) <= self._symbols and any(fits(leaves(t), lv) for lv in self._leaves)
+        sub or a reduction over a label the target's forms lack, a subterm's leaves fit the whole's,
+        and an op that no rule creates has operands the target gives it (`_operand_signatures`)."""
+        return _symbols(t) <= self._symbols and any(fits(leaves(t), lv) for lv in self._leaves) and \
+            all(sig in self._operands for sig in _operand_signatures(t))
 
     def prefetch(self, terms) -> None:
         """Decide `within` for many terms with one e-graph run (the per-run cost dominates a query).
@@ -322,7 +363,9 @@ class Oracle:
             key = ac_form(t)
             if key in self._within or key in batch:
                 continue
-            if not self._may_be_within(t):
+            if key in self._literal:  # a subterm of a target as written is marked at saturation
+                self._within[key] = True
+            elif not self._may_be_within(t):
                 self._within[key] = False
             else:
                 batch[key] = t

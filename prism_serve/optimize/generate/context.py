@@ -60,6 +60,7 @@ def make_context(prog: Program) -> Context:
         for lb in labels.dims.get(n.name, ()):
             if lb and lb not in order:
                 order.append(lb)
-    oracle = Oracle(targets, var_labels, tuple(consts))
+    nodes = tuple((terms[n.name], labels.dims[n.name]) for n in flat.nodes)
+    oracle = Oracle(targets, var_labels, tuple(consts), nodes)
     return Context(prog, flat, inputs, const_values, {o: flat.types[o] for o in flat.outputs}, targets,
                    tuple(order), oracle)
