@@ -15,7 +15,8 @@ Stage 2, fastest modeled first: the egglog proof that the sGraph computes the Pr
 instantiation, then the numeric check of the same design rebuilt at small dims through Triton
 (`check.check_numerics`, adversarial inputs included, seeded by the design's canonical hash).
 Verified designs are instantiated per bucket; on a device the top candidates are timed and the
-measured winner kept.
+measured winner kept. A verification starts only while the budget has room for the longest one so
+far, so the search ends near its budget rather than one verification past it.
 
 Both stages use `workers` processes (`workers.py`, spawned: egglog and torch are not fork-safe):
 stage 1 one task per (depth, first-kernel group), stage 2 one design per worker at a time in
@@ -53,7 +54,8 @@ from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
 MAX_GRID = 4  # logical grid axes per generated kernel (the sGraph allows up to MAX_GRID_AXES)
-GENERATE_SHARES = (0.5, 0.85)  # of the budget: generation's deadline, and its extension when nothing was costed
+GENERATE_SHARES = (0.5, 0.75)  # of the budget: generation's deadline, and its extension when nothing was costed
+# (the quarter left is for verifying: the numeric check of a 20-op kernel takes 9 s through the interpreter)
 GRACE_S = 10.0  # how long past a deadline the driver waits for a worker's answer (a subtree, a verification)
 Progress = Callable[[str, "SearchStats"], None]
 
@@ -297,22 +299,24 @@ def _generate_parallel(pool: Pool, gen: KernelGenerator, choices: list, costed: 
                 progress(f"generated {len(costed.designs)} designs", stats)
 
 
-def _verify_parallel(pool: Pool, costed, deadline: float, take: Callable[..., bool]) -> bool:
+def _verify_parallel(pool: Pool, costed, deadline: float, take: Callable[..., bool],
+                     in_time: Callable[[], bool]) -> bool:
     """Stage 2 in the workers: verifications in cost order, at most one in flight per worker,
     read back in cost order and handed to `take` until it returns False, so the designs verified
-    are those of the serial loop. None starts after `deadline`; as in the serial loop, one that
-    started before it may finish, but only within GRACE_S. Returns whether the deadline stopped it."""
+    are those of the serial loop. None starts unless `in_time()` (before `deadline`, with room for
+    the longest verification so far); as in the serial loop, one that started may finish, but only
+    within GRACE_S of the deadline. Returns whether the deadline stopped it."""
     it = iter(costed)
     flight: list = []
     until = time.time() + (deadline - time.perf_counter()) + GRACE_S
     while True:
-        while len(flight) < len(pool.procs) and time.perf_counter() <= deadline:
+        while len(flight) < len(pool.procs) and in_time():
             item = next(it, None)
             if item is None:
                 break
             flight.append((pool.submit("verify", item[1]), item))
         if not flight:
-            return time.perf_counter() > deadline and next(it, None) is not None
+            return not in_time() and next(it, None) is not None
         tid, (_, design, g) = flight.pop(0)
         ok, answer = pool.get(tid, until)
         if not ok:
@@ -386,9 +390,15 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
         stats.designs = len(costing.designs)
         costed = costing.ranked()
         found: list[Found] = []
+        longest = 0.0  # the longest verification so far: none starts that would likely end past the deadline
+
+        def in_time() -> bool:
+            return time.perf_counter() + longest <= deadline
 
         def take(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdict | None,
                  seconds: float) -> bool:
+            nonlocal longest
+            longest = max(longest, seconds)
             f = _judge(design, g, proof, verdict, seconds, spec, buckets, stats, timer, measure_top)
             if f:
                 found.append(f)
@@ -397,10 +407,11 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
             return all_designs or len(found) < top
 
         if pool:
-            stats.stopped_by_budget |= _verify_parallel(pool, costed if all_designs or top > 0 else [], deadline, take)
+            stats.stopped_by_budget |= _verify_parallel(pool, costed if all_designs or top > 0 else [], deadline, take,
+                                                        in_time)
         else:
             for _, design, g in costed if all_designs or top > 0 else []:
-                if time.perf_counter() > deadline:
+                if not in_time():
                     stats.stopped_by_budget = True
                     break
                 if not take(design, g, *verify_design(prog, design, spec)):
