@@ -105,6 +105,22 @@ def test_search_finds_a_fused_design_and_its_winner_matches_the_reference():
     assert stats.pruned["abstract_expression"] > 0
 
 
+def test_no_verification_starts_without_room_for_the_longest_so_far(monkeypatch):
+    """A verification starts only while the budget has room for the longest one so far: one that
+    (as reported) took longer than the whole budget leaves no room for a second."""
+    from prism_serve.optimize.generate import search
+
+    prog = WORKLOADS["rms_norm"].program(hidden=40, dtype="float32")
+    real = search.verify_design
+    runs = {}
+    for took in (None, 1e6):
+        monkeypatch.setattr(search, "verify_design", lambda p, d, g, took=took: (
+            lambda proof, verdict, s: (proof, verdict, s if took is None else took))(*real(p, d, g)))
+        runs[took] = optimize(prog, "h100", (4,), max_kernels=1, max_block_ops=6, budget_s=300, top=3, workers=1)
+    assert len(runs[None].found) >= 2 and not runs[None].stats.stopped_by_budget
+    assert len(runs[1e6].found) == 1 and runs[1e6].stats.stopped_by_budget
+
+
 def test_search_stops_cleanly_at_its_budget():
     prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32)
     result = optimize(prog, "h100", (8,), budget_s=0.0)
