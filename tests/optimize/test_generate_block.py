@@ -240,9 +240,10 @@ def _qk_norm_attention():
 def test_operand_signatures_reject_only_terms_the_egraph_rejects():
     """No rule creates sub, exp, a root or a max, and a division only moves a divisor the target
     has: so an op of those kinds over operands (up to their leaves) that the target never gives
-    it is no subexpression of any form. Checked against egglog itself on every such term over the
-    target's own subterms that the older necessary conditions (symbols, leaves) let through; and
-    the divide-after-PV form of attention, no term of the Program, still passes."""
+    it is no subexpression of any form. Of the terms over the target's own subterms that the older
+    necessary conditions (symbols, leaves) let through and this one rejects, 60 spread over all of
+    them are put to egglog itself, which rejects each; the divide-after-PV form of attention, no
+    term of the Program, still passes."""
     from prism_serve.optimize.generate.abstract import _parts
 
     ctx = make_context(_qk_norm_attention())
