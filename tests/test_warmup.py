@@ -106,7 +106,9 @@ def test_a_rerun_reuses_the_stored_designs_and_capture_still_sees_vllm(warmed):
     assert set(done) == SERVED
     for r in done.values():
         assert r.reused and r.status == "verified" and r.vllm_max_rel_error < 1e-4, r
-    assert {r.kind: r.design for r in first.regions} == {r.kind: r.design for r in third.regions}
+    # per served kind (capture orders regions by measured time share, so two regions of one kind,
+    # one of them skipped, may come in either order)
+    assert {r.kind: r.design for r in first.regions if r.status != "skipped"} == {k: r.design for k, r in done.items()}
 
 
 def test_bucket_ranges_are_disjoint_and_cover_everything():
