@@ -3,7 +3,13 @@
 For each workload, shape and dtype: rank the oracle sGraph's instances with the cost model,
 time the top candidates on the device, keep the measured winner, check it against the torch
 reference on fresh NaN-poisoned outputs, and time it against torch eager and torch.compile
-of the same Program. For every region kind of the region table it also times vLLM's path for
+of the same Program (compiled once per workload, shape and dtype with num_tokens dynamic, as
+vLLM compiles its graph). On a GPU every time is device time under CUDA-graph replay, as vLLM
+decodes (`timing.graph_us`; the winner's time on a plain stream, host launches included, is
+kept beside it), and the device's own bandwidth and launch latencies are probed first
+(`devbench`) so the winner is also priced with the measured spec. Cases run all workloads in
+the first dtype before the next dtype, and the JSON and table are rewritten after every case,
+so a run cut short by its budget or its caller keeps what it measured. For every region kind of the region table it also times vLLM's path for
 the region (`prism_serve.baseline`: vLLM's own ops where vLLM is installed, else eager torch,
 named so) beside the cost model's price of that path, so one run gives the model's error on
 vLLM's path (Spearman and median measured/modeled ratio per region), and what the plugin would
@@ -42,7 +48,9 @@ from prism_serve.optimize.gpus import get_gpu  # noqa: E402
 from prism_serve.optimize.generate.design import Design, build  # noqa: E402
 from prism_serve.optimize.reference import (TOLERANCE, TORCH_DTYPES, as_torch_function, evaluate,  # noqa: E402
                                             max_rel_error, random_inputs)
-from prism_serve.optimize.timing import median_us, rotation, spearman  # noqa: E402
+from prism_serve.optimize.ir import NUM_TOKENS  # noqa: E402
+from prism_serve.optimize.cost import modeled_us  # noqa: E402
+from prism_serve.optimize.timing import graph_us, median_us, rotation, spearman  # noqa: E402
 from prism_serve.optimize.tune import measure, rank  # noqa: E402
 from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import WORKLOADS  # noqa: E402
@@ -76,6 +84,59 @@ def device_spec():
     return get_gpu("h100"), "CPU (Triton interpreter; modeled as h100)"
 
 
+def probe_device(spec):
+    """This GPU's measured bandwidth and launch latencies, and the spec built from them (None, why)."""
+    from prism_serve.optimize.devbench import CudaProbe, measure
+    from prism_serve.optimize.gpus import spec_from_device
+    try:
+        figures = measure(CudaProbe())
+        measured = spec_from_device(torch.cuda.get_device_properties(0), bandwidth_gbs=figures.bandwidth_gbs,
+                                    eager_launch_us=figures.eager_launch_us, graph_launch_us=figures.graph_launch_us)
+    except Exception as exc:  # a probe failure is a finding; the table's spec still prices every case
+        return None, {"error": f"{type(exc).__name__}: {exc}"[:300], "table_spec": spec.to_json()}
+    return measured, {"bandwidth_gbs": figures.bandwidth_gbs, "eager_launch_us": figures.eager_launch_us,
+                      "graph_launch_us": figures.graph_launch_us, "measured_spec": measured.to_json(),
+                      "table_spec": spec.to_json()}
+
+
+def time_us(fn, sets, args) -> float:
+    """Microseconds per call: CUDA-graph replay on a GPU (a failed capture is recorded and the
+    stream timing used instead), the interpreter's wall time on the CPU."""
+    if args.graphs:
+        try:
+            return graph_us(fn, sets, warmup=max(args.warmup, 1), reps=args.graph_reps)
+        except Exception as exc:  # noqa: BLE001 - recorded in the result's graph_failures
+            args.graph_failures.append(f"{type(exc).__name__}: {exc}"[:200])
+            torch.cuda.synchronize()
+    return median_us(fn, sets, warmup=args.warmup, reps=args.reps)
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def compiled_us(prog, dims, sets, args) -> float:
+    """torch.compile of the Program, built once per workload, shape and dtype, with the token dim
+    of every input marked dynamic (vLLM compiles its graph once for all num_tokens)."""
+    key = (prog.name, json.dumps(dims, sort_keys=True), prog.inputs[0].attr("dtype"))
+    if key not in _COMPILED:
+        # every Program's torch function shares one code object, where Dynamo counts recompiles:
+        # lift its limits, and fail loudly rather than fall back to eager past them
+        cfg = torch._dynamo.config
+        for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                      "accumulated_cache_size_limit"):
+            if hasattr(cfg, limit):
+                setattr(cfg, limit, 4096)
+        if hasattr(cfg, "fail_on_recompile_limit_hit"):
+            cfg.fail_on_recompile_limit_hit = True
+        _COMPILED[key] = torch.compile(as_torch_function(prog))
+    token_dims = [n.attr("shape").index(NUM_TOKENS) if NUM_TOKENS in n.attr("shape") else None for n in prog.inputs]
+    for s in sets:
+        for t, d in zip(s, token_dims):
+            if d is not None:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+    return time_us(_COMPILED[key], sets, args)
+
+
 def searched_designs(path: Path | None) -> dict[str, Design]:
     """workload -> the search's best design, from a bench_search JSON (the newest one by default)."""
     if path is None:
@@ -96,8 +157,7 @@ def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, desi
     reps = args.reps
 
     def timer(inst, n):
-        run = compile_instance(inst)
-        return median_us(run, sets, warmup=args.warmup, reps=reps)
+        return time_us(compile_instance(inst), sets, args)
 
     timed = measure(ranked, timer, top=args.top)
     row = {"workload": name, "dims": dims, "num_tokens": num_tokens, "dtype": dtype,
@@ -122,13 +182,16 @@ def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, desi
     row["max_rel_error"] = max(errors)
     row["correct"] = all(e < TOLERANCE[dtype] for e in errors) and not any(torch.isnan(o).any() for o in outs)
     eager = as_torch_function(prog)
-    row["eager_us"] = median_us(eager, sets, warmup=args.warmup, reps=reps)
+    if args.graphs:  # the same kernel launched on a plain stream: host launch cost included
+        row["measured_stream_us"] = median_us(run, sets, warmup=args.warmup, reps=reps)
+    if args.probed_spec is not None:
+        row["modeled_us_probed_spec"] = modeled_us(best.instance, num_tokens, args.probed_spec)
+    row["eager_us"] = time_us(eager, sets, args)
     if prog.name in KINDS:
         row |= vllm_path(prog, run, best, num_tokens, spec, sets, args)
     if args.compile and time.monotonic() < deadline:
         try:
-            compiled = torch.compile(eager, dynamic=False)
-            row["compile_us"] = median_us(compiled, sets, warmup=args.warmup, reps=reps)
+            row["compile_us"] = compiled_us(prog, dims, sets, args)
         except Exception as exc:  # an inductor failure is a finding to record, not a crash
             row["compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
     else:
@@ -142,25 +205,35 @@ def vllm_path(prog, kernel, best, num_tokens, spec, sets, args) -> dict:
     prepare, run = served(prog, kernel)
     row = {"baseline": base.name, "vllm_modeled_us": vllm_modeled_us(prog, num_tokens, spec),
            "served_modeled_us": served_modeled_us(prog, best.modeled_us, num_tokens, spec),
-           "served_us": median_us(run, [prepare(s) for s in sets], warmup=args.warmup, reps=args.reps)}
+           "served_us": time_us(run, [prepare(s) for s in sets], args)}
     try:
-        row["baseline_us"] = median_us(base.run, [base.prepare(s) for s in sets], warmup=args.warmup, reps=args.reps)
+        row["baseline_us"] = time_us(base.run, [base.prepare(s) for s in sets], args)
     except Exception as exc:  # vLLM's op may not take this dtype here: a finding, not a crash
         row["baseline_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return row
 
 
+STAND_IN = "torch.compile of the region (norms and activations as inductor kernels, projections as cuBLAS)"
+
+
+def _fit(rows, measured_key) -> dict:
+    ratios = sorted(r[measured_key] / r["vllm_modeled_us"] for r in rows)
+    return {"cases": len(rows), "spearman": spearman([r["vllm_modeled_us"] for r in rows],
+                                                     [r[measured_key] for r in rows]),
+            "median_measured_over_modeled": ratios[len(ratios) // 2] if ratios else None}
+
+
 def vllm_path_model(rows) -> dict:
-    """Per region kind: how well the cost model prices vLLM's path, over the cases timed against vLLM itself."""
+    """Per region kind: how well the cost model prices vLLM's path, over the cases timed against
+    vLLM itself; where vLLM is absent, against the stand-in that runs vLLM's kernel structure."""
     out = {}
     for kind in sorted({r["workload"] for r in rows if "vllm_modeled_us" in r}):
-        timed = [r for r in rows if r["workload"] == kind and "baseline_us" in r and r.get("baseline") == "vllm"]
-        ratios = sorted(r["baseline_us"] / r["vllm_modeled_us"] for r in timed)
-        out[kind] = {"cases": len(timed), "spearman": spearman([r["vllm_modeled_us"] for r in timed],
-                                                               [r["baseline_us"] for r in timed]),
-                     "median_measured_over_modeled": ratios[len(ratios) // 2] if ratios else None}
-        if not timed:
+        mine = [r for r in rows if r["workload"] == kind]
+        out[kind] = _fit([r for r in mine if "baseline_us" in r and r.get("baseline") == "vllm"], "baseline_us")
+        if not out[kind]["cases"]:
             out[kind]["why_none"] = "vLLM is not installed here: its path was not timed"
+            out[kind]["stand_in"] = STAND_IN
+            out[kind]["against_stand_in"] = _fit([r for r in mine if "compile_us" in r], "compile_us")
     return out
 
 
@@ -193,9 +266,10 @@ def markdown(rows, device_name):
         kernel = ",".join(f"{k}={v}" for k, v in r["assignment"].items())
         comp_us = f"{comp:.1f}" if comp else "-"
         vs_comp = f"{comp / measured:.2f}x" if comp else "-"
+        stream = f" (stream {r['measured_stream_us']:.1f})" if "measured_stream_us" in r else ""
         lines.append(
             f"| {r['workload']} | {r['design']} | {shape} | {r['num_tokens'] or '-'} | {r['dtype']} | {kernel} | "
-            f"{r['modeled_us']:.1f} | {measured:.1f} | {r['eager_us']:.1f} | {comp_us} | "
+            f"{r['modeled_us']:.1f} | {measured:.1f}{stream} | {r['eager_us']:.1f} | {comp_us} | "
             f"{r['eager_us'] / measured:.2f}x | {vs_comp} | {_vllm_cells(r)} | {r['max_rel_error']:.1e} | "
             f"{'yes' if r['correct'] else 'NO'} |")
     return "\n".join(lines) + "\n"
@@ -224,6 +298,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
     ap.add_argument("--designs", type=Path, default=None,
                     help="bench_search JSON with the searched designs (default: newest bench/results/search-*.json)")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="time on a plain stream (host launches included) instead of CUDA-graph replay")
     args = ap.parse_args(argv)
     tiny = args.interpret
     # The interpreter runs each block in Python: one timed run of the top candidate proves the path.
@@ -232,52 +308,69 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, interpreted if tiny else gpu)
     plan = INTERPRET_PLAN if tiny else GPU_PLAN
-    if tiny and args.compile:
-        args.compile_only = {"rms_norm"}  # inductor on the CPU takes ~10 s a graph: prove the path once
+    args.compile_only = {"rms_norm"} if tiny else set(plan)  # inductor on the CPU takes ~10 s a graph
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
+    args.graphs = args.graphs and device == "cuda"
+    args.graph_reps, args.graph_failures = 20, []
     spec, device_name = device_spec()
     start = time.monotonic()
+    args.probed_spec, probe = probe_device(spec) if device == "cuda" else (None, {"skipped": "not on a GPU"})
+    print(f"[{time.monotonic() - start:6.1f}s] device probe: {probe}", flush=True)
     deadline = start + args.budget_s
+    meta = {"device": device_name, "modeled_as": spec.name, "interpret": tiny,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "timing": "cuda-graph replay (device time per call)" if args.graphs else
+            ("stream events" if device == "cuda" else "interpreter wall time"), "device_probe": probe}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     rows, skipped = [], []
     searched = searched_designs(args.designs)
-    for name in args.workloads or plan:
-        dims_list, tokens = plan[name]
-        designs = [None] + ([searched[name]] if name in searched else [])
-        for dims in dims_list:
-            for n in tokens:
-                for design in designs:
-                    for dtype in (args.dtypes if design is None else args.dtypes[:1]):
+    for dtype in args.dtypes:  # every workload in the first dtype before the next dtype
+        for name in args.workloads or plan:
+            dims_list, tokens = plan[name]
+            designs = [None] + ([searched[name]] if name in searched and dtype == args.dtypes[0] else [])
+            for dims in dims_list:
+                for n in tokens:
+                    for design in designs:
                         if time.monotonic() > deadline:
                             skipped.append({"workload": name, "dims": dims, "num_tokens": n, "dtype": dtype,
                                             "design": "oracle" if design is None else "searched"})
                             continue
-                        use_compile = args.compile and (not tiny or name in args.compile_only)
+                        use_compile = args.compile and name in args.compile_only
                         case_args = argparse.Namespace(**(vars(args) | {"compile": use_compile}))
                         rows.append(run_case(name, dims, n, dtype, spec, device, case_args, deadline, design, start))
+                        report(rows, skipped, meta, args, start, out, final=False)
+    result, table = report(rows, skipped, meta, args, start, out, final=True)
+    print(table)
+    return 0 if result["all_correct"] and not skipped else 1
+
+
+def report(rows, skipped, meta, args, start, out: Path, *, final: bool):
+    """Write gpu_check.json and gpu_check.md for the cases so far (`final`: the run is complete)."""
     winners = [r for r in rows if "measured_us" in r]
-    result = {
-        "device": device_name, "modeled_as": spec.name, "interpret": tiny,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "triton": __import__("triton").__version__,
-        "wall_s": round(time.monotonic() - start, 1), "cases": rows, "skipped": skipped,
+    result = meta | {
+        "complete": final, "wall_s": round(time.monotonic() - start, 1), "cases": rows, "skipped": skipped,
+        "graph_failures": args.graph_failures,
         "all_correct": bool(winners) and all(r["correct"] for r in winners) and len(winners) == len(rows),
         "rank_correlation_winners": spearman([r["modeled_us"] for r in winners], [r["measured_us"] for r in winners]),
         "vllm_path_model": vllm_path_model(rows),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
-    table = markdown(rows, device_name)
+    table = markdown(rows, meta["device"] + f" ({meta['timing']})")
     table += (f"\nmodeled-vs-measured rank correlation over winners: {result['rank_correlation_winners']}; "
               f"all correct: {result['all_correct']}; {len(skipped)} cases skipped for time; "
-              f"wall {result['wall_s']} s\n")
-    table += "".join(f"vLLM's path for {kind}: {m['cases']} cases timed against vLLM, Spearman {m['spearman']}, "
-                     f"median measured/modeled {m['median_measured_over_modeled']}"
-                     + (f" ({m['why_none']})" if "why_none" in m else "") + "\n"
-                     for kind, m in result["vllm_path_model"].items())
+              f"wall {result['wall_s']} s" + ("" if final else " (run in progress)") + "\n")
+    for kind, m in result["vllm_path_model"].items():
+        table += (f"vLLM's path for {kind}: {m['cases']} cases timed against vLLM, Spearman {m['spearman']}, "
+                  f"median measured/modeled {m['median_measured_over_modeled']}")
+        if "why_none" in m:
+            s = m["against_stand_in"]
+            table += (f" ({m['why_none']}; against the stand-in, {m['stand_in']}: {s['cases']} cases, "
+                      f"Spearman {s['spearman']}, median measured/modeled {s['median_measured_over_modeled']})")
+        table += "\n"
     (out / "gpu_check.md").write_text(table)
-    print(table)
-    return 0 if result["all_correct"] and not skipped else 1
+    return result, table
 
 
 if __name__ == "__main__":

@@ -39,6 +39,33 @@ def median_us(fn: Callable[..., object], input_sets: Sequence[Sequence[torch.Ten
     return statistics.median(samples)
 
 
+def graph_us(fn: Callable[..., object], input_sets: Sequence[Sequence[torch.Tensor]], *,
+             warmup: int = 3, reps: int = 20, min_calls: int = 16) -> float:
+    """Device time per call of `fn(*inputs)` in microseconds under CUDA-graph replay, as vLLM runs
+    decode: one graph holds one call per input set (cycled to at least `min_calls`), so host launch
+    cost is gone and what remains is the kernels and the gaps between graph nodes. Median of
+    `reps` replays, divided by the calls in the graph. GPU only; warm-up compiles outside capture."""
+    for i in range(warmup):
+        fn(*input_sets[i % len(input_sets)])
+    torch.cuda.synchronize()
+    calls = max(min_calls, len(input_sets))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*input_sets[i % len(input_sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
 def rotation(make_inputs: Callable[[int], list[torch.Tensor]], bytes_per_set: int,
              l2_bytes: int, max_sets: int = 16) -> list[list[torch.Tensor]]:
     """Enough independent input sets that cycling through them exceeds the L2 cache."""
