@@ -62,6 +62,9 @@ def doctor_report() -> dict:
 def doctor(
     model: Optional[str] = typer.Argument(None, help="also say which layers of this model would be patched"),
     as_json: bool = typer.Option(False, "--json", help="print machine-readable JSON"),
+    capture: bool = typer.Option(False, "--capture",
+                                 help="take the model's sites from a vLLM capture (the fusion pass's matcher) even "
+                                      "where config.json tells them; an architecture it does not is always captured"),
 ) -> None:
     """Show versions, the device kernels would run on, where the registry lives, and with a
     model, which of its layers the vLLM plugin would patch here and why the others would not."""
@@ -70,7 +73,7 @@ def doctor(
         from prism_serve.patch.doctor import patch_report
 
         try:
-            report["patch"] = patch_report(model)
+            report["patch"] = patch_report(model, capture=True if capture else None)
         except (PrismError, OSError, ValueError) as exc:
             raise _fail(exc) from None
     if as_json:

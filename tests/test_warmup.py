@@ -4,6 +4,7 @@ the kernels warmup stored (through the Triton interpreter, forced: nothing is me
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -139,6 +140,18 @@ def test_the_doctor_finds_every_stored_kind_serving_layers(warmed):
     assert set(report["served"]) == SERVED and report["unserved"] == []
     assert report["served"]["rmsnorm_swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert report["served"]["fused_add_rms_norm"] == ["model.norm"]
+    # the same from warmup's capture (how the doctor reports any architecture): the fusion pass's
+    # matcher on vLLM's graph agrees with the layers config.json spells out
+    capture = json.loads(next((Path(url.removeprefix("sqlite:///")).parent / "cache" / "captures").glob("*.json"))
+                         .read_text())
+    captured = patch_report("tiny-llama", url, force=True, capture=capture)
+    assert captured["sites_from"].startswith("capture") and captured["dtype"] == report["dtype"]
+    assert {k: len(v) for k, v in captured["served"].items()} == {k: len(v) for k, v in report["served"].items()}
+    assert captured["unserved"] == [] and captured["served"]["fused_add_rms_norm"] == ["norm"]
+    assert captured["served"]["rmsnorm_swiglu"] == [
+        f"layers.{i}.post_attention_layernorm+layers.{i}.mlp.gate_up_proj+layers.{i}.mlp.act_fn" for i in (0, 1)]
+    skipped = {row["op"]: row["why"] for row in captured["layers"] if not row["patched"]}
+    assert set(skipped) == {"attention", "rotary_embedding"} and "the IR has no gather" in skipped["rotary_embedding"]
 
 
 def test_a_warmup_that_fails_on_a_bad_model_leaves_no_registry_behind(tmp_path, monkeypatch):

@@ -1,8 +1,13 @@
 """`prism-serve doctor <model>`: which layers of a model the plugin would patch on this device,
-and why the others would not. Reads the model's config.json (no vLLM run) and the registry
-the plugin would read, through the plugin's own `plan()`.
+and why the others would not, through the plugin's own `plan()` of the registry it would read.
 
-    patch_report(model=None, registry=None, dtype=None, force=None) -> dict
+The sites come from the model's config.json (no vLLM run) for the decoder architectures whose
+layers are written out below (`ARCHITECTURES`); for any other architecture, or when asked, from
+a capture: vLLM runs the model once and the fusion pass's own matcher reports each region it
+would replace (`prism_serve.capture`), so every architecture vLLM compiles gets a per-layer
+report, unsupported regions with the matcher's reason.
+
+    patch_report(model=None, registry=None, dtype=None, force=None, capture=None) -> dict
 """
 
 from __future__ import annotations
@@ -69,13 +74,30 @@ def sites(cfg: dict) -> list[Site]:
     return out
 
 
+def capture_sites(capture: dict) -> list[Site]:
+    """Every region instance a capture report (`CaptureResult.to_json()`) lists, one site per
+    layer instance, larger regions first; unsupported ones carry the matcher's reason as note."""
+    out = []
+    for region in capture["regions"]:
+        kind = KINDS.get(region["kind"])
+        dim = kind.key_dim(region["dims"]) if kind is not None and region["supported"] else \
+            tuple(region["dims"].values())
+        for joined in region["modules"]:
+            spans = tuple(joined.split("+"))
+            out.append(Site(joined, region["kind"], dim, region.get("eps"),
+                            "" if region["supported"] else f"unsupported: {region['reason']}", spans))
+    return sorted(out, key=lambda s: -len(s.modules))
+
+
 def patch_report(model: str | Path | None = None, registry: str | None = None, dtype: str | None = None,
-                 force: bool | None = None, lora: bool = False) -> dict:
+                 force: bool | None = None, lora: bool = False, capture: dict | bool | None = None) -> dict:
     """What the plugin would patch for `model` (default: the embedded tiny model) on this device,
     and, per region kind the registry holds for the model's sizes, the layers it would serve.
     Each row names the region kind (`op`) and the chain of vLLM ops it matches (`pattern`); a
     patched row the kernels serving it, any other row why not. `lora`: vLLM runs the model with
-    LoRA adapters (they wrap its projections)."""
+    LoRA adapters (they wrap its projections). `capture`: a capture report to take the sites from,
+    True to capture the model now, None to capture only an architecture not in `ARCHITECTURES`
+    (`sites_from` in the report says which)."""
     from prism_serve.patch.device import current_device
     from prism_serve.patch.plugin import plan
     from prism_serve.registry.db import resolve_url
@@ -83,19 +105,26 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     path = resolve_model(model)
     cfg = json.loads((path / "config.json").read_text())
     arch = (cfg.get("architectures") or [""])[0]
-    dtype = dtype or _dtype(cfg, path)
+    if capture is True or (capture is None and arch not in ARCHITECTURES):
+        from prism_serve.capture.runner import capture as run_capture
+        capture = run_capture(path).to_json()
+    ran = {r["dtype"] for r in capture["regions"]} if isinstance(capture, dict) else set()
+    dtype = dtype or (ran.pop() if len(ran) == 1 else _dtype(cfg, path))  # what vLLM ran, where captured
     device, device_type = current_device(use_vllm=False)
     url = resolve_url(registry)
     p = plan(url, device, device_type, force)
     report = {"model": str(path), "architecture": arch, "dtype": dtype, "device": device.fingerprint,
               "registry": p.where, "plugin": p.state if p.state != "ready" else "would patch",
               "message": p.message, "skipped": dict(p.reasons), "layers": [], "served": {}, "unserved": []}
-    if arch not in ARCHITECTURES:
-        report["message"] = f"architecture {arch!r} is not one whose layers prism knows ({', '.join(sorted(ARCHITECTURES))})"
-        return report
-    all_sites = sites(cfg)
+    if not isinstance(capture, dict):
+        report["sites_from"] = "config.json"
+        all_sites = sites(cfg)
+    else:
+        report["sites_from"] = ("capture: the regions vLLM's compiled graph holds, as the fusion pass matches "
+                                "them (compiled mode; eager mode serves the single ops only)")
+        all_sites = capture_sites(capture)
     quant = cfg.get("quantization_config") or None
-    rows = [_explain(s, dtype, p, url, device, _unmatched(s, dtype, quant, lora)) for s in all_sites]
+    rows = [_explain(s, dtype, p, url, device, _never(s, dtype, quant, lora)) for s in all_sites]
     taken: list[Site] = []  # sites served by their own kernel, larger regions first
     for s, r in zip(all_sites, rows):
         inside = next((t for t in taken if s.modules < t.modules), None)
@@ -133,8 +162,10 @@ def _dtype(cfg: dict, path: Path) -> str:
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or _weights_dtype(path) or "float16").replace("torch.", "")
 
 
-def _unmatched(s: Site, dtype: str, quant: dict | None, lora: bool) -> str | None:
-    """Why the plugin would never match this site, whatever the registry holds; None if it could."""
+def _never(s: Site, dtype: str, quant: dict | None, lora: bool) -> str | None:
+    """Why the plugin would never serve this site, whatever the registry holds; None if it could."""
+    if s.op not in KINDS or s.note.startswith("unsupported: "):
+        return s.note.removeprefix("unsupported: ") or f"{s.op}: no region kind of prism's"
     if dtype not in TORCH_DTYPES:
         return f"unsupported dtype {dtype}: prism's kernels are {', '.join(TORCH_DTYPES)} only"
     if "linear" not in KINDS[s.op].vllm_path:
@@ -171,9 +202,9 @@ def _weights_dtype(path: Path) -> str | None:
 
 
 def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dict:
-    row = {"layer": s.layer, "op": s.op, "pattern": " -> ".join(KINDS[s.op].vllm_path), "dim": s.dim,
-           "patched": False}
-    if s.note:
+    row = {"layer": s.layer, "op": s.op, "pattern": " -> ".join(KINDS[s.op].vllm_path) if s.op in KINDS else "",
+           "dim": s.dim, "patched": False}
+    if s.note and never is None:
         row["note"] = s.note
     if never is not None:
         row["why"] = never
@@ -243,6 +274,8 @@ def print_patch_report(report: dict, console=None) -> None:
         table.add_row(row["layer"], row["op"], "yes" if row["patched"] else "no", detail)
     console.print(table)
     console.print(f"registry: {report['registry']}" + (f" — {report['message']}" if report["message"] else ""))
+    if report.get("sites_from"):
+        console.print(f"sites from {report['sites_from']}")
     for kind, layers in report["served"].items():
         console.print(f"{kind}: " + (f"serves {', '.join(layers)}" if layers else
                                      "stored for this model's sizes, but serves no layer"))

@@ -86,7 +86,8 @@ def arch(request, arch_registry, tmp_path_factory):
             os.environ["PRISM_SERVE_CACHE"] = old
     runs = run_vllm(path, tmp, [config("stock", arch_registry, *MODES, PRISM_SERVE_DISABLE="1"),
                                 config("prism", arch_registry, *MODES)])
-    return {"name": name, "biases": biases, "report": report, "capture": capture, "runs": runs}
+    return {"name": name, "path": path, "registry": arch_registry, "biases": biases, "report": report,
+            "capture": capture, "runs": runs}
 
 
 def _stored(arch) -> set[str]:
@@ -139,3 +140,18 @@ def test_a_mixture_of_experts_keeps_its_experts_on_vllms_path_and_serves_the_res
     assert around <= stored
     ran = arch["runs"]["prism"]["runs"]["compiled"]["kernel"]
     assert all(ran[k] > 0 for k in around) and not any(ran.get(k, 0) for k in MLP_KINDS), ran
+
+
+def test_the_doctor_names_the_layers_each_stored_kind_serves(arch):
+    """From the architecture's capture (the fusion pass's matcher on vLLM's graph), whatever its
+    classes: every kind warmup stored serves layers, and nothing vLLM runs is left unexplained."""
+    from prism_serve.patch.doctor import patch_report
+
+    r = patch_report(arch["path"], arch["registry"], force=True, capture=arch["capture"])
+    assert r["sites_from"].startswith("capture") and r["plugin"] == "would patch"
+    stored = _stored(arch)
+    assert stored <= set(r["served"]) and all(r["served"][k] for k in stored), r["served"]
+    assert not stored & set(r["unserved"])
+    assert all(row.get("why") or row.get("buckets") for row in r["layers"])
+    regions = {(row["op"], row["layer"]) for row in r["layers"]}
+    assert regions == {(c["kind"], m) for c in arch["capture"]["regions"] for m in c["modules"]}
