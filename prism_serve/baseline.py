@@ -160,6 +160,11 @@ _VLLM = {
     "fused_add_rmsnorm_linear": lambda v, eps: (
         _clone_first_two, lambda x, r, g, w: (v.fused_add_rms_norm(x, r, g, eps),
                                               (torch.nn.functional.linear(x, w), r))[1]),
+    "rmsnorm_linear_bias": lambda v, eps: (
+        list, lambda x, g, w, b: (torch.nn.functional.linear(_norm(v, eps, x, g), w, b),)),
+    "fused_add_rmsnorm_linear_bias": lambda v, eps: (
+        _clone_first_two, lambda x, r, g, w, b: (v.fused_add_rms_norm(x, r, g, eps),
+                                                 (torch.nn.functional.linear(x, w, b), r))[1]),
     "swiglu": lambda v, eps: (_merged, lambda x, w: (_silu(v, torch.nn.functional.linear(x, w)),)),
     # GemmaRMSNorm.forward_native: vLLM's RMSNorm ops on the float32 weight + 1 (functional, not in place)
     "gemma_rms_norm": lambda v, eps: (list, lambda x, w: (_vllm_ir().rms_norm(x, _gemma_weight(w), eps),)),

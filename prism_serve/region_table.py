@@ -93,6 +93,14 @@ KINDS: dict[str, RegionKind] = {k.name: k for k in (
     RegionKind("fused_add_rmsnorm_linear", programs.fused_add_rmsnorm_linear, (_H, Dim("out", "w", 0)), True,
                ("fused_add_rms_norm", "linear"), "decoder_layer", ("input_layernorm", "self_attn.qkv_proj"),
                "a layer's input residual add + RMSNorm + qkv projection; the kernel writes the residual"),
+    # a projection that adds a bias (Qwen2's qkv): served by the compiled-mode fusion pass only
+    RegionKind("rmsnorm_linear_bias", programs.rmsnorm_linear_bias, (_H, Dim("out", "w", 0)), True,
+               ("rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
+               "a first layer's input RMSNorm + a qkv projection with a bias"),
+    RegionKind("fused_add_rmsnorm_linear_bias", programs.fused_add_rmsnorm_linear_bias, (_H, Dim("out", "w", 0)),
+               True, ("fused_add_rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
+               "a layer's input residual add + RMSNorm + a qkv projection with a bias; the kernel writes the "
+               "residual"),
     RegionKind("rmsnorm_swiglu", programs.rmsnorm_swiglu, (_H, _I), True,
                ("fused_add_rms_norm", "linear", "silu_and_mul"), "decoder_layer",
                ("post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn"),

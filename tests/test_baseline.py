@@ -17,6 +17,8 @@ PROGRAMS = {
     "silu_and_mul": programs.silu_and_mul(48, "float32"),
     "rmsnorm_linear": programs.rmsnorm_linear(96, 40, "float32"),
     "fused_add_rmsnorm_linear": programs.fused_add_rmsnorm_linear(96, 40, "float32"),
+    "rmsnorm_linear_bias": programs.rmsnorm_linear_bias(96, 40, "float32"),
+    "fused_add_rmsnorm_linear_bias": programs.fused_add_rmsnorm_linear_bias(96, 40, "float32"),
     "swiglu": programs.swiglu(64, 48, "float32"),
     "rmsnorm_swiglu": programs.rmsnorm_swiglu(64, 48, "float32"),
     "gemma_rms_norm": programs.gemma_rms_norm(96, "float32"),

@@ -66,7 +66,8 @@ def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[st
     vLLM's CPU linear packs weights for oneDNN and leaves `weight` empty, so the weight is
     recovered from the layer applied to zero and to the identity: y(0) is the bias, y(I) - y(0)
     the transposed weight (exact in fp32). A projection with a bias is not the bias-free
-    projection of the region Programs, so its regions are reported unsupported (`_unsupported`).
+    projection of most region Programs, so its regions are reported unsupported (`_unsupported`)
+    unless the matcher found the bias (a `_bias` kind, whose Program adds it).
     """
     paths = sorted({ref["param"] for r in regions for ref in r["inputs"] if "param" in ref})
 
@@ -102,8 +103,8 @@ def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[st
 
 
 def _unsupported(regions: list[dict], weights: dict, biased: dict[str, str]) -> None:
-    """Mark the regions whose projection has a bias, or whose weight could not be read, as
-    unsupported with the reason (in place): they are reported, never searched or stored."""
+    """Mark the regions whose projection has a bias their kind does not add, or whose weight could
+    not be read, as unsupported with the reason (in place): they are reported, never searched or stored."""
     for r in regions:
         if not r["supported"]:
             continue
@@ -111,7 +112,7 @@ def _unsupported(regions: list[dict], weights: dict, biased: dict[str, str]) -> 
             path = ref.get("param")
             if path is None:
                 continue
-            if path in biased:
+            if path in biased and not r["kind"].endswith("_bias"):
                 r["supported"], r["reason"] = False, biased[path]
             elif path not in weights:
                 r["supported"], r["reason"] = False, f"the weight of {path} could not be read back from vLLM"

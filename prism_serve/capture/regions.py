@@ -250,15 +250,17 @@ def _projection_region(r: patterns.Region) -> dict | None:
         x_ref = _after(norm.sum) if norm.residual is not None else _before(norm.x, norm.node)
         if r.kind == "rmsnorm_swiglu":
             inputs, dims = [x_ref, w, *halves], {"hidden": hidden, "intermediate": n}
-        elif r.kind == "fused_add_rmsnorm_linear":
+        elif r.kind.startswith("fused_add_rmsnorm_linear"):
             inputs, dims = [_before(norm.x, norm.node), _before(norm.residual, norm.node), w, param], \
                 {"hidden": hidden, "out": n}
         else:
             inputs, dims = [x_ref, w, param], {"hidden": hidden, "out": n}
+        if r.kind.endswith("_bias"):  # the projection's bias, as the graph hands it to the GEMM
+            inputs.append(_before(lin.bias, lin.nodes[0]))
     if r.act is not None:
         outputs = [_after(r.act)]
     else:
-        outputs = [_after(lin.out, at)] + ([_after(norm.sum)] if r.kind == "fused_add_rmsnorm_linear" else [])
+        outputs = [_after(lin.out, at)] + ([_after(norm.sum)] if r.kind.startswith("fused_add_") else [])
     return {"kind": r.kind, "layer": layer, "modules": paths, "dims": dims, "eps": norm.eps if norm else None,
             "dtype": dtype, "supported": True, "reason": None, "inputs": inputs, "outputs": outputs}
 

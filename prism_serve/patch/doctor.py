@@ -145,8 +145,8 @@ def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dic
     if p.table is None:
         return {}, []
     want = TORCH_DTYPES.get(dtype)
-    keys = {(s.op, s.dim, s.eps) for s in all_sites} | {("rmsnorm_linear", s.dim, s.eps) for s in all_sites
-                                                         if s.op == "fused_add_rmsnorm_linear"}
+    keys = {(s.op, s.dim, s.eps) for s in all_sites} | {(s.op.replace("fused_add_", ""), s.dim, s.eps)
+                                                         for s in all_sites if s.op.startswith("fused_add_rmsnorm")}
     stored = sorted({op for op, per in p.table.ops.items() for (dt, dim, eps) in per
                      if dt == want and (op, dim, eps) in keys})
     served = {op: [r["layer"] for r in rows if r.get("kernel") == op] for op in stored}
@@ -210,16 +210,17 @@ def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dic
         row["why"] = never
         return row
     kernel, entry = s.op, p.table.entry(s.op, TORCH_DTYPES[dtype], s.dim, s.eps) if p.table is not None else None
-    if entry is None and s.op == "fused_add_rmsnorm_linear" and p.table is not None:
+    if entry is None and s.op.startswith("fused_add_rmsnorm_linear") and p.table is not None:
         # the plugin adds the residual in torch and runs the norm + projection kernel on the sum
-        kernel, entry = "rmsnorm_linear", p.table.entry("rmsnorm_linear", TORCH_DTYPES[dtype], s.dim, s.eps)
+        kernel = s.op.replace("fused_add_", "")
+        entry = p.table.entry(kernel, TORCH_DTYPES[dtype], s.dim, s.eps)
     if entry is not None:
         row.update(patched=True, kernel=kernel)
         row["buckets"] = [f"{lo}-{hi}: kernel {lz.kernel_id}" for lo, hi, lz in zip(entry.los, entry.his,
                                                                                   entry.launchers)]
         row["why"] = "kernels for every num_tokens in these buckets; other sizes run vLLM's own path"
         if kernel != s.op:
-            row["why"] += "; the residual is added before the rmsnorm_linear kernel"
+            row["why"] += f"; the residual is added before the {kernel} kernel"
         return row
     if p.state != "ready" and p.message:
         row["why"] = p.message.removeprefix("prism-serve: ")

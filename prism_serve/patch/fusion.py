@@ -174,8 +174,8 @@ def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
 
 
 def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed: dict) -> None:
-    """Replace region `r` by prism op `kind` (its own kind, or `rmsnorm_linear` after a separate
-    residual add). `renamed` maps the outputs of regions replaced before to their new nodes (a
+    """Replace region `r` by prism op `kind` (its own kind, or `rmsnorm_linear[_bias]` after a
+    separate residual add). `renamed` maps the outputs of regions replaced before to their new nodes (a
     region's input may be one), and learns this region's; `order` learns the new nodes' places."""
     P, aten = torch.ops.prism, torch.ops.aten
     lin, norm = r.linear, r.norm
@@ -188,7 +188,7 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
 
     with graph.inserting_before(first):
         x = norm.x if norm else lin.x
-        if norm is not None and norm.residual is not None and kind != "fused_add_rmsnorm_linear":
+        if norm is not None and norm.residual is not None and not kind.startswith("fused_add_rmsnorm_linear"):
             x = outs[norm.sum] = new(aten.add.Tensor, norm.x, norm.residual)  # the next residual
         if kind in ("swiglu", "geglu"):
             outs[r.act] = new(getattr(P, kind).default, x, lin.weight, patterns.SITE, n)
@@ -196,12 +196,14 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
             outs[r.act] = new(P.rmsnorm_swiglu.default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
         elif kind == "rmsnorm_linear":
             outs[lin.out] = new(P.rmsnorm_linear.default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
+        elif kind == "rmsnorm_linear_bias":
+            outs[lin.out] = new(P.rmsnorm_linear_bias.default, x, norm.weight, lin.weight, lin.bias, norm.eps,
+                                patterns.SITE, n)
         else:
-            both = new(P.fused_add_rmsnorm_linear.default, x, norm.residual, norm.weight, lin.weight, norm.eps,
+            bias = (lin.bias,) if kind.endswith("_bias") else ()
+            both = new(getattr(P, kind).default, x, norm.residual, norm.weight, lin.weight, *bias, norm.eps,
                        patterns.SITE, n)
             outs[lin.out], outs[norm.sum] = new(operator.getitem, both, 0), new(operator.getitem, both, 1)
-        if lin.bias is not None and lin.out in outs:  # the kernel has no bias: vLLM's bias, added after it
-            outs[lin.out] = new(aten.add.Tensor, outs[lin.out], lin.bias)
     for old, node in outs.items():
         if old is not None:
             old.replace_all_uses_with(node)
@@ -231,8 +233,9 @@ def serve_regions(graph: fx.Graph, table: Table) -> Counter:
             if x.device.type != table.device:
                 continue
             serve_as = kind if table.entry(kind, *r.key) is not None else None
-            if serve_as is None and kind == "fused_add_rmsnorm_linear" and table.entry("rmsnorm_linear", *r.key):
-                serve_as = "rmsnorm_linear"  # with the residual add beside it
+            plain = kind.replace("fused_add_", "")
+            if serve_as is None and kind.startswith("fused_add_") and table.entry(plain, *r.key):
+                serve_as = plain  # with the residual add beside it
             if serve_as is None:
                 continue
             used |= r.nodes

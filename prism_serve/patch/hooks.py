@@ -33,6 +33,7 @@ from torch import Tensor
 
 from prism_serve.patch import fusion, ops
 from prism_serve.patch.table import Table
+from prism_serve.region_table import KINDS
 
 PROVIDER = "prism"
 IR_OPS = ("rms_norm", "fused_add_rms_norm")
@@ -467,7 +468,7 @@ def _install_decoder_layers(table: Table, done: Installed) -> None:
 def _projection_shapes(table: Table) -> set[tuple]:
     """(dtype, out, in) of every projection weight some region kernel of the table multiplies with."""
     shapes = set()
-    for kind in ("rmsnorm_linear", "fused_add_rmsnorm_linear", "swiglu", "rmsnorm_swiglu", "geglu"):
+    for kind in (k.name for k in KINDS.values() if "linear" in k.vllm_path):
         for dtype, (hidden, n), _ in table.ops.get(kind, {}):
             shapes.add((dtype, 2 * n if kind.endswith(("swiglu", "geglu")) else n, hidden))
     return shapes

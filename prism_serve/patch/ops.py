@@ -1,13 +1,14 @@
 """The prism torch custom ops (`prism::rms_norm`, `prism::fused_add_rms_norm`,
 `prism::silu_and_mul`, Gemma's `prism::gemma_rms_norm`, `prism::gemma_fused_add_rms_norm` and
 `prism::gelu_tanh_and_mul`, and the whole-region `prism::swiglu`, `prism::geglu`,
-`prism::rmsnorm_linear`, `prism::fused_add_rmsnorm_linear` and `prism::rmsnorm_swiglu`): opaque to
+`prism::rmsnorm_linear`, `prism::fused_add_rmsnorm_linear`, their `_bias` forms (a projection that
+adds a bias, as Qwen2's qkv) and `prism::rmsnorm_swiglu`): opaque to
 torch.compile, with fake impls, dispatching by num_tokens.
 
 Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
 startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
 vLLM's own path (`FALLBACKS`, set by the vLLM hooks; the torch references below otherwise).
-The four ops holding a projection take its weight either as the plain [out, in] tensor or, where
+The ops holding a projection take its weight either as the plain [out, in] tensor or, where
 vLLM's CPU build packed it for oneDNN, as vLLM's 0-d oneDNN handle tensor plus `out_features` (the
 fusion pass finds only the handle in the graph): the kernel then runs on the plain weight recorded
 when vLLM packed it (`PACKED`), and a miss runs vLLM's own path, oneDNN GEMM included.
@@ -34,7 +35,8 @@ from prism_serve.patch.table import Table
 log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like the plugin's (see plugin.py)
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear",
-            "rmsnorm_swiglu", "gemma_rms_norm", "gemma_fused_add_rms_norm", "gelu_tanh_and_mul", "geglu")
+            "rmsnorm_swiglu", "gemma_rms_norm", "gemma_fused_add_rms_norm", "gelu_tanh_and_mul", "geglu",
+            "rmsnorm_linear_bias", "fused_add_rmsnorm_linear_bias")
 
 
 class _State:
@@ -87,6 +89,18 @@ def ref_fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tenso
     return torch.nn.functional.linear(y, weight), r
 
 
+def ref_rmsnorm_linear_bias(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor, epsilon: float,
+                            site: int) -> Tensor:
+    """rms_norm(x) * g @ W^T + b: the input norm feeding a qkv projection with a bias (Qwen2)."""
+    return torch.nn.functional.linear(ref_rms_norm(x, norm_weight, epsilon), weight, bias)
+
+
+def ref_fused_add_rmsnorm_linear_bias(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor,
+                                      epsilon: float, site: int) -> tuple[Tensor, Tensor]:
+    y, r = ref_fused_add_rms_norm(x, residual, norm_weight, epsilon)
+    return torch.nn.functional.linear(y, weight, bias), r
+
+
 def ref_rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
     """SiLU*mul of rms_norm(x) * g @ [W_gate; W_up]^T: a decoder's post-attention norm and MLP input."""
     return ref_swiglu(ref_rms_norm(x, norm_weight, epsilon), w_gate_up, site)
@@ -111,6 +125,8 @@ FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm"
                                   "silu_and_mul": ref_silu_and_mul, "swiglu": ref_swiglu,
                                   "rmsnorm_linear": ref_rmsnorm_linear,
                                   "fused_add_rmsnorm_linear": ref_fused_add_rmsnorm_linear,
+                                  "rmsnorm_linear_bias": ref_rmsnorm_linear_bias,
+                                  "fused_add_rmsnorm_linear_bias": ref_fused_add_rmsnorm_linear_bias,
                                   "rmsnorm_swiglu": ref_rmsnorm_swiglu, "gemma_rms_norm": ref_gemma_rms_norm,
                                   "gemma_fused_add_rms_norm": ref_gemma_fused_add_rms_norm,
                                   "gelu_tanh_and_mul": ref_gelu_tanh_and_mul,
@@ -139,30 +155,31 @@ def _out_features(weight: Tensor, out_features: int) -> int:
     return out_features if is_handle(weight) else weight.shape[0]
 
 
-def vllm_linear(x: Tensor, weight: Tensor, out_features: int) -> Tensor:
-    """vLLM's projection without bias: its oneDNN GEMM on the handle, or torch's linear."""
+def vllm_linear(x: Tensor, weight: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
+    """vLLM's projection: its oneDNN GEMM on the handle, or torch's linear."""
     if not is_handle(weight):
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype, device=x.device)
-    torch.ops._C.onednn_mm(out, x.reshape(-1, x.shape[-1]), None, weight)
+    torch.ops._C.onednn_mm(out, x.reshape(-1, x.shape[-1]), bias, weight)
     return out
 
 
-def _vllm_region(kind: str, site: int, weight: Tensor, out_features: int, *args):
+def _vllm_region(kind: str, site: int, weight: Tensor, out_features: int, *args, bias: Tensor | None = None):
     """vLLM's own path for a region kernel miss: the class-level hook's (site >= 0, eager mode), or
-    vLLM's ops in order (regions the fusion pass made): its norm, its projection, its activation."""
+    vLLM's ops in order (regions the fusion pass made): its norm, its projection (with its bias,
+    for a `_bias` kind), its activation. `args` are the op's own, the bias left out."""
     if site >= 0:
-        return FALLBACKS[kind](*args)
+        return FALLBACKS[kind](*args) if bias is None else FALLBACKS[kind](*args[:-2], bias, *args[-2:])
     if kind == "swiglu":
         return FALLBACKS["silu_and_mul"](vllm_linear(args[0], weight, out_features))
     if kind == "geglu":
         return FALLBACKS["gelu_tanh_and_mul"](vllm_linear(args[0], weight, out_features))
-    if kind == "fused_add_rmsnorm_linear":
+    if kind.startswith("fused_add_rmsnorm_linear"):
         x, residual, norm_weight, _, eps, _ = args
         y, r = FALLBACKS["fused_add_rms_norm"](x, residual, norm_weight, eps)
-        return vllm_linear(y, weight, out_features), r
+        return vllm_linear(y, weight, out_features, bias), r
     x, norm_weight, _, eps, _ = args
-    y = vllm_linear(FALLBACKS["rms_norm"](x, norm_weight, eps), weight, out_features)
+    y = vllm_linear(FALLBACKS["rms_norm"](x, norm_weight, eps), weight, out_features, bias)
     return FALLBACKS["silu_and_mul"](y) if kind == "rmsnorm_swiglu" else y
 
 
@@ -279,43 +296,48 @@ def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1,
 
 
 def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
-                        out_features: int = -1) -> Tensor:
+                        out_features: int = -1, bias: Tensor | None = None) -> Tensor:
+    """`rmsnorm_linear`, or with `bias` the `rmsnorm_linear_bias` kernel (the bias its last input)."""
+    op = "rmsnorm_linear" if bias is None else "rmsnorm_linear_bias"
     hidden, out = x.shape[-1], _out_features(weight, out_features)
-    launcher = pick("rmsnorm_linear", x, (hidden, out), epsilon)
+    launcher = pick(op, x, (hidden, out), epsilon)
     w = plain_weight(weight) if launcher is not None else None
     if w is not None:
         try:
-            (y,) = launcher.run(_rows(x, hidden), norm_weight, w)
+            (y,) = launcher.run(_rows(x, hidden), norm_weight, w, *(() if bias is None else (bias,)))
             return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed("rmsnorm_linear", launcher, exc)
+            _failed(op, launcher, exc)
     elif launcher is not None:
-        COUNTS["rmsnorm_linear"] -= 1
-    MISSES["rmsnorm_linear"] += 1
-    return _vllm_region("rmsnorm_linear", site, weight, out, x, norm_weight, weight, epsilon, site)
+        COUNTS[op] -= 1
+    MISSES[op] += 1
+    return _vllm_region(op, site, weight, out, x, norm_weight, weight, epsilon, site, bias=bias)
 
 
 def fused_add_rmsnorm_linear_impl(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
-                                  site: int, out_features: int = -1) -> tuple[Tensor, Tensor]:
+                                  site: int, out_features: int = -1,
+                                  bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`fused_add_rmsnorm_linear`, or with `bias` its `_bias` kernel (the bias its last input)."""
+    op = "fused_add_rmsnorm_linear" if bias is None else "fused_add_rmsnorm_linear_bias"
     hidden, out = x.shape[-1], _out_features(weight, out_features)
     same = residual.shape == x.shape and residual.dtype == x.dtype
-    launcher = pick("fused_add_rmsnorm_linear", x, (hidden, out), epsilon) if same else None
+    launcher = pick(op, x, (hidden, out), epsilon) if same else None
     w = plain_weight(weight) if launcher is not None else None
     if w is not None:
         try:
-            y, r = launcher.run(_rows(x, hidden), _rows(residual, hidden), norm_weight, w)
+            y, r = launcher.run(_rows(x, hidden), _rows(residual, hidden), norm_weight, w,
+                                *(() if bias is None else (bias,)))
             return (y, r) if x.dim() == 2 else (y.view(*x.shape[:-1], out), r.view(x.shape))
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed("fused_add_rmsnorm_linear", launcher, exc)
+            _failed(op, launcher, exc)
     elif launcher is not None:
-        COUNTS["fused_add_rmsnorm_linear"] -= 1
-    MISSES["fused_add_rmsnorm_linear"] += 1
-    return _vllm_region("fused_add_rmsnorm_linear", site, weight, out, x, residual, norm_weight, weight, epsilon,
-                        site)
+        COUNTS[op] -= 1
+    MISSES[op] += 1
+    return _vllm_region(op, site, weight, out, x, residual, norm_weight, weight, epsilon, site, bias=bias)
 
 
 def rmsnorm_swiglu_impl(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
@@ -392,6 +414,26 @@ def _define() -> dict[str, object]:
     @fused_add_rmsnorm_linear.register_fake
     def _(x, residual, norm_weight, weight, epsilon, site, out_features=-1):
         return x.new_empty((*x.shape[:-1], _out_features(weight, out_features))), torch.empty_like(x)
+
+    @torch.library.custom_op("prism::rmsnorm_linear_bias", mutates_args=())
+    def rmsnorm_linear_bias(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor, epsilon: float, site: int,
+                            out_features: int = -1) -> Tensor:
+        return rmsnorm_linear_impl(x, norm_weight, weight, epsilon, site, out_features, bias)
+
+    @rmsnorm_linear_bias.register_fake
+    def _(x, norm_weight, weight, bias, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features)))
+
+    @torch.library.custom_op("prism::fused_add_rmsnorm_linear_bias", mutates_args=())
+    def fused_add_rmsnorm_linear_bias(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor,
+                                      epsilon: float, site: int, out_features: int = -1) -> tuple[Tensor, Tensor]:
+        return fused_add_rmsnorm_linear_impl(x, residual, norm_weight, weight, epsilon, site, out_features, bias)
+
+    @fused_add_rmsnorm_linear_bias.register_fake
+    def _(x, residual, norm_weight, weight, bias, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features))), torch.empty_like(x)
+
+    defined.update(rmsnorm_linear_bias=rmsnorm_linear_bias, fused_add_rmsnorm_linear_bias=fused_add_rmsnorm_linear_bias)
 
     @torch.library.custom_op("prism::rmsnorm_swiglu", mutates_args=())
     def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,

@@ -39,7 +39,8 @@ Two kinds of pattern:
   add + RMSNorm and SiLU*mul, in their native or `vllm_ir` form, become the `prism::` op; and back
   (`reverted`) where only a larger region had a kernel for it and none took it;
 - regions holding a projection (`find_regions`, by data flow over those ops): RMSNorm -> projection
-  (`rmsnorm_linear`, or `fused_add_rmsnorm_linear` when the norm adds the residual),
+  (`rmsnorm_linear`, or `fused_add_rmsnorm_linear` when the norm adds the residual; their `_bias`
+  forms where the projection adds a bias, as Qwen2's qkv),
   projection -> SiLU*mul (`swiglu`), projection -> tanh-GELU*mul (`geglu`, Gemma's GeluAndMul),
   RMSNorm -> projection -> SiLU*mul (`rmsnorm_swiglu`). A
   region matches only where each intermediate value has no other consumer, and its key (dtype,
@@ -60,7 +61,8 @@ from torch import Tensor, fx
 OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "gemma_fused_add_rms_norm",
             "gemma_rms_norm")
 # the regions holding a projection, largest first: the pass gives a node to the first that takes it
-REGION_KINDS = ("rmsnorm_swiglu", "fused_add_rmsnorm_linear", "rmsnorm_linear", "swiglu", "geglu")
+REGION_KINDS = ("rmsnorm_swiglu", "fused_add_rmsnorm_linear", "rmsnorm_linear", "fused_add_rmsnorm_linear_bias",
+                "rmsnorm_linear_bias", "swiglu", "geglu")
 # a region's activation after gate_up, by the function its gate goes through
 ACTS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 KINDS = REGION_KINDS + OP_KINDS
@@ -607,8 +609,8 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             act = act_after(lin)
             if act is not None and act[2] == "silu":  # no kind holds an RMSNorm before GeGLU yet
                 out.append(_region("rmsnorm_swiglu", norm, lin, act))
-            out.append(_region("fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear",
-                               norm, lin, None))
+            kind = "fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear"
+            out.append(_region(kind + ("_bias" if lin.bias is not None else ""), norm, lin, None))
             continue
         lin = linear_at(n)
         act = act_after(lin) if lin is not None else None

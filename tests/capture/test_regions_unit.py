@@ -23,11 +23,14 @@ class QKVParallelLinear:
     pass
 
 
-def _graph(norm_target=rms_norm, n=5, hidden=16, out=48):
+def _graph(norm_target=rms_norm, n=5, hidden=16, out=48, bias=False):
     g = fx.Graph()
     x, w, wl = g.placeholder("x"), g.placeholder("w"), g.placeholder("wl")
     x.meta["example_value"], w.meta["example_value"] = torch.randn(n, hidden), torch.randn(hidden)
     wl.meta["example_value"] = torch.randn(out, hidden)
+    b = g.placeholder("b") if bias else None
+    if b is not None:
+        b.meta["example_value"] = torch.randn(out)
 
     def call(fn, args, path, cls, val):
         node = g.call_function(fn, args)
@@ -37,7 +40,8 @@ def _graph(norm_target=rms_norm, n=5, hidden=16, out=48):
 
     h = call(norm_target, (x, w, 1e-5, None) if norm_target is rms_norm else (x, w),
              "layers.3.input_layernorm", RMSNorm, torch.randn(n, hidden))
-    y = call(linear, (h, wl), "layers.3.self_attn.qkv_proj", QKVParallelLinear, torch.randn(n, out))
+    y = call(linear, (h, wl) + ((b,) if bias else ()), "layers.3.self_attn.qkv_proj", QKVParallelLinear,
+             torch.randn(n, out))
     g.output(y)
     return g
 
@@ -50,6 +54,23 @@ def test_norm_feeding_a_projection_is_rmsnorm_linear():
     rl = kinds["rmsnorm_linear"]
     assert rl["layer"] == 3 and rl["dims"] == {"hidden": 16, "out": 48} and rl["eps"] == 1e-5
     assert rl["inputs"][2] == {"param": "layers.3.self_attn.qkv_proj"}
+
+
+def test_a_projection_with_a_bias_is_rmsnorm_linear_bias_and_records_the_bias(monkeypatch):
+    regions, _ = find_regions(_graph(bias=True))
+    rl = next(r for r in regions if r["kind"].startswith("rmsnorm_linear"))
+    assert rl["kind"] == "rmsnorm_linear_bias" and rl["supported"] and rl["dims"] == {"hidden": 16, "out": 48}
+    assert [ref.get("node", ref.get("param")) for ref in rl["inputs"]] == ["x", "w", "layers.3.self_attn.qkv_proj",
+                                                                           "b"]
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), _graph(bias=True)), [])
+    x, w, wl, b = torch.randn(5, 16), torch.rand(16), torch.randn(48, 16), torch.randn(48)
+    backend.STATE.record_pending = 1
+    run(x, w, wl, b)
+    kinds = [r["kind"] for r in backend.STATE.regions]
+    rec = backend.STATE.recorded[0][1][kinds.index("rmsnorm_linear_bias")]
+    torch.testing.assert_close(rec["inputs"][:2] + rec["inputs"][-1:], [x, w, b])
+    torch.testing.assert_close(rec["outputs"], [linear(rms_norm(x, w, 1e-5, None), wl, b)])
 
 
 fused_add_rms_norm = torch.ops.vllm_ir.fused_add_rms_norm.default

@@ -23,6 +23,8 @@ TOKEN_CASES = [
     ("rmsnorm_linear", {"hidden": 64, "out": 40}, (5,)),
     ("fused_add_rmsnorm_linear", {"hidden": 96, "out": 48}, (1, 7, 20)),
     ("fused_add_rmsnorm_linear", {"hidden": 64, "out": 40}, (5,)),
+    ("rmsnorm_linear_bias", {"hidden": 96, "out": 48}, (1, 7, 20)),
+    ("fused_add_rmsnorm_linear_bias", {"hidden": 64, "out": 40}, (1, 5)),
     ("swiglu", {"hidden": 64, "intermediate": 96}, (1, 7, 20)),
     ("swiglu", {"hidden": 48, "intermediate": 32}, (3,)),
     ("rmsnorm_mlp", {"hidden": 64, "intermediate": 32}, (1, 7, 20)),

@@ -31,6 +31,7 @@ from prism_serve.optimize.workloads.programs import WORKLOADS
 
 DIMS = {"rms_norm": {"hidden": 64}, "fused_add_rms_norm": {"hidden": 64}, "silu_and_mul": {"intermediate": 64},
         "rmsnorm_linear": {"hidden": 64, "out": 32}, "fused_add_rmsnorm_linear": {"hidden": 64, "out": 32},
+        "rmsnorm_linear_bias": {"hidden": 64, "out": 32}, "fused_add_rmsnorm_linear_bias": {"hidden": 64, "out": 32},
         "swiglu": {"hidden": 64, "intermediate": 64},
         "rmsnorm_mlp": {"hidden": 64, "intermediate": 32},
         "rmsnorm_swiglu": {"hidden": 64, "intermediate": 32},

@@ -14,7 +14,7 @@ add + norm before the experts are served (in compiled mode; in eager mode only t
 op). Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds Phi-3 as a
 Llama) serve every stored kind; since the compiled-mode pattern pass (fusion.py) Qwen2 and
 Granite serve every stored kind too (Granite's rmsnorm_linear and rmsnorm_swiglu checked on
-2026-12-03). OLMo 2 runs through vLLM's Transformers backend, whose SiLU*mul is the SiluAndMul
+2026-12-03; Qwen2's input norm + biased qkv as the `_bias` kinds since 2026-12-04). OLMo 2 runs through vLLM's Transformers backend, whose SiLU*mul is the SiluAndMul
 vLLM built once and kept: this process's stock config had built it, so the plugin's replacement
 got no call (`hooks._forget_built_silu` now drops it). Since then the prism config does run the
 replacement, but its run passes the child's 1200 s limit under the interpreter (2026-12-03):
@@ -120,15 +120,20 @@ def test_every_stored_region_kind_is_served_in_compiled_mode(arch):
     assert served == expected, {"stored": sorted(stored), "ran": ran}
 
 
-def test_a_projection_bias_makes_its_regions_unsupported_and_nothing_else_does(arch):
-    """Qwen2-style qkv bias: capture reports the input norm + qkv projection as unsupported with
-    the reason, instead of folding the bias into the weight (which failed warmup's check)."""
-    biased = [r for r in arch["capture"]["regions"] if not r["supported"] and "adds a bias" in (r["reason"] or "")]
+def test_a_projection_bias_gives_the_bias_kinds_and_nothing_else_does(arch):
+    """Qwen2-style qkv bias: capture reports the input norm + qkv projection as the `_bias` kinds,
+    whose Programs add the bias (it was once folded into the weight, which failed warmup's check,
+    then reported unsupported); warmup stores them and compiled mode serves them (the test above)."""
+    kinds = {m.split("+")[-1].rsplit(".", 1)[-1]: r["kind"] for r in arch["capture"]["regions"]
+             for m in r["modules"] if r["kind"].endswith("_bias")}
+    assert not [r for r in arch["capture"]["regions"] if "bias" in (r["reason"] or "")]
     if arch["biases"]:
-        assert {m.split("+")[-1].rsplit(".", 1)[-1] for r in biased for m in r["modules"]} == {"qkv_proj"}
-        assert {r["kind"] for r in biased} == {"rmsnorm_linear", "fused_add_rmsnorm_linear"}
+        assert set(kinds) == {"qkv_proj"}
+        assert {r["kind"] for r in arch["capture"]["regions"] if r["kind"].endswith("_bias")} == {
+            "rmsnorm_linear_bias", "fused_add_rmsnorm_linear_bias"}
+        assert {"rmsnorm_linear_bias", "fused_add_rmsnorm_linear_bias"} <= _stored(arch)
     else:
-        assert not biased
+        assert not kinds
 
 
 def test_a_mixture_of_experts_keeps_its_experts_on_vllms_path_and_serves_the_rest(arch):

@@ -127,6 +127,8 @@ def test_rmsnorm_alone_and_in_vllm_ir_form():
 
 NORM_LINEAR = ("rmsnorm_linear", (F32, (H, QKV), EPS))
 ADD_NORM_LINEAR = ("fused_add_rmsnorm_linear", (F32, (H, QKV), EPS))
+NORM_LINEAR_BIAS = ("rmsnorm_linear_bias", (F32, (H, QKV), EPS))
+ADD_NORM_LINEAR_BIAS = ("fused_add_rmsnorm_linear_bias", (F32, (H, QKV), EPS))
 SWIGLU = ("swiglu", (F32, (H, INTER), None))
 NORM_SWIGLU = ("rmsnorm_swiglu", (F32, (H, INTER), EPS))
 SILU = ("silu_and_mul", (F32, INTER, None))
@@ -172,12 +174,30 @@ def test_input_norm_and_qkv_become_rmsnorm_linear(gemm):
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
-def test_a_projection_bias_is_added_after_the_kernel(gemm):
+def test_a_projection_with_a_bias_becomes_the_bias_kind(gemm):
+    """Qwen2's qkv: the kernel adds the bias; a bias-free kernel of the same sizes does not serve it."""
     qkv = Proj(gemm, QKV, bias=True)
 
     def fn(x, g, w, b):
         return qkv(native_rms(x, g, EPS), w, b)
-    assert rewrite(fn, [x_(), w_(H), *qkv.args()], table(NORM_LINEAR)) == ({"rmsnorm_linear": 1}, {"rmsnorm_linear"})
+    args = [x_(), w_(H), *qkv.args()]
+    assert rewrite(fn, args, table(NORM_LINEAR_BIAS)) == ({"rmsnorm_linear_bias": 1}, {"rmsnorm_linear_bias"})
+    assert rewrite(fn, args, table(NORM_LINEAR)) == ({}, set())
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_residual_add_norm_and_a_biased_qkv_become_fused_add_rmsnorm_linear_bias(gemm):
+    qkv = Proj(gemm, QKV, bias=True)
+
+    def fn(x, r, g, w, b):
+        y, s = native_add_rms(x, r, g, EPS)
+        return qkv(y, w, b), s
+    args = [x_(), x_(), w_(H), *qkv.args()]
+    assert rewrite(fn, args, table(ADD_NORM_LINEAR_BIAS)) == (
+        {"fused_add_rmsnorm_linear_bias": 1}, {"fused_add_rmsnorm_linear_bias"})
+    # with only the plain region's kernel, the residual add runs beside it
+    assert rewrite(fn, args, table(NORM_LINEAR_BIAS)) == ({"rmsnorm_linear_bias": 1}, {"rmsnorm_linear_bias"})
+    assert rewrite(fn, args, table(ADD_NORM_LINEAR)) == ({}, set())
 
 
 @pytest.mark.parametrize("gemm", GEMMS)

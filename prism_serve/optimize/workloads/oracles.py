@@ -128,6 +128,26 @@ def fused_add_rmsnorm_linear(prog: Program) -> SGraph:
     return SGraph("fused_add_rmsnorm_linear_oracle", prog, (), (k,))
 
 
+def _with_bias(g: SGraph, name: str) -> SGraph:
+    """A projection oracle with the bias added in its epilogue: b's slice of the output columns
+    (the grid's G axis), loaded once after the loop, added to y before the store."""
+    (k,) = g.kernels
+    *body, out = k.nodes
+    nodes = (*body, load("bias", "b", (None, 0)), node("yb", "add", out.inputs[0], "bias"),
+             store(out.name, "yb", out.attr("tensor"), out.attr("omap")))
+    return SGraph(f"{name}_oracle", g.program, (), (BlockKernel(name, k.grid, k.forloop, nodes),))
+
+
+def rmsnorm_linear_bias(prog: Program) -> SGraph:
+    """rmsnorm_linear's loop, the bias added in the epilogue."""
+    return _with_bias(rmsnorm_linear(prog), "rmsnorm_linear_bias")
+
+
+def fused_add_rmsnorm_linear_bias(prog: Program) -> SGraph:
+    """fused_add_rmsnorm_linear's loop (writing r), the bias added in the epilogue."""
+    return _with_bias(fused_add_rmsnorm_linear(prog), "fused_add_rmsnorm_linear_bias")
+
+
 def _gated(prog: Program, name: str, act: str) -> SGraph:
     """Both projections accumulated in one loop; act(a) * b in the epilogue."""
     nodes = [load("x", "x", (0, None), fmap=1), load("wg", "w_gate", (None, 0), fmap=1),
@@ -230,6 +250,7 @@ ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
     "rmsnorm_linear": rmsnorm_linear, "fused_add_rmsnorm_linear": fused_add_rmsnorm_linear, "swiglu": swiglu,
     "rmsnorm_mlp": rmsnorm_mlp, "rmsnorm_swiglu": rmsnorm_swiglu,
+    "rmsnorm_linear_bias": rmsnorm_linear_bias, "fused_add_rmsnorm_linear_bias": fused_add_rmsnorm_linear_bias,
     "gemma_rms_norm": gemma_rms_norm, "gemma_fused_add_rms_norm": gemma_fused_add_rms_norm,
     "gelu_tanh_and_mul": gelu_tanh_and_mul, "geglu": geglu,
     "attention": attention,

@@ -7,7 +7,7 @@ Weights use vLLM's layout (out_features, in_features), so projections are
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from prism_serve.errors import ProgramError
@@ -125,6 +125,29 @@ def fused_add_rmsnorm_linear(hidden: int = 4096, out: int | None = None, dtype: 
     ), ("y", "r"))
 
 
+def _with_bias(prog: Program, name: str) -> Program:
+    """A norm + projection Program whose projection adds a bias b (as Qwen2's qkv): the input b
+    after w, the product renamed p, and y = p + b; the outputs stay as they were."""
+    w = prog.by_name["w"]
+    nodes = [n for n in prog.nodes if n.op == "input"] + [node("b", "input", shape=(w.attr("shape")[0],),
+                                                               dtype=w.attr("dtype"))]
+    nodes += [replace(n, name="p") if n.name == "y" else n for n in prog.nodes if n.op != "input"]
+    return Program(name, tuple(nodes + [node("y", "add", "p", "b")]), prog.outputs)
+
+
+def rmsnorm_linear_bias(hidden: int = 4096, out: int | None = None, dtype: str = "float16",
+                        eps: float = EPS) -> Program:
+    """rmsnorm_linear with the projection's bias: y = rms_norm(x, g) @ W^T + b."""
+    return _with_bias(rmsnorm_linear(hidden, out, dtype, eps), "rmsnorm_linear_bias")
+
+
+def fused_add_rmsnorm_linear_bias(hidden: int = 4096, out: int | None = None, dtype: str = "float16",
+                                  eps: float = EPS) -> Program:
+    """fused_add_rmsnorm_linear with the projection's bias: r = x + residual;
+    y = rms_norm(r, g) @ W^T + b. Outputs (y, r)."""
+    return _with_bias(fused_add_rmsnorm_linear(hidden, out, dtype, eps), "fused_add_rmsnorm_linear_bias")
+
+
 def swiglu(hidden: int = 4096, intermediate: int | None = None, dtype: str = "float16") -> Program:
     inter = intermediate or hidden
     return Program("swiglu", (
@@ -239,6 +262,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rmsnorm_mlp", rmsnorm_mlp, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("fused_add_rmsnorm_linear", fused_add_rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("swiglu", swiglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("rmsnorm_linear_bias", rmsnorm_linear_bias, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("fused_add_rmsnorm_linear_bias", fused_add_rmsnorm_linear_bias, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("rmsnorm_swiglu", rmsnorm_swiglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("attention", attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
     Workload("qk_norm_attention", qk_norm_attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
