@@ -172,6 +172,9 @@ _VLLM = {
         list, lambda x, r, w: tuple(_vllm_ir().fused_add_rms_norm(x, r, _gemma_weight(w), eps))),
     "gelu_tanh_and_mul": lambda v, eps: (lambda i: [torch.cat(i, dim=-1)], lambda gu: (_gelu_tanh(gu),)),
     "geglu": lambda v, eps: (_merged, lambda x, w: (_gelu_tanh(torch.nn.functional.linear(x, w)),)),
+    "rmsnorm_geglu": lambda v, eps: (
+        lambda i: [i[0].clone(), torch.zeros_like(i[0]), *_merged(i[1:])],
+        lambda x, r, g, w: (v.fused_add_rms_norm(x, r, g, eps), (_gelu_tanh(torch.nn.functional.linear(x, w)),))[1]),
     # at its site vLLM adds the residual inside its norm: the sum arrives as x with a zero residual
     "rmsnorm_swiglu": lambda v, eps: (
         lambda i: [i[0].clone(), torch.zeros_like(i[0]), *_merged(i[1:])],

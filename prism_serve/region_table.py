@@ -118,9 +118,15 @@ KINDS: dict[str, RegionKind] = {k.name: k for k in (
                doc="GeluAndMul(approximate='tanh') on the two halves of gate_up's output"),
     RegionKind("geglu", programs.geglu, (_H, _I), False, ("linear", "gelu_tanh_and_mul"), "pattern",
                ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + tanh-GELU*mul (Gemma's GeGLU)"),
+    # the norm before it is post_attention_layernorm (Gemma) or pre_feedforward_layernorm (Gemma 2):
+    # no module roles, the fusion pass serves it wherever capture finds it
+    RegionKind("rmsnorm_geglu", programs.rmsnorm_geglu, (_H, _I), True,
+               ("fused_add_rms_norm", "linear", "gelu_tanh_and_mul"), "pattern",
+               doc="the residual add + RMSNorm before Gemma's MLP + gate_up projection + tanh-GELU*mul; the add "
+                   "runs as one elementwise kernel before it, the rest as one kernel"),
 )}
 # kinds whose served path runs a residual add beside the kernel (counted in the modeled speedup)
-SERVED_ADD = frozenset({"rmsnorm_swiglu"})
+SERVED_ADD = frozenset({"rmsnorm_swiglu", "rmsnorm_geglu"})
 
 
 @dataclass(frozen=True)

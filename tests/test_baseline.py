@@ -21,6 +21,7 @@ PROGRAMS = {
     "fused_add_rmsnorm_linear_bias": programs.fused_add_rmsnorm_linear_bias(96, 40, "float32"),
     "swiglu": programs.swiglu(64, 48, "float32"),
     "rmsnorm_swiglu": programs.rmsnorm_swiglu(64, 48, "float32"),
+    "rmsnorm_geglu": programs.rmsnorm_geglu(64, 48, "float32"),
     "gemma_rms_norm": programs.gemma_rms_norm(96, "float32"),
     "gemma_fused_add_rms_norm": programs.gemma_fused_add_rms_norm(96, "float32"),
     "gelu_tanh_and_mul": programs.gelu_tanh_and_mul(48, "float32"),

@@ -248,7 +248,7 @@ def _projection_region(r: patterns.Region) -> dict | None:
             return None  # the residual sum is never read: nothing to record it from
         w = _before(norm.weight, norm.node)
         x_ref = _after(norm.sum) if norm.residual is not None else _before(norm.x, norm.node)
-        if r.kind == "rmsnorm_swiglu":
+        if r.kind in ("rmsnorm_swiglu", "rmsnorm_geglu"):
             inputs, dims = [x_ref, w, *halves], {"hidden": hidden, "intermediate": n}
         elif r.kind.startswith("fused_add_rmsnorm_linear"):
             inputs, dims = [_before(norm.x, norm.node), _before(norm.residual, norm.node), w, param], \

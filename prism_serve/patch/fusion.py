@@ -192,8 +192,8 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
             x = outs[norm.sum] = new(aten.add.Tensor, norm.x, norm.residual)  # the next residual
         if kind in ("swiglu", "geglu"):
             outs[r.act] = new(getattr(P, kind).default, x, lin.weight, patterns.SITE, n)
-        elif kind == "rmsnorm_swiglu":
-            outs[r.act] = new(P.rmsnorm_swiglu.default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
+        elif kind in ("rmsnorm_swiglu", "rmsnorm_geglu"):
+            outs[r.act] = new(getattr(P, kind).default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
         elif kind == "rmsnorm_linear":
             outs[lin.out] = new(P.rmsnorm_linear.default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
         elif kind == "rmsnorm_linear_bias":

@@ -1,6 +1,6 @@
 """The prism torch custom ops (`prism::rms_norm`, `prism::fused_add_rms_norm`,
 `prism::silu_and_mul`, Gemma's `prism::gemma_rms_norm`, `prism::gemma_fused_add_rms_norm` and
-`prism::gelu_tanh_and_mul`, and the whole-region `prism::swiglu`, `prism::geglu`,
+`prism::gelu_tanh_and_mul`, and the whole-region `prism::swiglu`, `prism::geglu`, `prism::rmsnorm_geglu`,
 `prism::rmsnorm_linear`, `prism::fused_add_rmsnorm_linear`, their `_bias` forms (a projection that
 adds a bias, as Qwen2's qkv) and `prism::rmsnorm_swiglu`): opaque to
 torch.compile, with fake impls, dispatching by num_tokens.
@@ -36,7 +36,7 @@ log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like 
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear",
             "rmsnorm_swiglu", "gemma_rms_norm", "gemma_fused_add_rms_norm", "gelu_tanh_and_mul", "geglu",
-            "rmsnorm_linear_bias", "fused_add_rmsnorm_linear_bias")
+            "rmsnorm_linear_bias", "fused_add_rmsnorm_linear_bias", "rmsnorm_geglu")
 
 
 class _State:
@@ -131,7 +131,10 @@ FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm"
                                   "gemma_fused_add_rms_norm": ref_gemma_fused_add_rms_norm,
                                   "gelu_tanh_and_mul": ref_gelu_tanh_and_mul,
                                   "geglu": lambda x, w_gate_up, site: ref_gelu_tanh_and_mul(
-                                      torch.nn.functional.linear(x, w_gate_up))}
+                                      torch.nn.functional.linear(x, w_gate_up)),
+                                  "rmsnorm_geglu": lambda x, norm_weight, w_gate_up, epsilon, site:
+                                      ref_gelu_tanh_and_mul(torch.nn.functional.linear(
+                                          ref_rms_norm(x, norm_weight, epsilon), w_gate_up))}
 
 
 # --- a projection's weight: the plain tensor, or vLLM's oneDNN handle on the CPU build ----------
@@ -180,7 +183,8 @@ def _vllm_region(kind: str, site: int, weight: Tensor, out_features: int, *args,
         return vllm_linear(y, weight, out_features, bias), r
     x, norm_weight, _, eps, _ = args
     y = vllm_linear(FALLBACKS["rms_norm"](x, norm_weight, eps), weight, out_features, bias)
-    return FALLBACKS["silu_and_mul"](y) if kind == "rmsnorm_swiglu" else y
+    act = {"rmsnorm_swiglu": "silu_and_mul", "rmsnorm_geglu": "gelu_tanh_and_mul"}.get(kind)
+    return FALLBACKS[act](y) if act else y
 
 
 # --- dispatch --------------------------------------------------------------------------
@@ -341,9 +345,10 @@ def fused_add_rmsnorm_linear_impl(x: Tensor, residual: Tensor, norm_weight: Tens
 
 
 def rmsnorm_swiglu_impl(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
-                        out_features: int = -1) -> Tensor:
+                        out_features: int = -1, op: str = "rmsnorm_swiglu") -> Tensor:
+    """`rmsnorm_swiglu`, or (`op`) `rmsnorm_geglu`: the same inputs, another activation."""
     inter = _out_features(w_gate_up, out_features) // 2
-    launcher = pick("rmsnorm_swiglu", x, (x.shape[-1], inter), epsilon)
+    launcher = pick(op, x, (x.shape[-1], inter), epsilon)
     w = plain_weight(w_gate_up) if launcher is not None else None
     if w is not None:
         try:
@@ -352,11 +357,11 @@ def rmsnorm_swiglu_impl(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsil
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed("rmsnorm_swiglu", launcher, exc)
+            _failed(op, launcher, exc)
     elif launcher is not None:
-        COUNTS["rmsnorm_swiglu"] -= 1
-    MISSES["rmsnorm_swiglu"] += 1
-    return _vllm_region("rmsnorm_swiglu", site, w_gate_up, 2 * inter, x, norm_weight, w_gate_up, epsilon, site)
+        COUNTS[op] -= 1
+    MISSES[op] += 1
+    return _vllm_region(op, site, w_gate_up, 2 * inter, x, norm_weight, w_gate_up, epsilon, site)
 
 
 # --- torch custom ops: opaque to Dynamo, with fake impls for torch.compile -------------------
@@ -478,6 +483,16 @@ def _define() -> dict[str, object]:
     def _(x, w_gate_up, site, out_features=-1):
         return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
 
+    @torch.library.custom_op("prism::rmsnorm_geglu", mutates_args=())
+    def rmsnorm_geglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
+                      out_features: int = -1) -> Tensor:
+        return rmsnorm_swiglu_impl(x, norm_weight, w_gate_up, epsilon, site, out_features, "rmsnorm_geglu")
+
+    @rmsnorm_geglu.register_fake
+    def _(x, norm_weight, w_gate_up, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
+
+    defined.update(rmsnorm_geglu=rmsnorm_geglu)
     defined.update(gemma_rms_norm=gemma_rms_norm, gemma_fused_add_rms_norm=gemma_fused_add_rms_norm,
                    gelu_tanh_and_mul=gelu_tanh_and_mul, geglu=geglu)
     defined.update(fused_add_rmsnorm_linear=fused_add_rmsnorm_linear, rmsnorm_swiglu=rmsnorm_swiglu)

@@ -42,7 +42,7 @@ Two kinds of pattern:
   (`rmsnorm_linear`, or `fused_add_rmsnorm_linear` when the norm adds the residual; their `_bias`
   forms where the projection adds a bias, as Qwen2's qkv),
   projection -> SiLU*mul (`swiglu`), projection -> tanh-GELU*mul (`geglu`, Gemma's GeluAndMul),
-  RMSNorm -> projection -> SiLU*mul (`rmsnorm_swiglu`). A
+  RMSNorm -> projection -> SiLU*mul (`rmsnorm_swiglu`) or tanh-GELU*mul (`rmsnorm_geglu`). A
   region matches only where each intermediate value has no other consumer, and its key (dtype,
   sizes, epsilon) reads the nodes' fake tensors: a weight of another dtype (a quantized one) or a
   norm weight of another dtype gives no key. Capture reports what `find_regions` finds.
@@ -61,10 +61,11 @@ from torch import Tensor, fx
 OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "gemma_fused_add_rms_norm",
             "gemma_rms_norm")
 # the regions holding a projection, largest first: the pass gives a node to the first that takes it
-REGION_KINDS = ("rmsnorm_swiglu", "fused_add_rmsnorm_linear", "rmsnorm_linear", "fused_add_rmsnorm_linear_bias",
+REGION_KINDS = ("rmsnorm_swiglu", "rmsnorm_geglu", "fused_add_rmsnorm_linear", "rmsnorm_linear", "fused_add_rmsnorm_linear_bias",
                 "rmsnorm_linear_bias", "swiglu", "geglu")
-# a region's activation after gate_up, by the function its gate goes through
+# a region's activation after gate_up, by the function its gate goes through: without and with the norm
 ACTS = {"silu": "swiglu", "gelu_tanh": "geglu"}
+NORM_ACTS = {"silu": "rmsnorm_swiglu", "gelu_tanh": "rmsnorm_geglu"}
 KINDS = REGION_KINDS + OP_KINDS
 # the table key a match needs: (torch dtype, dim or dims, eps)
 Key = tuple[torch.dtype, object, float | None]
@@ -247,7 +248,7 @@ def op_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
                 out["fused_add_rms_norm"].add((dtype, dims[0], eps))
             if kind in ("swiglu", "rmsnorm_swiglu"):
                 out["silu_and_mul"].add((dtype, dims[1], None))
-            if kind == "geglu":
+            if kind in ("geglu", "rmsnorm_geglu"):
                 out["gelu_tanh_and_mul"].add((dtype, dims[1], None))
     return {k: v for k, v in out.items() if v}
 
@@ -607,8 +608,8 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             if lin is None:
                 continue
             act = act_after(lin)
-            if act is not None and act[2] == "silu":  # no kind holds an RMSNorm before GeGLU yet
-                out.append(_region("rmsnorm_swiglu", norm, lin, act))
+            if act is not None:
+                out.append(_region(NORM_ACTS[act[2]], norm, lin, act))
             kind = "fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear"
             out.append(_region(kind + ("_bias" if lin.bias is not None else ""), norm, lin, None))
             continue

@@ -357,12 +357,14 @@ def test_capture_reports_a_projection_whose_weight_is_not_the_activation_dtype_u
 
 # --- Gemma: GeluAndMul(approximate="tanh") and GemmaRMSNorm (its IR op on w.float() + 1.0) ----------
 
-def test_gate_up_and_tanh_gelu_mul_are_geglu_and_the_norm_stays_out_of_it(monkeypatch):
+def test_gate_up_and_tanh_gelu_mul_are_geglu_and_with_the_norm_rmsnorm_geglu(monkeypatch):
     g, handler = _post_attention_graph(act="gelu_tanh")
     regions, _ = find_regions(g)
     kinds = {r["kind"]: r for r in regions if r["supported"]}
-    # no kind holds an RMSNorm before GeGLU: the norm + gate_up and gate_up + GeGLU are separate regions
-    assert sorted(kinds) == ["fused_add_rms_norm", "fused_add_rmsnorm_linear", "geglu", "gelu_tanh_and_mul"]
+    assert sorted(kinds) == ["fused_add_rms_norm", "fused_add_rmsnorm_linear", "geglu", "gelu_tanh_and_mul",
+                             "rmsnorm_geglu"]
+    assert kinds["rmsnorm_geglu"]["modules"] == ["layers.0.post_attention_layernorm", "layers.0.mlp.gate_up_proj",
+                                                 "layers.0.mlp.act_fn"]
     gg = kinds["geglu"]
     assert gg["modules"] == ["layers.0.mlp.gate_up_proj", "layers.0.mlp.act_fn"]
     assert gg["dims"] == {"hidden": 16, "intermediate": 24} and gg["eps"] is None
@@ -377,6 +379,9 @@ def test_gate_up_and_tanh_gelu_mul_are_geglu_and_the_norm_stays_out_of_it(monkey
     gate, up = act["inputs"]
     torch.testing.assert_close(torch.nn.functional.gelu(gate, approximate="tanh") * up, want)
     torch.testing.assert_close(act["outputs"], [want])
+    whole = backend.STATE.recorded[0][1][names.index("rmsnorm_geglu")]
+    torch.testing.assert_close(whole["inputs"][0], x + res)  # the residual sum the region starts from
+    torch.testing.assert_close(whole["outputs"], [want])
 
 
 def test_exact_gelu_is_reported_unsupported_not_as_geglu():

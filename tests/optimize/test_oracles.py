@@ -31,6 +31,7 @@ TOKEN_CASES = [
     ("rmsnorm_mlp", {"hidden": 80, "intermediate": 48}, (2,)),
     ("rmsnorm_swiglu", {"hidden": 64, "intermediate": 32}, (1, 7, 20)),
     ("rmsnorm_swiglu", {"hidden": 80, "intermediate": 48}, (2,)),
+    ("rmsnorm_geglu", {"hidden": 80, "intermediate": 48}, (1, 7)),
     ("gemma_rms_norm", {"hidden": 100}, (1, 7, 33)),
     ("gemma_fused_add_rms_norm", {"hidden": 100}, (1, 7, 33)),
     ("gelu_tanh_and_mul", {"intermediate": 50}, (1, 7, 33)),

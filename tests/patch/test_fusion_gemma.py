@@ -17,6 +17,7 @@ GEMMA_RMS = ("gemma_rms_norm", (F32, H, EPS))
 GEMMA_ADD_RMS = ("gemma_fused_add_rms_norm", (F32, H, EPS))
 GEGLU = ("geglu", (F32, (H, INTER), None))
 GELU = ("gelu_tanh_and_mul", (F32, INTER, None))
+NORM_GEGLU = ("rmsnorm_geglu", (F32, (H, INTER), EPS))
 
 
 def _gemma_norm(offset=1.0, eps=EPS):
@@ -97,8 +98,9 @@ def test_geglu_near_misses_stay_vllms(gemm, near_miss):
 @pytest.mark.parametrize("gemm", GEMMS)
 def test_a_gemma_layer_is_served_and_its_norm_before_qkv_keeps_its_computed_weight(gemm):
     """Gemma's decoder: the input norm + qkv is an RMSNorm + projection region on the weight vLLM
-    computes (w + 1); the post-attention norm, which feeds GeGLU's projection (no kind holds both),
-    and the final norm are Gemma norms on the stored weight; gate_up + GeGLU is one kernel."""
+    computes (w + 1); the post-attention norm, which feeds GeGLU's projection, is a Gemma norm on
+    the stored weight with gate_up + GeGLU one kernel, or with a kernel for all three (rmsnorm_geglu)
+    one region; the final norm is a Gemma norm."""
     qkv, gate_up = Proj(gemm, QKV), Proj(gemm, 2 * INTER)
 
     def layer(x, r, g1, wq, g2, wg, g3):
@@ -116,6 +118,12 @@ def test_a_gemma_layer_is_served_and_its_norm_before_qkv_keeps_its_computed_weig
     # plain rmsnorm_linear kernel, the residual add runs beside it, still on w + 1
     done, _ = rewrite(layer, args, table(NORM_LINEAR))
     assert done == {"rmsnorm_linear": 1}
+    # with a kernel for the post-attention norm + gate_up + GeGLU, that is one region (its residual
+    # add beside it) and the MLP's own geglu kernel stays unused
+    done, left = rewrite(layer, args, table(("fused_add_rmsnorm_linear", (F32, (H, QKV), EPS)), GEGLU, GEMMA_ADD_RMS,
+                                            NORM_GEGLU))
+    assert done == {"fused_add_rmsnorm_linear": 1, "rmsnorm_geglu": 1, "gemma_fused_add_rms_norm": 1}
+    assert left == {"fused_add_rmsnorm_linear", "rmsnorm_geglu", "gemma_fused_add_rms_norm"}
 
 
 @pytest.mark.parametrize("gemm", GEMMS)

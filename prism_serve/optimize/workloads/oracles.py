@@ -6,6 +6,7 @@ default symbol assignment for small test shapes (`default_assignment`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from prism_serve.errors import SGraphError
@@ -201,6 +202,14 @@ def rmsnorm_swiglu(prog: Program) -> SGraph:
     return SGraph("rmsnorm_swiglu_oracle", prog, (), (k,))
 
 
+def rmsnorm_geglu(prog: Program) -> SGraph:
+    """rmsnorm_swiglu's loop; gelu_tanh(a*r) * (b*r) in the epilogue."""
+    g = rmsnorm_swiglu(prog)
+    (k,) = g.kernels
+    nodes = tuple(replace(n, op="gelu_tanh") if n.op == "silu" else n for n in k.nodes)
+    return SGraph("rmsnorm_geglu_oracle", prog, (), (BlockKernel("rmsnorm_geglu", k.grid, k.forloop, nodes),))
+
+
 def attention(prog: Program) -> SGraph:
     """Split-KV (flash-decoding): S splits of the KV sequence, each an online-softmax loop of F
     steps writing an unnormalised partial output, its row sum and row max; a combine kernel
@@ -249,7 +258,7 @@ def _split_kv(prog: Program, name: str, q_side: list[Node], k_side: list[Node], 
 ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
     "rmsnorm_linear": rmsnorm_linear, "fused_add_rmsnorm_linear": fused_add_rmsnorm_linear, "swiglu": swiglu,
-    "rmsnorm_mlp": rmsnorm_mlp, "rmsnorm_swiglu": rmsnorm_swiglu,
+    "rmsnorm_mlp": rmsnorm_mlp, "rmsnorm_swiglu": rmsnorm_swiglu, "rmsnorm_geglu": rmsnorm_geglu,
     "rmsnorm_linear_bias": rmsnorm_linear_bias, "fused_add_rmsnorm_linear_bias": fused_add_rmsnorm_linear_bias,
     "gemma_rms_norm": gemma_rms_norm, "gemma_fused_add_rms_norm": gemma_fused_add_rms_norm,
     "gelu_tanh_and_mul": gelu_tanh_and_mul, "geglu": geglu,

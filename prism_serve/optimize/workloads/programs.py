@@ -193,6 +193,17 @@ def rmsnorm_swiglu(hidden: int = 4096, intermediate: int | None = None, dtype: s
     ), ("y",))
 
 
+def rmsnorm_geglu(hidden: int = 4096, intermediate: int | None = None, dtype: str = "float16",
+                  eps: float = EPS) -> Program:
+    """Gemma's pre-MLP RMSNorm -> gate_up_proj -> GeluAndMul(tanh): rmsnorm_swiglu with tanh GELU,
+    gelu_tanh(xn @ W_gate^T) * (xn @ W_up^T)."""
+    base = rmsnorm_swiglu(hidden, intermediate, dtype, eps)
+    renamed = {"sa": "ga"}
+    nodes = tuple(replace(n, name=renamed.get(n.name, n.name), op="gelu_tanh" if n.op == "silu" else n.op,
+                          inputs=tuple(renamed.get(i, i) for i in n.inputs)) for n in base.nodes)
+    return Program("rmsnorm_geglu", nodes, base.outputs)
+
+
 def _attention_nodes(q: str, k: str, v: str, head_dim: int) -> list[Node]:
     """softmax(q k^T / sqrt(head_dim)) v with the row max subtracted (numerically honest)."""
     return [
@@ -265,6 +276,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rmsnorm_linear_bias", rmsnorm_linear_bias, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("fused_add_rmsnorm_linear_bias", fused_add_rmsnorm_linear_bias, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("rmsnorm_swiglu", rmsnorm_swiglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("rmsnorm_geglu", rmsnorm_geglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("attention", attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
     Workload("qk_norm_attention", qk_norm_attention, {}, default_num_tokens=(), shapes=_ATTN_SHAPES),
     Workload("rms_norm", rms_norm, {"hidden": 4096}, default_num_tokens=(1, 16, 256, 4096)),
