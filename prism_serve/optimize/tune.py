@@ -181,6 +181,29 @@ def rank(g: SGraph, gpu: GpuSpec, num_tokens: int, instances: Sequence[Instance]
     return sorted(ranked, key=lambda c: order(c, gpu))
 
 
+# The last num_tokens bucket's kernel also serves every larger size (warmup.bucket_ranges). Near
+# its tuning size, a kernel of one-element tiles can model a little faster than one of whole rows
+# (more blocks reach more bandwidth) and then scale terribly: OLMo 2's silu_and_mul, tuned at 8
+# tokens, took 1 x 1 tiles (1.87 us against 1.90 at 8 tokens, 448 us against 4.8 at 4096) and ran
+# vLLM's 8192-token profile pass as 2M blocks. Within NEAR_TIE of the best at the tuning size (the
+# roofline is no closer than that), the instance modeled fastest at the probe size goes first.
+NEAR_TIE, SCALE_PROBE, PROBE_TOKENS = 1.02, 16, 4096
+
+
+def rank_open(g: SGraph, gpu: GpuSpec, num_tokens: int, instances: Sequence[Instance] | None = None
+              ) -> list[Candidate]:
+    """`rank` for a bucket that also serves every larger num_tokens: the instances within NEAR_TIE
+    of the best modeled time at `num_tokens` first, ordered by modeled time at
+    max(SCALE_PROBE x num_tokens, PROBE_TOKENS) (then as `rank`), the others after, as `rank`."""
+    ranked = rank(g, gpu, num_tokens, instances)
+    if not num_tokens:
+        return ranked
+    probe = max(SCALE_PROBE * num_tokens, PROBE_TOKENS)
+    near = [c for c in ranked if c.modeled_us <= ranked[0].modeled_us * NEAR_TIE]
+    first = sorted(near, key=lambda c: round(modeled_us(c.instance, probe, gpu), 6))  # stable: ties stay ranked
+    return first + ranked[len(near):]
+
+
 def measure(candidates: Sequence[Candidate], timer: Callable[[Instance, int], float], top: int = 5) -> list[Candidate]:
     """Time the `top` modeled candidates with `timer(instance, num_tokens) -> us`; fastest measured first.
     A candidate whose kernel fails to compile or run is dropped with a log line."""

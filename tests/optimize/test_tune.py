@@ -86,3 +86,21 @@ def test_descent_breaks_ties_as_rank_does(name, num_tokens):
     first = round(ranked[0].modeled_us, 6)
     assert sum(round(c.modeled_us, 6) == first for c in ranked) > 1  # the case has ties
     assert order(best_modeled(g, H100, num_tokens), H100) == order(ranked[0], H100)
+
+
+def test_the_open_bucket_takes_the_near_tie_that_scales_to_more_tokens():
+    """The last bucket's kernel serves every larger size: tuned at 8 tokens, silu_and_mul's best
+    modeled instance (many one-column blocks, a hair faster) is 10x slower at 4096 tokens than one
+    within NEAR_TIE of it; `rank_open` takes the latter, and is `rank` where nothing nears a tie."""
+    from prism_serve.optimize.cost import modeled_us
+    from prism_serve.optimize.tune import NEAR_TIE, PROBE_TOKENS, rank_open
+
+    g = oracle(WORKLOADS["silu_and_mul"].program(intermediate=256, dtype="float32"))
+    plain, open_ = rank(g, H100, 8), rank_open(g, H100, 8)
+    assert sorted(str(c.assignment) for c in open_) == sorted(str(c.assignment) for c in plain)  # reordered only
+    near = [c for c in plain if c.modeled_us <= plain[0].modeled_us * NEAR_TIE]
+    at_probe = {c.instance: modeled_us(c.instance, PROBE_TOKENS, H100) for c in near}
+    assert open_[0].modeled_us <= plain[0].modeled_us * NEAR_TIE
+    assert at_probe[open_[0].instance] == min(at_probe.values())
+    assert at_probe[plain[0].instance] > 5 * at_probe[open_[0].instance]
+    assert [c.assignment for c in rank_open(g, H100, 0)] == [c.assignment for c in rank(g, H100, 0)]

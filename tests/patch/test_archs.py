@@ -14,11 +14,18 @@ add + norm before the experts are served (in compiled mode; in eager mode only t
 op). Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds Phi-3 as a
 Llama) serve every stored kind; since the compiled-mode pattern pass (fusion.py) Qwen2 and
 Granite serve every stored kind too (Granite's rmsnorm_linear and rmsnorm_swiglu checked on
-2026-12-03; Qwen2's input norm + biased qkv as the `_bias` kinds since 2026-12-04). OLMo 2 runs through vLLM's Transformers backend, whose SiLU*mul is the SiluAndMul
-vLLM built once and kept: this process's stock config had built it, so the plugin's replacement
-got no call (`hooks._forget_built_silu` now drops it). Since then the prism config does run the
-replacement, but its run passes the child's 1200 s limit under the interpreter (2026-12-03):
-OLMo 2's tokens are unchecked since. Gemma and Gemma 2
+2026-12-03; Qwen2's input norm + biased qkv as the `_bias` kinds since 2026-12-04). OLMo 2 runs
+through vLLM's Transformers backend, whose SiLU*mul is the SiluAndMul vLLM built once and kept:
+this process's stock config had built it, so the plugin's replacement got no call
+(`hooks._forget_built_silu` now drops it). Its run then passed the child's 1200 s limit: the
+stored silu_and_mul kernel, tuned at 8 tokens, had 1 x 1 tiles and ran vLLM's profile pass as
+millions of interpreted blocks (the last bucket now takes the near tie that scales,
+`tune.rank_open`). Since 2026-12-04 its run takes about a minute: silu_and_mul is stored and runs
+in both modes, tokens identical. Its norms (TPAwareRMSNorm) are not matched, and its swiglu is not
+warmed: its MLP's module paths go through the bound forward (`mlp.forward.__self__.gate_up_proj`),
+which the region table's role check does not read. Reading them (tried on 2026-12-04) makes
+warmup store swiglu alone, and compiled mode then serves nothing: the pass finds OLMo 2's SiLU*mul
+only as prism's op, which the plugin installs only with a silu_and_mul kernel. Gemma and Gemma 2
 (PRISM_SERVE_TEST_ARCHS=tiny-gemma,tiny-gemma2, 4 min for both on two shared cores) store
 rmsnorm_linear and fused_add_rmsnorm_linear (the input norm + qkv, on the weight w + 1 that vLLM
 computes; fp32 only), rmsnorm_geglu (the norm before the MLP + gate_up + tanh GELU*mul, one kernel

@@ -49,7 +49,8 @@ from prism_serve.optimize.gpus import GpuSpec, get_gpu
 from prism_serve.optimize.ir import Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.optimize.timing import Timer, cuda_timer
-from prism_serve.optimize.tune import Candidate, best_modeled, enumerate_instances, measure, rank, symbol_choices
+from prism_serve.optimize.tune import (Candidate, best_modeled, enumerate_instances, measure, rank, rank_open,
+                                       symbol_choices)
 from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
@@ -205,12 +206,12 @@ def verify_design(prog: Program, design: Design, gpu: GpuSpec) -> tuple[ProofRes
 def _instances(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...], timer: Timer | None, top: int
                ) -> tuple[Candidate, ...]:
     """A verified design's best instance per bucket, ranked exhaustively (the descent that costs
-    every generated design can stop at a local optimum); on a device, the measured best of the
-    `top` modeled ones."""
+    every generated design can stop at a local optimum), the last bucket, which also serves every
+    larger size, by `rank_open`; on a device, the measured best of the `top` modeled ones."""
     instances = enumerate_instances(g, gpu)
     out = []
     for nt in buckets:
-        ranked = rank(g, gpu, nt, instances)
+        ranked = (rank_open if nt == max(buckets) else rank)(g, gpu, nt, instances)
         timed = measure(ranked, timer, top) if timer is not None else []
         out.append(timed[0] if timed else ranked[0])
     return tuple(out)
