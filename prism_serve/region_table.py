@@ -144,9 +144,15 @@ def servable(kind: str, modules: Iterable[str]) -> bool:
     k = KINDS.get(kind)
     if k is None:
         return False
-    mods = list(modules)
+    mods = [_role_path(m) for m in modules]
     return not k.modules or (len(mods) == len(k.modules)
                              and all(m == role or m.endswith("." + role) for m, role in zip(mods, k.modules)))
+
+
+def _role_path(module: str) -> str:
+    """A module path as its role reads: Dynamo names a module reached through a bound method
+    (vLLM's Transformers backend) `mlp.forward.__self__.gate_up_proj`, in the role `mlp.gate_up_proj`."""
+    return module.replace(".forward.__self__", "")
 
 
 def served_sites(sites: Iterable[Site], failed: Iterable[Site] = ()) -> dict[Site, Site | None]:
@@ -167,5 +173,6 @@ def _order(site: Site):
     roles = KINDS[site.kind].modules if site.kind in KINDS else ()
 
     def key(m: str) -> int:
+        m = _role_path(m)
         return next((i for i, r in enumerate(roles) if m == r or m.endswith("." + r)), len(roles))
     return key

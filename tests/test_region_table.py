@@ -60,3 +60,9 @@ def test_servable_only_at_the_modules_its_hook_patches():
                                        "m.layers.0.mlp.act_fn"])
     assert not servable("rmsnorm_linear", ["m.layers.0.post_attention_layernorm", "m.layers.0.mlp.gate_up_proj"])
     assert not servable("attention", ["m.layers.0.self_attn.attn"])
+    # vLLM's Transformers backend (OLMo 2): Dynamo names the MLP's modules through its bound forward
+    assert servable("swiglu", ["layers.0.mlp.forward.__self__.gate_up_proj", "layers.0.mlp.forward.__self__.act_fn"])
+    mlp = "layers.0.mlp.forward.__self__."
+    swiglu, silu = Site("swiglu", frozenset({mlp + "act_fn", mlp + "gate_up_proj"})), Site("silu_and_mul",
+                                                                                        frozenset({mlp + "act_fn"}))
+    assert served_sites([swiglu, silu]) == {swiglu: None, silu: swiglu}  # in roles' order, whatever the set's

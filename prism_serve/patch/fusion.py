@@ -204,6 +204,10 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
             both = new(getattr(P, kind).default, x, norm.residual, norm.weight, lin.weight, *bias, norm.eps,
                        patterns.SITE, n)
             outs[lin.out], outs[norm.sum] = new(operator.getitem, both, 0), new(operator.getitem, both, 1)
+        for old, node in list(outs.items()):  # the kernels' rows come back in the region's own rank:
+            want, got = (old.meta.get("val") if old is not None else None), node.meta.get("val")
+            if want is not None and got is not None and want.dim() == got.dim() + 1:  # a batch dim of 1
+                outs[old] = new(aten.unsqueeze.default, node, 0)  # (vLLM's Transformers backend keeps one)
     for old, node in outs.items():
         if old is not None:
             old.replace_all_uses_with(node)

@@ -162,7 +162,16 @@ def _silu_mul(gate_up: Tensor, d: int) -> Tensor:
     return torch.nn.functional.silu(gate_up[..., :d]) * gate_up[..., d:]
 
 
-def silu_and_mul(dtype: torch.dtype, d: int) -> Pattern:
+# an activation's input: [tokens, 2d], or [1, tokens, 2d] where vLLM's Transformers backend keeps the
+# batch dim (OLMo 2): its slices are on dim 2, another pattern
+ACT_RANKS = (2, 3)
+
+
+def _act_input(rank: int, d: int, dtype: torch.dtype) -> Tensor:
+    return _empty(*(1,) * (rank - 2), _T, 2 * d, dtype=dtype)
+
+
+def silu_and_mul(dtype: torch.dtype, d: int, rank: int = 2) -> Pattern:
     def pattern(x):
         return _silu_mul(x, d)
 
@@ -171,10 +180,10 @@ def silu_and_mul(dtype: torch.dtype, d: int) -> Pattern:
 
     def key(v):
         x = v["x"]
-        return (x.dtype, d, None) if x.dim() == 2 and x.shape[-1] == 2 * d else None
+        return (x.dtype, d, None) if x.dim() in ACT_RANKS and x.shape[-1] == 2 * d else None
 
-    return Pattern("silu_and_mul", f"silu_and_mul/{dtype}/{d}", pattern, replacement,
-                   lambda: [_empty(_T, 2 * d, dtype=dtype)], key)
+    return Pattern("silu_and_mul", f"silu_and_mul/{dtype}/{d}/{rank}d", pattern, replacement,
+                   lambda: [_act_input(rank, d, dtype)], key)
 
 
 def _offset(weight: Tensor) -> Tensor:
@@ -220,15 +229,15 @@ def _gelu_tanh_mul(gate_up: Tensor, d: int) -> Tensor:
     return torch.nn.functional.gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:]
 
 
-def gelu_tanh_and_mul(dtype: torch.dtype, d: int) -> Pattern:
+def gelu_tanh_and_mul(dtype: torch.dtype, d: int, rank: int = 2) -> Pattern:
     def pattern(x):
         return _gelu_tanh_mul(x, d)
 
     def replacement(x):
         return torch.ops.prism.gelu_tanh_and_mul(x)
 
-    return Pattern("gelu_tanh_and_mul", f"gelu_tanh_and_mul/{dtype}/{d}", pattern, replacement,
-                   lambda: [_empty(_T, 2 * d, dtype=dtype)], silu_and_mul(dtype, d).key)
+    return Pattern("gelu_tanh_and_mul", f"gelu_tanh_and_mul/{dtype}/{d}/{rank}d", pattern, replacement,
+                   lambda: [_act_input(rank, d, dtype)], silu_and_mul(dtype, d).key)
 
 
 def _revert(p: Pattern) -> Pattern:
@@ -253,6 +262,13 @@ def op_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
     return {k: v for k, v in out.items() if v}
 
 
+# each op-level kind's forms for one key, as the pass puts them in and reverts them
+_MAKE = {"rms_norm": lambda dtype, dim, eps: [rms_norm(dtype, eps)],
+         "fused_add_rms_norm": lambda dtype, dim, eps: [fused_add_rms_norm(dtype, eps)],
+         "silu_and_mul": lambda dtype, dim, eps: [silu_and_mul(dtype, dim, r) for r in ACT_RANKS],
+         "gelu_tanh_and_mul": lambda dtype, dim, eps: [gelu_tanh_and_mul(dtype, dim, r) for r in ACT_RANKS]}
+
+
 def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
     """The op-form patterns for `op_keys(served)`, in the order the pass applies them: residual
     add + RMSNorm first, so a plain RMSNorm never splits one off, then the single ops."""
@@ -269,8 +285,7 @@ def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
         forms("fused_add_rms_norm", lambda dt, dim, eps: [fused_add_rms_norm(dt, eps, first, f)
                                                           for first in (False, True) for f in FORMS]),
         forms("rms_norm", lambda dt, dim, eps: [rms_norm(dt, eps, f) for f in FORMS])
-        + forms("silu_and_mul", lambda dt, dim, eps: [silu_and_mul(dt, dim)])
-        + forms("gelu_tanh_and_mul", lambda dt, dim, eps: [gelu_tanh_and_mul(dt, dim)]),
+        + forms("silu_and_mul", _MAKE["silu_and_mul"]) + forms("gelu_tanh_and_mul", _MAKE["gelu_tanh_and_mul"]),
     ) if t]
 
 
@@ -293,10 +308,6 @@ def late_tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
     ) if t]
 
 
-_MAKE = {"rms_norm": lambda dtype, dim, eps: rms_norm(dtype, eps),
-         "fused_add_rms_norm": lambda dtype, dim, eps: fused_add_rms_norm(dtype, eps),
-         "silu_and_mul": lambda dtype, dim, eps: silu_and_mul(dtype, dim),
-         "gelu_tanh_and_mul": lambda dtype, dim, eps: gelu_tanh_and_mul(dtype, dim)}
 
 
 def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
@@ -305,11 +316,14 @@ def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
     out = {}
     for op, keys in wanted.items():
         for dtype, dim, eps in sorted(keys - set(served.get(op, ())), key=repr):
-            p = _MAKE[op](dtype, dim, eps)
-            out.setdefault(p.name, _revert(p))
-            if op == "fused_add_rms_norm":  # also where only the normed value is used (a model's final norm)
-                first = _first_output(p)
-                out.setdefault(first.name, _revert(first))
+            # the first form only: every form of an op is one prism call, and a revert traced at two
+            # dims would slice a 3-D value on the wrong dim; a batched op that no region took stays
+            # prism's, its miss running vLLM's path
+            for p in _MAKE[op](dtype, dim, eps)[:1]:
+                out.setdefault(p.name, _revert(p))
+                if op == "fused_add_rms_norm":  # also where only the normed value is used (a model's final norm)
+                    first = _first_output(p)
+                    out.setdefault(first.name, _revert(first))
     return list(out.values())
 
 

@@ -20,12 +20,12 @@ this process's stock config had built it, so the plugin's replacement got no cal
 (`hooks._forget_built_silu` now drops it). Its run then passed the child's 1200 s limit: the
 stored silu_and_mul kernel, tuned at 8 tokens, had 1 x 1 tiles and ran vLLM's profile pass as
 millions of interpreted blocks (the last bucket now takes the near tie that scales,
-`tune.rank_open`). Since 2026-12-04 its run takes about a minute: silu_and_mul is stored and runs
-in both modes, tokens identical. Its norms (TPAwareRMSNorm) are not matched, and its swiglu is not
-warmed: its MLP's module paths go through the bound forward (`mlp.forward.__self__.gate_up_proj`),
-which the region table's role check does not read. Reading them (tried on 2026-12-04) makes
-warmup store swiglu alone, and compiled mode then serves nothing: the pass finds OLMo 2's SiLU*mul
-only as prism's op, which the plugin installs only with a silu_and_mul kernel. Gemma and Gemma 2
+`tune.rank_open`). Since 2026-12-04 its run takes under two minutes and it stores swiglu: its MLP's
+module paths, named through the bound forward (`mlp.forward.__self__.gate_up_proj`), are read in
+their roles, and the pass matches its SiLU*mul on the [1, tokens, 2d] output the backend keeps
+(`patterns.ACT_RANKS`). Compiled mode runs swiglu (14 calls in 7 forwards, no fallback), eager mode
+nothing (no class hook holds its MLP), tokens identical; its norms (TPAwareRMSNorm) are not matched.
+Gemma and Gemma 2
 (PRISM_SERVE_TEST_ARCHS=tiny-gemma,tiny-gemma2, 4 min for both on two shared cores) store
 rmsnorm_linear and fused_add_rmsnorm_linear (the input norm + qkv, on the weight w + 1 that vLLM
 computes; fp32 only), rmsnorm_geglu (the norm before the MLP + gate_up + tanh GELU*mul, one kernel

