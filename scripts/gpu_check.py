@@ -59,7 +59,7 @@ from prism_serve.region_table import KINDS  # noqa: E402
 GPU_PLAN = {  # workload -> (list of dims, num_tokens list); attention shapes carry their own sizes
     **{w: ([{}], [1, 16, 256, 4096]) for w in ("rms_norm", "fused_add_rms_norm", "silu_and_mul")},
     **{w: ([{}], [1, 16, 256, 4096]) for w in ("rmsnorm_linear", "swiglu", "rmsnorm_mlp", "fused_add_rmsnorm_linear",
-                                               "rmsnorm_swiglu")},
+                                               "rmsnorm_swiglu", "fused_add_rmsnorm_linear_bias")},
     **{w: (list(WORKLOADS[w].shapes), [0]) for w in ("attention", "qk_norm_attention")},
 }
 INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden sizes
@@ -68,6 +68,7 @@ INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden size
     "rmsnorm_linear": ([{"hidden": 64, "out": 32}], [1]), "swiglu": ([{"hidden": 64, "intermediate": 32}], [5]),
     "rmsnorm_mlp": ([{"hidden": 64, "intermediate": 32}], [5]),
     "fused_add_rmsnorm_linear": ([{"hidden": 64, "out": 32}], [3]),
+    "fused_add_rmsnorm_linear_bias": ([{"hidden": 64, "out": 48}], [1]),
     "rmsnorm_swiglu": ([{"hidden": 64, "intermediate": 32}], [1]),
     "attention": ([dict(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16)], [0]),
     "qk_norm_attention": ([dict(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16)], [0]),

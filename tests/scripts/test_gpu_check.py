@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PRISM_WORKLOADS = {"rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention"}
 VLLM_OPS = {"rms_norm", "fused_add_rms_norm", "silu_and_mul"}
-DECODER_REGIONS = {"fused_add_rmsnorm_linear", "rmsnorm_swiglu"}
+DECODER_REGIONS = {"fused_add_rmsnorm_linear", "rmsnorm_swiglu", "fused_add_rmsnorm_linear_bias"}
 
 
 def test_interpret_mode_checks_every_workload(tmp_path):
