@@ -9,14 +9,18 @@ decodes (`timing.graph_us`; the winner's time on a plain stream, host launches i
 kept beside it), and the device's own bandwidth and launch latencies are probed first
 (`devbench`) so the winner is also priced with the measured spec. Cases run all workloads in
 the first dtype before the next dtype, and the JSON and table are rewritten after every case,
-so a run cut short by its budget or its caller keeps what it measured. For every region kind of the region table it also times vLLM's path for
-the region (`prism_serve.baseline`: vLLM's own ops where vLLM is installed, else eager torch,
-named so) beside the cost model's price of that path, so one run gives the model's error on
-vLLM's path (Spearman and median measured/modeled ratio per region), and what the plugin would
-run (the kernel, plus the residual add beside rmsnorm_swiglu's) against it. The superoptimizer's own best design for each Prism workload that it found (read from
-the newest bench/results/search-*.json that scripts/bench_search.py wrote, proven there) is
-rebuilt for each shape and checked and timed the same way, in the first dtype, as design
-"searched". Writes gpu_check.json and gpu_check.md under --out and prints the table.
+so a run cut short by its budget or its caller keeps what it measured.
+
+For every region kind of the region table it also times vLLM's path for the region
+(`prism_serve.baseline`: vLLM's own ops where vLLM is installed, else eager torch, named so)
+beside the cost model's price of that path, so one run gives the model's error on vLLM's path
+(Spearman and median measured/modeled ratio per region; where vLLM is absent, also against
+torch.compile of the region as a named stand-in), and what the plugin would run (the kernel,
+plus the residual add beside rmsnorm_swiglu's) against it. The superoptimizer's own best design
+for each Prism workload that it found (read from the newest bench/results/search-*.json that
+scripts/bench_search.py wrote, proven there) is rebuilt for each shape and checked and timed the
+same way, in the first dtype, as design "searched". Writes gpu_check.json and gpu_check.md
+under --out and prints the table.
 
 --interpret runs the same path on the CPU through Triton's interpreter at tiny shapes, so the
 script is proven before any device time is spent (its times say nothing about GPU speed).
@@ -86,18 +90,14 @@ def device_spec():
 
 
 def probe_device(spec):
-    """This GPU's measured bandwidth and launch latencies, and the spec built from them (None, why)."""
-    from prism_serve.optimize.devbench import CudaProbe, measure
-    from prism_serve.optimize.gpus import spec_from_device
+    """The spec built from this GPU's measured bandwidth and launch latencies (None where the
+    probe failed), and what to record of it beside the table's spec."""
+    from prism_serve.optimize.devbench import measured_spec
     try:
-        figures = measure(CudaProbe())
-        measured = spec_from_device(torch.cuda.get_device_properties(0), bandwidth_gbs=figures.bandwidth_gbs,
-                                    eager_launch_us=figures.eager_launch_us, graph_launch_us=figures.graph_launch_us)
+        measured = measured_spec()
     except Exception as exc:  # a probe failure is a finding; the table's spec still prices every case
         return None, {"error": f"{type(exc).__name__}: {exc}"[:300], "table_spec": spec.to_json()}
-    return measured, {"bandwidth_gbs": figures.bandwidth_gbs, "eager_launch_us": figures.eager_launch_us,
-                      "graph_launch_us": figures.graph_launch_us, "measured_spec": measured.to_json(),
-                      "table_spec": spec.to_json()}
+    return measured, {"measured_spec": measured.to_json(), "table_spec": spec.to_json()}
 
 
 def time_us(fn, sets, args) -> float:
@@ -115,20 +115,22 @@ def time_us(fn, sets, args) -> float:
 _COMPILED: dict[tuple, object] = {}
 
 
+def lift_recompile_limits() -> None:
+    """Every Program's torch function shares one code object, where Dynamo counts recompiles:
+    lift its limits, and fail loudly rather than fall back to eager past them."""
+    cfg = torch._dynamo.config
+    for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, limit):
+            setattr(cfg, limit, 4096)
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
+
+
 def compiled_us(prog, dims, sets, args) -> float:
     """torch.compile of the Program, built once per workload, shape and dtype, with the token dim
     of every input marked dynamic (vLLM compiles its graph once for all num_tokens)."""
     key = (prog.name, json.dumps(dims, sort_keys=True), prog.inputs[0].attr("dtype"))
     if key not in _COMPILED:
-        # every Program's torch function shares one code object, where Dynamo counts recompiles:
-        # lift its limits, and fail loudly rather than fall back to eager past them
-        cfg = torch._dynamo.config
-        for limit in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                      "accumulated_cache_size_limit"):
-            if hasattr(cfg, limit):
-                setattr(cfg, limit, 4096)
-        if hasattr(cfg, "fail_on_recompile_limit_hit"):
-            cfg.fail_on_recompile_limit_hit = True
         _COMPILED[key] = torch.compile(as_torch_function(prog))
     token_dims = [n.attr("shape").index(NUM_TOKENS) if NUM_TOKENS in n.attr("shape") else None for n in prog.inputs]
     for s in sets:
@@ -310,6 +312,8 @@ def main(argv=None):
             setattr(args, key, interpreted if tiny else gpu)
     plan = INTERPRET_PLAN if tiny else GPU_PLAN
     args.compile_only = {"rms_norm"} if tiny else set(plan)  # inductor on the CPU takes ~10 s a graph
+    if args.compile:
+        lift_recompile_limits()
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
     args.graphs = args.graphs and device == "cuda"
     args.graph_reps, args.graph_failures = 20, []

@@ -107,3 +107,15 @@ class CudaProbe:
                         self.kernel[(1,)](self.flag)
             self.graphs[launches] = graph
         return self._events(self.graphs[launches].replay)
+
+
+def measured_spec(device: int = 0):
+    """This GPU's spec: the driver's properties plus measured bandwidth and launch latencies."""
+    import torch
+
+    from prism_serve.optimize.gpus import spec_from_device
+
+    with torch.cuda.device(device):
+        figures = measure(CudaProbe(f"cuda:{device}"))
+    return spec_from_device(torch.cuda.get_device_properties(device), bandwidth_gbs=figures.bandwidth_gbs,
+                            eager_launch_us=figures.eager_launch_us, graph_launch_us=figures.graph_launch_us)

@@ -26,6 +26,7 @@ def current_device(use_vllm: bool = True, *, measure: bool = False,
     import torch
     if torch.cuda.is_available():
         if measure:
+            from prism_serve.optimize.devbench import measured_spec
             return DeviceInfo.from_spec(measured_spec(), measured=True), "cuda"
         return DeviceInfo.from_spec(get_gpu(torch.cuda.get_device_name())), "cuda"
     return DeviceInfo.cpu(platform.machine()), "cpu"
@@ -74,15 +75,3 @@ def served_gpu(device_name: str, capability: tuple[int, int], registry: str | No
     props = torch.cuda.get_device_properties(0)
     return DeviceInfo("gpu", name, cc, int(props.multi_processor_count), int(props.total_memory))
 
-
-def measured_spec(device: int = 0):
-    """This GPU's spec: the driver's properties plus measured bandwidth and launch latencies."""
-    import torch
-
-    from prism_serve.optimize.devbench import CudaProbe, measure
-    from prism_serve.optimize.gpus import spec_from_device
-
-    with torch.cuda.device(device):
-        figures = measure(CudaProbe(f"cuda:{device}"))
-    return spec_from_device(torch.cuda.get_device_properties(device), bandwidth_gbs=figures.bandwidth_gbs,
-                            eager_launch_us=figures.eager_launch_us, graph_launch_us=figures.graph_launch_us)

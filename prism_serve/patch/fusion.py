@@ -186,6 +186,7 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
         order[node] = order[first] - 0.5
         return node
 
+    bias = (lin.bias,) if kind.endswith("_bias") else ()  # the `_bias` kinds take it after the weight
     with graph.inserting_before(first):
         x = norm.x if norm else lin.x
         if norm is not None and norm.residual is not None and not kind.startswith("fused_add_rmsnorm_linear"):
@@ -194,13 +195,10 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
             outs[r.act] = new(getattr(P, kind).default, x, lin.weight, patterns.SITE, n)
         elif kind in ("rmsnorm_swiglu", "rmsnorm_geglu"):
             outs[r.act] = new(getattr(P, kind).default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
-        elif kind == "rmsnorm_linear":
-            outs[lin.out] = new(P.rmsnorm_linear.default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
-        elif kind == "rmsnorm_linear_bias":
-            outs[lin.out] = new(P.rmsnorm_linear_bias.default, x, norm.weight, lin.weight, lin.bias, norm.eps,
+        elif kind in ("rmsnorm_linear", "rmsnorm_linear_bias"):
+            outs[lin.out] = new(getattr(P, kind).default, x, norm.weight, lin.weight, *bias, norm.eps,
                                 patterns.SITE, n)
         else:
-            bias = (lin.bias,) if kind.endswith("_bias") else ()
             both = new(getattr(P, kind).default, x, norm.residual, norm.weight, lin.weight, *bias, norm.eps,
                        patterns.SITE, n)
             outs[lin.out], outs[norm.sum] = new(operator.getitem, both, 0), new(operator.getitem, both, 1)

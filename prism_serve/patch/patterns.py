@@ -61,8 +61,8 @@ from torch import Tensor, fx
 OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "gemma_fused_add_rms_norm",
             "gemma_rms_norm")
 # the regions holding a projection, largest first: the pass gives a node to the first that takes it
-REGION_KINDS = ("rmsnorm_swiglu", "rmsnorm_geglu", "fused_add_rmsnorm_linear", "rmsnorm_linear", "fused_add_rmsnorm_linear_bias",
-                "rmsnorm_linear_bias", "swiglu", "geglu")
+REGION_KINDS = ("rmsnorm_swiglu", "rmsnorm_geglu", "fused_add_rmsnorm_linear", "rmsnorm_linear",
+                "fused_add_rmsnorm_linear_bias", "rmsnorm_linear_bias", "swiglu", "geglu")
 # a region's activation after gate_up, by the function its gate goes through: without and with the norm
 ACTS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 NORM_ACTS = {"silu": "rmsnorm_swiglu", "gelu_tanh": "rmsnorm_geglu"}
