@@ -3,7 +3,9 @@
 Runs in the capture child process on the graph vLLM's Dynamo trace hands to the
 capture backend. Each leaf module instance (``layers.0.input_layernorm``) becomes a
 group of nodes (for time per module and the single ops: RMSNorm, residual add + RMSNorm,
-SiluAndMul). The regions holding a projection are found by the fusion pass's own matcher
+SiluAndMul). A module holding vLLM's RMSNorm op is a norm whatever its class (vLLM's RMSNorm,
+GemmaRMSNorm, the Transformers backend's TPAwareRMSNorm), Gemma's where the op's weight is traced
+as a stored weight + 1. The regions holding a projection are found by the fusion pass's own matcher
 (`prism_serve.patch.patterns.find_regions`, by data flow over vLLM's ops, whatever the
 model's classes), so capture reports exactly the regions the pass would replace:
 RMSNorm -> projection is ``rmsnorm_linear`` (or ``fused_add_rmsnorm_linear`` when the
@@ -153,8 +155,12 @@ def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
     groups = module_groups(graph)
     regions: list[dict] = []
     for g in groups.values():
-        if g.cls in ("RMSNorm", "GemmaRMSNorm"):
-            regions += _norm_regions(g)
+        nm = _norm(g)
+        if nm is not None:
+            regions += _norm_regions(g, nm)
+        elif "RMSNorm" in g.cls:
+            regions.append(_region("gemma_rms_norm" if "Gemma" in g.cls else "rms_norm", [g], {}, "float32", [], [],
+                                   supported=False, reason=f"{g.cls} not traced as a vllm_ir rms_norm op"))
         elif g.cls in ("SiluAndMul", "GeluAndMul") and g.ext_inputs and g.ext_outputs:
             regions.append(_act_region(g))
         elif "RotaryEmbedding" in g.cls:
@@ -193,30 +199,43 @@ def gemma_weight(w: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return src, w
 
 
-def _norm_regions(g: Group) -> list[dict]:
-    gemma = g.cls == "GemmaRMSNorm"  # scales by 1 + w: vLLM's RMSNorm op on the weight w.float() + 1
-    nm = _norm(g)
-    if nm is None:
-        return [_region("gemma_rms_norm" if gemma else "rms_norm", [g], {}, "float32", [], [], supported=False,
-                        reason=f"{g.cls} not traced as a vllm_ir rms_norm op")]
+def _norm_regions(g: Group, nm: Norm) -> list[dict]:
+    """The RMSNorm op of a module, whatever its class (vLLM's RMSNorm, a subclass such as the
+    Transformers backend's TPAwareRMSNorm, GemmaRMSNorm): Gemma's kinds where the op's weight is
+    traced as a stored weight + 1 (GemmaRMSNorm hands vLLM's op `w.float() + 1.0`)."""
     hidden, dtype = _last(nm.x), _dtype(nm.out)
-    rows = len(_shape(nm.x)) > 2  # q/k norm: one row per (token, head)
+    rows = len(_shape(nm.x)) > 2  # q/k norm: one row per (token, head); [1, tokens, hidden] (Transformers backend)
     extra = {"rows": True} if rows else {}
-    dims = {"hidden": hidden} | ({"rows_per_token": int(_shape(nm.x)[-2])} if rows else {})
+    dims = {"hidden": hidden} | ({"rows_per_token": _rows_per_token(_shape(nm.x))} if rows else {})
     w = _before(nm.weight, nm.op)
+    raw = gemma_weight(nm.weight)
+    gemma = raw is not None and _dtype(raw[0]) == dtype
     prefix = "gemma_" if gemma else ""
     if gemma:
-        raw = gemma_weight(nm.weight)
-        if raw is None or _dtype(raw[0]) != dtype:
-            return [_region(prefix + ("fused_add_rms_norm" if nm.fused else "rms_norm"), [g], {}, dtype, [], [],
-                            supported=False, reason="GemmaRMSNorm's weight is not traced as its stored weight + 1")]
         w = _before(raw[0], raw[1])  # read where the offset chain reads it (the Interpreter frees it after)
+    elif _dtype(nm.weight) != dtype:
+        return [_region("fused_add_rms_norm" if nm.fused else "rms_norm", [g], {}, dtype, [], [], supported=False,
+                        reason=f"norm weight dtype {_dtype(nm.weight)} is not the activation's ({dtype})")]
     if nm.fused:
         out = [_after(nm.out)] + ([_after(nm.sum)] if nm.sum is not None else [])
         return [_region(prefix + "fused_add_rms_norm", [g], dims, dtype,
                         [_before(nm.x, nm.op, **extra), _before(nm.residual, nm.op, **extra), w], out, nm.eps)]
     return [_region(prefix + "rms_norm", [g], dims, dtype, [_before(nm.x, nm.op, **extra), w],
                     [_after(nm.out, **extra)], nm.eps)]
+
+
+def _rows_per_token(shape: tuple) -> int:
+    """Rows of a norm's input per token: the product of its leading dims other than the token dim,
+    which is the one symbolic dim (vLLM compiles with num_tokens dynamic): heads for a q/k norm
+    ([tokens, heads, head_dim]), 1 for [1, tokens, hidden]."""
+    lead = shape[:-1]
+    symbolic = [i for i, d in enumerate(lead) if not isinstance(d, int)]
+    if len(symbolic) != 1:  # all static (a graph traced at one size): the dim before the features
+        return int(lead[-1])
+    out = 1
+    for i, d in enumerate(lead):
+        out *= 1 if i == symbolic[0] else int(d)
+    return out
 
 
 def _path(n: fx.Node | None) -> str | None:

@@ -110,6 +110,36 @@ def test_a_norm_that_is_not_a_vllm_ir_op_is_reported_unsupported():
     assert "not traced" in regions[0]["reason"]
 
 
+class TPAwareRMSNorm:  # the Transformers backend's RMSNorm subclass (OLMo 2), by name only
+    pass
+
+
+@pytest.mark.parametrize("lead, rows_per_token", [((1, "tokens"), 1), (("tokens", 4), 4)])
+def test_a_norm_of_any_class_is_found_by_its_op_with_rows_per_token(lead, rows_per_token):
+    """A module holding vLLM's rms_norm op is a norm whatever its class; its input's leading dims
+    other than the (symbolic) token dim are rows per token: [1, tokens, hidden] as vLLM's
+    Transformers backend keeps it (1), [tokens, heads, head_dim] for a q/k norm (heads)."""
+    from types import SimpleNamespace
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    tokens = ShapeEnv().create_unbacked_symint()
+    shape = tuple(tokens if d == "tokens" else d for d in lead) + (16,)
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["example_value"] = SimpleNamespace(shape=shape, dtype=torch.float32)
+    w.meta["example_value"] = torch.randn(16)
+    y = g.call_function(rms_norm, (x, w, 1e-6, None))
+    y.meta.update(example_value=SimpleNamespace(shape=shape, dtype=torch.float32),
+                  nn_module_stack={"layers.0.post_attention_layernorm": (
+                      "L['self'].layers.0.post_attention_layernorm", TPAwareRMSNorm)})
+    g.output(y)
+    [region] = find_regions(g)[0]
+    assert (region["kind"], region["supported"], region["eps"]) == ("rms_norm", True, 1e-6)
+    assert region["dims"] == {"hidden": 16, "rows_per_token": rows_per_token}
+    assert region["inputs"][0]["rows"] and region["outputs"][0]["rows"]
+
+
 def test_group_data_flow():
     groups = module_groups(_graph())
     norm, lin = groups["layers.3.input_layernorm"], groups["layers.3.self_attn.qkv_proj"]
@@ -409,7 +439,18 @@ def test_gemma_norm_is_reported_with_its_stored_weight(monkeypatch):
     torch.testing.assert_close(rec["outputs"], [want, s])
 
 
-def test_a_norm_weight_offset_other_than_one_is_not_gemmas():
-    regions, _ = find_regions(_post_attention_graph(act="gelu_tanh", offset=2.0)[0])
+def test_a_norm_weight_offset_other_than_one_is_not_gemmas(monkeypatch):
+    """Gemma's kinds are the norm op on a stored weight + 1; a norm op on any other computed weight is
+    a plain norm of that weight, whatever the module's class, and records the weight the op reads."""
+    g, handler = _post_attention_graph(act="gelu_tanh", offset=2.0)
+    regions, _ = find_regions(g)
     norm = next(r for r in regions if r["modules"] == ["layers.0.post_attention_layernorm"])
-    assert norm["kind"] == "gemma_fused_add_rms_norm" and not norm["supported"] and "+ 1" in norm["reason"]
+    assert norm["kind"] == "fused_add_rms_norm" and norm["supported"]
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
+    x, res, w = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16) - 0.5
+    backend.STATE.record_pending = 1
+    run(x, res, w, handler.handler_tensor)
+    names = [r["kind"] for r in backend.STATE.regions]
+    rec = backend.STATE.recorded[0][1][names.index("fused_add_rms_norm")]
+    torch.testing.assert_close(rec["inputs"], [x, res, w + 2.0])

@@ -24,7 +24,9 @@ millions of interpreted blocks (the last bucket now takes the near tie that scal
 module paths, named through the bound forward (`mlp.forward.__self__.gate_up_proj`), are read in
 their roles, and the pass matches its SiLU*mul on the [1, tokens, 2d] output the backend keeps
 (`patterns.ACT_RANKS`). Compiled mode runs swiglu (14 calls in 7 forwards, no fallback), eager mode
-nothing (no class hook holds its MLP), tokens identical; its norms (TPAwareRMSNorm) are not matched.
+no MLP region (no class hook holds its MLP), tokens identical. Its norms (the backend's TPAwareRMSNorm,
+post-attention, post-feedforward, q/k over all heads, final) are found by their op since 2026-12-04
+and served as rms_norm in both modes (63 calls in 7 compiled forwards, 9 per forward).
 Gemma and Gemma 2
 (PRISM_SERVE_TEST_ARCHS=tiny-gemma,tiny-gemma2, 4 min for both on two shared cores) store
 rmsnorm_linear and fused_add_rmsnorm_linear (the input norm + qkv, on the weight w + 1 that vLLM
