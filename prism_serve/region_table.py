@@ -14,7 +14,7 @@ by these names; the compiled-mode fusion pass matches vLLM's ops instead, see `p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +49,9 @@ class RegionKind:
     hook: str  # how the plugin serves it (one of HOOKS)
     modules: tuple[str, ...] = ()  # module roles it spans in a decoder layer; () = wherever vLLM runs the op
     doc: str = ""
+    # hooks "mlp" and "decoder_layer": the vLLM classes whose instances (exactly) eager mode serves it in,
+    # the module holding its modules (`patch.hooks.REGIONS`, `DECODER_LAYERS` patch them)
+    eager_classes: frozenset[str] = frozenset()
 
     def program(self, dims: dict, dtype: str, eps: float | None = None) -> Program:
         """The exact Program for these dims (by name), dtype and epsilon."""
@@ -78,6 +81,8 @@ class RegionKind:
 
 
 _H, _I = Dim("hidden", "x", -1), Dim("intermediate", "w_gate", 0)
+_MLPS = frozenset({"LlamaMLP", "Qwen2MLP"})  # Qwen3's MLP is Qwen2MLP; GLM-4's, LlamaMLP
+_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"})
 KINDS: dict[str, RegionKind] = {k.name: k for k in (
     RegionKind("rms_norm", programs.rms_norm, (_H,), True, ("rms_norm",), "ir",
                doc="an RMSNorm without residual (a layer's first input norm, q/k norm)"),
@@ -86,13 +91,13 @@ KINDS: dict[str, RegionKind] = {k.name: k for k in (
     RegionKind("silu_and_mul", programs.silu_and_mul, (Dim("intermediate", "gate", -1),), False,
                ("silu_and_mul",), "custom_op", doc="SiluAndMul on the two halves of gate_up's output"),
     RegionKind("swiglu", programs.swiglu, (_H, _I), False, ("linear", "silu_and_mul"), "mlp",
-               ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + SiLU*mul"),
+               ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + SiLU*mul", _MLPS),
     RegionKind("rmsnorm_linear", programs.rmsnorm_linear, (_H, Dim("out", "w", 0)), True, ("rms_norm", "linear"),
                "decoder_layer", ("input_layernorm", "self_attn.qkv_proj"),
-               "a first layer's input RMSNorm (no residual yet) + qkv projection"),
+               "a first layer's input RMSNorm (no residual yet) + qkv projection", _LAYERS),
     RegionKind("fused_add_rmsnorm_linear", programs.fused_add_rmsnorm_linear, (_H, Dim("out", "w", 0)), True,
                ("fused_add_rms_norm", "linear"), "decoder_layer", ("input_layernorm", "self_attn.qkv_proj"),
-               "a layer's input residual add + RMSNorm + qkv projection; the kernel writes the residual"),
+               "a layer's input residual add + RMSNorm + qkv projection; the kernel writes the residual", _LAYERS),
     # a projection that adds a bias (Qwen2's qkv): served by the compiled-mode fusion pass only
     RegionKind("rmsnorm_linear_bias", programs.rmsnorm_linear_bias, (_H, Dim("out", "w", 0)), True,
                ("rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
@@ -105,7 +110,7 @@ KINDS: dict[str, RegionKind] = {k.name: k for k in (
                ("fused_add_rms_norm", "linear", "silu_and_mul"), "decoder_layer",
                ("post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn"),
                "the post-attention residual add + RMSNorm + gate_up projection + SiLU*mul; the add runs "
-               "as one elementwise kernel before it (vLLM folds it into its norm), the rest as one kernel"),
+               "as one elementwise kernel before it (vLLM folds it into its norm), the rest as one kernel", _LAYERS),
     # Gemma (GemmaRMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w) in float32; GeluAndMul(approximate="tanh")),
     # served by the compiled-mode fusion pass only
     RegionKind("gemma_rms_norm", programs.gemma_rms_norm, (_H,), True, ("gemma_rms_norm",), "pattern",
@@ -144,26 +149,48 @@ def servable(kind: str, modules: Iterable[str]) -> bool:
     k = KINDS.get(kind)
     if k is None:
         return False
-    mods = [_role_path(m) for m in modules]
+    mods = [role_path(m) for m in modules]
     return not k.modules or (len(mods) == len(k.modules)
                              and all(m == role or m.endswith("." + role) for m, role in zip(mods, k.modules)))
 
 
-def _role_path(module: str) -> str:
+def role_path(module: str) -> str:
     """A module path as its role reads: Dynamo names a module reached through a bound method
     (vLLM's Transformers backend) `mlp.forward.__self__.gate_up_proj`, in the role `mlp.gate_up_proj`."""
     return module.replace(".forward.__self__", "")
 
 
-def served_sites(sites: Iterable[Site], failed: Iterable[Site] = ()) -> dict[Site, Site | None]:
+def owner(site: Site) -> str:
+    """The module holding the site's modules (a decoder layer, an MLP), as the class hooks see it."""
+    parts = [role_path(m).split(".") for m in site.modules]
+    return ".".join(p[0] for p in zip(*parts) if len(set(p)) == 1)
+
+
+def eager_served(site: Site, classes: Mapping[str, str]) -> bool:
+    """Whether eager mode (no fusion pass) serves the site's kind there, given a kernel: an op-level
+    kind wherever vLLM runs the op, a region of the "mlp" or "decoder_layer" hooks only where its
+    owner's class (`classes`: module path -> class name, as capture records them) is one its hook
+    patches, a "pattern" kind (Gemma's, the biased projections) never."""
+    k = KINDS.get(site.kind)
+    if k is None or k.hook == "pattern":
+        return False
+    return k.hook in ("ir", "custom_op") or classes.get(owner(site)) in k.eager_classes
+
+
+def served_sites(sites: Iterable[Site], failed: Iterable[Site] = (),
+                 classes: Mapping[str, str] | None = None) -> dict[Site, Site | None]:
     """Each servable site -> None when the plugin would serve it with its own kernel, or the larger
     served site whose kernel runs it instead (a region takes in the ops it spans). Sites in `failed`
-    have no kernel, so they take nothing in. Sites no hook serves are left out."""
+    have no kernel, so they take nothing in. Sites no hook serves are left out. With `classes`
+    (module path -> class name), eager mode counts too: a site that eager mode serves and no larger
+    region takes in there (`eager_served`) needs its own kernel, though compiled mode takes it in."""
     failed = set(failed)
     ok = [s for s in sites if servable(s.kind, sorted(s.modules, key=_order(s)))]
     out: dict[Site, Site | None] = {}
     for s in ok:
         cover = [o for o in ok if o not in failed and s.modules < o.modules]
+        if classes is not None and eager_served(s, classes) and not any(eager_served(o, classes) for o in cover):
+            cover = []
         out[s] = max(cover, key=lambda o: len(o.modules)) if cover else None
     return out
 
@@ -173,6 +200,6 @@ def _order(site: Site):
     roles = KINDS[site.kind].modules if site.kind in KINDS else ()
 
     def key(m: str) -> int:
-        m = _role_path(m)
+        m = role_path(m)
         return next((i for i, r in enumerate(roles) if m == r or m.endswith("." + r)), len(roles))
     return key

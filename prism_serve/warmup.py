@@ -2,7 +2,7 @@
 
 For each supported region of the model (as found by capture under the real vLLM) that the
 plugin would serve (the region table's `served_sites`: a region no hook serves, or one that
-runs inside a larger served region, is skipped and says so; largest regions go first, so a
+runs inside a larger served region in both modes, is skipped and says so; largest regions go first, so a
 region whose search fails leaves its parts to be warmed instead):
 reuse the stored verified designs of its Program when the registry has any (shape-
 generic: a design of the same Program family is rebuilt and re-verified, not searched again),
@@ -126,13 +126,14 @@ def _span(region: dict) -> int:
     return max((len(s.modules) for s in _sites(region)), default=0)
 
 
-def _served_by(region: dict, regions: list[dict], failed=frozenset()) -> str | None:
-    """None when the plugin would serve `region` at one of its sites at least, else why not (the
-    region table's rules, given every supported region of the capture but the `failed` sites)."""
+def _served_by(region: dict, regions: list[dict], classes: dict[str, str], failed=frozenset()) -> str | None:
+    """None when the plugin would serve `region` with its own kernel at one of its sites at least, in
+    compiled or in eager mode, else why not (the region table's rules, given every supported region
+    of the capture but the `failed` sites, and the classes of the capture's modules)."""
     from prism_serve.region_table import served_sites
 
     everything = [s for r in regions if r["supported"] for s in _sites(r)]
-    served = served_sites(everything, failed)
+    served = served_sites(everything, failed, classes)
     mine = _sites(region)
     if any(s in served and served[s] is None for s in mine):
         return None
@@ -149,7 +150,8 @@ def _all_stored(registry: str | None, cached: dict, device, env) -> list[dict] |
     from prism_serve.registry.db import open_registry
     from prism_serve.registry.errors import RegistryError
 
-    served = [r for r in cached["regions"] if r["supported"] and _served_by(r, cached["regions"]) is None]
+    served = [r for r in cached["regions"]
+              if r["supported"] and _served_by(r, cached["regions"], cached.get("classes", {})) is None]
     if not served:
         return None
     try:
@@ -230,7 +232,7 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
         for i, region in enumerate(supported):
             if progress:
                 progress(f"optimize {region.kind}", i, len(supported))
-            why = _served_by(region.to_json(), docs, failed)
+            why = _served_by(region.to_json(), docs, captured.classes, failed)
             if why is not None:
                 outcomes.append(RegionOutcome(region.kind, region.program.canonical_hash, region.layers,
                                               reason=f"not searched: {why}"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prism_serve.optimize.workloads import programs
-from prism_serve.region_table import KINDS, VLLM_OPS, HOOKS, Site, served_sites, servable
+from prism_serve.region_table import KINDS, VLLM_OPS, HOOKS, Site, eager_served, served_sites, servable
 
 DIMS = {"hidden": 96, "intermediate": 40, "out": 72}
 
@@ -66,3 +66,46 @@ def test_servable_only_at_the_modules_its_hook_patches():
     swiglu, silu = Site("swiglu", frozenset({mlp + "act_fn", mlp + "gate_up_proj"})), Site("silu_and_mul",
                                                                                         frozenset({mlp + "act_fn"}))
     assert served_sites([swiglu, silu]) == {swiglu: None, silu: swiglu}  # in roles' order, whatever the set's
+
+
+def _classes(layer: str, mlp: str) -> dict[str, str]:
+    return {"model.layers.1": layer, "model.layers.1.mlp": mlp}
+
+
+def test_eager_mode_serves_regions_only_in_the_classes_its_hooks_patch():
+    post, gate_up, act = (f"model.layers.1.{m}" for m in ("post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn"))
+    rmsnorm_swiglu, swiglu = Site("rmsnorm_swiglu", frozenset({post, gate_up, act})), Site("swiglu",
+                                                                                          frozenset({gate_up, act}))
+    llama, qwen2 = _classes("LlamaDecoderLayer", "LlamaMLP"), _classes("Qwen2DecoderLayer", "Qwen2MLP")
+    assert eager_served(rmsnorm_swiglu, llama) and not eager_served(rmsnorm_swiglu, qwen2)
+    assert eager_served(swiglu, qwen2) and not eager_served(swiglu, _classes("Glm4DecoderLayer", "Glm4MLP"))
+    assert eager_served(Site("rms_norm", frozenset({"anything.q_norm"})), {})  # an op wherever vLLM runs it
+    assert not eager_served(Site("rmsnorm_geglu", frozenset({post, gate_up, act})), llama)  # compiled mode only
+    # Transformers backend paths are read in their roles
+    mlp = "layers.0.mlp.forward.__self__."
+    assert eager_served(Site("swiglu", frozenset({mlp + "gate_up_proj", mlp + "act_fn"})), {"layers.0.mlp": "LlamaMLP"})
+
+
+def test_with_classes_a_site_only_compiled_mode_takes_in_keeps_its_own_kernel():
+    """Qwen2: no eager hook patches its decoder layer, so in eager mode its MLP is served by the
+    MLP hook (swiglu) and its norms as ops, though compiled mode runs them inside the larger regions."""
+    sites = _layer(1)
+    own = lambda served: {(s.kind, min(s.modules)) for s, cover in served.items() if cover is None}  # noqa: E731
+    compiled = own(served_sites(sites))
+    assert own(served_sites(sites, classes=_classes("LlamaDecoderLayer", "LlamaMLP"))) == compiled
+    qwen2 = served_sites(sites, classes=_classes("Qwen2DecoderLayer", "Qwen2MLP"))
+    assert own(qwen2) == compiled | {("swiglu", "model.layers.1.mlp.act_fn"),
+                                     ("fused_add_rms_norm", "model.layers.1.input_layernorm"),
+                                     ("fused_add_rms_norm", "model.layers.1.post_attention_layernorm")}
+    assert qwen2[sites[6]] == sites[5]  # SiLU*mul: inside swiglu in eager mode, inside rmsnorm_swiglu compiled
+
+
+def test_the_eager_classes_are_the_ones_the_hooks_patch():
+    pytest.importorskip("vllm")
+    from prism_serve.patch import hooks
+
+    mlps = {cls.__name__ for _, _, cls in hooks._model_classes(hooks.REGIONS)}
+    layers = {cls.__name__ for _, _, cls in hooks._model_classes(hooks.DECODER_LAYERS)}
+    assert KINDS["swiglu"].eager_classes == mlps
+    assert all(KINDS[k].eager_classes == layers for k in hooks.LAYER_FALLBACKS)
+    assert not [k for k, kind in KINDS.items() if kind.hook in ("mlp", "decoder_layer") and not kind.eager_classes]

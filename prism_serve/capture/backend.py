@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from prism_serve.capture.regions import Group, find_regions
+from prism_serve.capture.regions import Group, find_regions, module_classes
 
 log = logging.getLogger(__name__)
 RANGE_PREFIX = "prism_capture:"
@@ -29,6 +29,7 @@ FORWARD_RANGE = RANGE_PREFIX + "__forward__"
 class CaptureState:
     regions: list[dict] = field(default_factory=list)
     groups: dict[str, Group] = field(default_factory=dict)
+    classes: dict[str, str] = field(default_factory=dict)  # module path -> class name (`module_classes`)
     graph_nodes: int = 0
     num_tokens: Counter = field(default_factory=Counter)
     # per forward with attention metadata: (sequences, longest query, longest kv) -> count
@@ -141,6 +142,7 @@ def capture_backend(gm: fx.GraphModule, example_inputs, *args, **kwargs):
         regions, groups = find_regions(gm.graph)
         if not STATE.regions:
             STATE.regions, STATE.groups, STATE.graph_nodes = regions, groups, len(gm.graph.nodes)
+            STATE.classes = module_classes(gm.graph)
         timed = _instrument(gm, groups)
     except Exception as exc:  # never take vLLM down over analysis; report and run eagerly
         log.exception("capture analysis failed: %s", exc)

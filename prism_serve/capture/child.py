@@ -233,7 +233,7 @@ def main(argv: list[str]) -> int:
         torch.save({"recorded": st.recorded, "weights": weights}, out / "record.pt")
         result = {"ok": True, "model": str(model_dir), "architecture": (config.get("architectures") or [""])[0],
                   "load_format": "auto" if has_weights else "dummy", "runner": runner, "graph_nodes": st.graph_nodes,
-                  "regions": regions, "module_time_us": times, "forward_time_us": total,
+                  "regions": regions, "classes": st.classes, "module_time_us": times, "forward_time_us": total,
                   "num_tokens": {str(k): v for k, v in sorted(st.num_tokens.items())},
                   "attention_shapes": [[*k, v] for k, v in sorted(st.attention_shapes.items())],
                   "recorded_num_tokens": [n for n, _ in st.recorded], "seconds": round(time.time() - t0, 2)}

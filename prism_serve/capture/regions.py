@@ -62,6 +62,20 @@ def _module_of(n: fx.Node) -> tuple[str, str] | None:
     return _clean_path(path), name
 
 
+def module_classes(graph: fx.Graph) -> dict[str, str]:
+    """Every module the graph's nodes ran in, at every level of their nn_module_stack (a decoder
+    layer, its MLP, its projections), by its path in its role (`region_table.role_path`) -> its class
+    name: what the eager-mode class hooks go by."""
+    from prism_serve.region_table import role_path
+
+    out: dict[str, str] = {}
+    for n in graph.nodes:
+        for path, cls in (n.meta.get("nn_module_stack") or {}).values():
+            out.setdefault(role_path(_clean_path(path)), cls.__name__ if isinstance(cls, type)
+                           else str(cls).rsplit(".", 1)[-1].strip("'>"))
+    return out
+
+
 def module_groups(graph: fx.Graph) -> dict[str, Group]:
     groups: dict[str, Group] = {}
     owner: dict[fx.Node, str] = {}

@@ -107,12 +107,14 @@ class CaptureResult:
     seconds: float
     attention_shapes: list[dict] = field(default_factory=list)
     runner: str = "generate"  # vLLM's runner for the model: "generate", or "pooling" (no prism target)
+    classes: dict[str, str] = field(default_factory=dict)  # module path -> its class name, every level
 
     def to_json(self) -> dict:
         return {"model": self.model, "architecture": self.architecture, "load_format": self.load_format,
                 "runner": self.runner,
                 "num_tokens_histogram": {str(k): v for k, v in self.num_tokens.items()}, "buckets": self.buckets,
-                "attention_shapes": self.attention_shapes, "regions": [r.to_json() for r in self.regions]}
+                "attention_shapes": self.attention_shapes, "regions": [r.to_json() for r in self.regions],
+                "classes": self.classes}
 
 
 def buckets_from_histogram(hist: dict[int, int]) -> list[int]:
@@ -238,4 +240,5 @@ def capture(model: str | Path | None = None) -> CaptureResult:
     regions = _merge(instances, result["forward_time_us"], hist, shapes)
     return CaptureResult(str(model) if model is not None else str(model_dir), result["architecture"],
                          result["load_format"], regions, instances, hist, buckets,
-                         result["recorded_num_tokens"], result["seconds"], shapes, result.get("runner", "generate"))
+                         result["recorded_num_tokens"], result["seconds"], shapes, result.get("runner", "generate"),
+                         result.get("classes", {}))

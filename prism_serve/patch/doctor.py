@@ -20,10 +20,16 @@ from prism_serve.capture.embedded import resolve_model
 from prism_serve.patch.table import TORCH_DTYPES
 from prism_serve.region_table import KINDS
 
-# decoder-only models whose layers vLLM builds from RMSNorm and SiluAndMul
-ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+# decoder-only models whose layers vLLM builds from RMSNorm and SiluAndMul -> the classes of a
+# decoder layer and of its MLP (what the eager-mode class hooks go by; Qwen3's MLP is Qwen2MLP)
+LAYER_CLASSES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaMLP"),
+                 "MistralForCausalLM": ("MistralDecoderLayer", "LlamaMLP"),
+                 "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2MLP"),
+                 "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen2MLP")}
+ARCHITECTURES = set(LAYER_CLASSES)
 QK_NORM = {"Qwen3ForCausalLM"}
-DECODER_REGIONS = {"LlamaForCausalLM", "Qwen3ForCausalLM"}  # decoder layers whose two sides the plugin fuses
+# decoder layers whose two sides the plugin fuses (Qwen2's qkv has a bias: capture reports its kinds)
+DECODER_REGIONS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,17 @@ def sites(cfg: dict) -> list[Site]:
     return out
 
 
+def config_classes(cfg: dict) -> dict[str, str]:
+    """Module path -> class name of each decoder layer and its MLP, for an architecture of `LAYER_CLASSES`."""
+    layer, mlp = LAYER_CLASSES.get((cfg.get("architectures") or [""])[0], (None, None))
+    if layer is None:
+        return {}
+    out = {}
+    for i in range(cfg["num_hidden_layers"]):
+        out[f"model.layers.{i}"], out[f"model.layers.{i}.mlp"] = layer, mlp
+    return out
+
+
 def capture_sites(capture: dict) -> list[Site]:
     """Every region instance a capture report (`CaptureResult.to_json()`) lists, one site per
     layer instance, larger regions first; unsupported ones carry the matcher's reason as note."""
@@ -94,7 +111,8 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     """What the plugin would patch for `model` (default: the embedded tiny model) on this device,
     and, per region kind the registry holds for the model's sizes, the layers it would serve.
     Each row names the region kind (`op`) and the chain of vLLM ops it matches (`pattern`); a
-    patched row the kernels serving it, any other row why not. `lora`: vLLM runs the model with
+    patched row (compiled mode, vLLM's default) the kernels serving it, any other row why not;
+    `eager` whether eager mode (`enforce_eager`) serves it too, and if not, `eager_why`. `lora`: vLLM runs the model with
     LoRA adapters (they wrap its projections). `capture`: a capture report to take the sites from,
     True to capture the model now, None to capture only an architecture not in `ARCHITECTURES`
     (`sites_from` in the report says which)."""
@@ -118,25 +136,72 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
               "message": p.message, "skipped": dict(p.reasons), "layers": [], "served": {}, "unserved": []}
     if not isinstance(capture, dict):
         report["sites_from"] = "config.json"
-        all_sites = sites(cfg)
+        all_sites, classes = sites(cfg), config_classes(cfg)
     else:
-        report["sites_from"] = ("capture: the regions vLLM's compiled graph holds, as the fusion pass matches "
-                                "them (compiled mode; eager mode serves the single ops only)")
-        all_sites = capture_sites(capture)
+        report["sites_from"] = "capture: the regions vLLM's compiled graph holds, as the fusion pass matches them"
+        all_sites, classes = capture_sites(capture), capture.get("classes", {})
     quant = cfg.get("quantization_config") or None
     rows = [_explain(s, dtype, p, url, device, _never(s, dtype, quant, lora)) for s in all_sites]
-    taken: list[Site] = []  # sites served by their own kernel, larger regions first
-    for s, r in zip(all_sites, rows):
+    own = [(r["patched"], r.get("why"), r.get("kernel")) for r in rows]  # before regions take sites in
+    _take_in(all_sites, rows, [ok for ok, _, _ in own])
+    _eager(all_sites, rows, own, classes)
+    report["layers"] = rows
+    report["served"], report["unserved"] = _served(all_sites, rows, dtype, p)
+    report["served_eager"] = {k: [r["layer"] for r in rows if r["eager"] and r.get("eager_kernel") == k]
+                              for k in report["served"]}
+    report["unserved"] = [k for k in report["unserved"] if not report["served_eager"][k]]  # in neither mode
+    return report
+
+
+def _take_in(all_sites: list[Site], rows: list[dict], own: list[bool]) -> None:
+    """Compiled mode (vLLM's default; the fusion pass serves every kind): a site inside a larger site
+    served by its own kernel runs in that kernel (larger regions come first)."""
+    taken: list[Site] = []
+    for s, r, has in zip(all_sites, rows, own):
         inside = next((t for t in taken if s.modules < t.modules), None)
         if inside is not None:
             r.update(patched=True, why=f"runs inside its layer's {inside.op} kernel ({inside.layer})")
             r.pop("buckets", None)
             r.pop("kernel", None)
-        elif r["patched"]:
+        elif has:
             taken.append(s)
-    report["layers"] = rows
-    report["served"], report["unserved"] = _served(all_sites, rows, dtype, p)
-    return report
+
+
+def _eager(all_sites: list[Site], rows: list[dict], own: list[tuple[bool, str | None, str | None]],
+           classes: dict[str, str]) -> None:
+    """Eager mode (`enforce_eager`, no fusion pass): each row's `eager` (served then) and either
+    `eager_kernel` (the kind whose own kernel runs it) or `eager_why` (the larger region's kernel that
+    runs it, or why eager mode does not serve it). The single ops are served wherever vLLM
+    runs them; a whole region only in instances of the classes the eager hooks patch, Gemma's kinds
+    and the biased projections (hook "pattern") never."""
+    taken: list[Site] = []
+    kernel_of: dict[Site, str] = {}
+    for s, r, (has, why, kernel) in zip(all_sites, rows, own):
+        inside = next((t for t in taken if s.modules < t.modules), None)
+        rule = _eager_rule(s, classes) if has else why
+        if inside is not None:
+            r.update(eager=True, eager_why=f"runs inside its layer's {kernel_of[inside]} kernel ({inside.layer})")
+        elif rule is None:
+            kernel_of[s] = kernel or s.op
+            r.update(eager=True, eager_kernel=kernel_of[s])
+            taken.append(s)
+        else:
+            r.update(eager=False, eager_why=rule)
+
+
+def _eager_rule(s: Site, classes: dict[str, str]) -> str | None:
+    """Why eager mode would not run this site's own kernel (None: it would)."""
+    from prism_serve.region_table import Site as RegionSite, eager_served, owner
+
+    site = RegionSite(s.op, s.modules)
+    if eager_served(site, classes):
+        return None
+    kind = KINDS[s.op]
+    if kind.hook == "pattern":
+        return f"{s.op} is served in compiled mode only (the fusion pass); eager mode runs vLLM's path"
+    where = owner(site)
+    return (f"eager mode serves {s.op} in {', '.join(sorted(kind.eager_classes))} instances only; "
+            f"{where or 'its module'} is {classes.get(where) or 'of a class the capture did not record'}")
 
 
 def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dict, list]:
@@ -269,16 +334,21 @@ def print_patch_report(report: dict, console=None) -> None:
     console = console or Console()
     title = (f"{report['model']} ({report['architecture']}, {report['dtype']}) on {report['device']}: "
              f"{report['plugin']}")
-    table = Table("layer", "op", "patched", "kernels / why not", title=title)
+    table = Table("layer", "op", "compiled", "eager", "kernels / why not", title=title)
     for row in report["layers"]:
         detail = ", ".join(row["buckets"]) if row.get("buckets") else row.get("why", "")
-        table.add_row(row["layer"], row["op"], "yes" if row["patched"] else "no", detail)
+        if row["patched"] and not row["eager"]:
+            detail += f"; eager: {row['eager_why']}"
+        table.add_row(row["layer"], row["op"], "yes" if row["patched"] else "no", "yes" if row["eager"] else "no",
+                      detail)
     console.print(table)
     console.print(f"registry: {report['registry']}" + (f" — {report['message']}" if report["message"] else ""))
     if report.get("sites_from"):
         console.print(f"sites from {report['sites_from']}")
     for kind, layers in report["served"].items():
+        eager = report["served_eager"].get(kind, [])
         console.print(f"{kind}: " + (f"serves {', '.join(layers)}" if layers else
-                                     "stored for this model's sizes, but serves no layer"))
+                                     "stored for this model's sizes, but serves no layer")
+                      + ("" if eager == layers else f"; in eager mode {', '.join(eager) or 'none'}"))
     if report["skipped"]:
         console.print("skipped kernels: " + "; ".join(f"{why} ({n})" for why, n in report["skipped"].items()))

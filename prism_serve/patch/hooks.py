@@ -10,14 +10,15 @@
   where the table has a kernel, whatever the architecture. On the CPU build vLLM packs projection
   weights for oneDNN and drops them; `_install_packed` records the plain weight of each projection
   whose shape a region kernel serves, under vLLM's oneDNN handle, which is what the graph holds.
-- In eager mode (`enforce_eager`, where no pass runs) only: whole regions, by class. The decoder
-  MLP classes of Llama and Qwen2/3 (looked up by name in their model modules when a model is
-  built) replaced by subclasses whose gate_up projection and activation
-  run as one `prism::swiglu` kernel where the table has one for that layer; and in Llama and
-  Qwen3 decoder layers, the input side (residual add, RMSNorm, qkv projection) as one
-  `prism::fused_add_rmsnorm_linear` or `prism::rmsnorm_linear`, and the post-attention side
-  (RMSNorm of the residual sum, gate_up projection, SiLU*mul) as one `prism::rmsnorm_swiglu`.
-  A model built under a config that carries the fusion pass keeps vLLM's classes untouched.
+- In eager mode (`enforce_eager`, where no pass runs) only: whole regions, by class, patched in
+  place on instances of exactly the classes named (the region table's `eager_classes`). The
+  decoder MLPs of Llama and Qwen2/3 (`LlamaMLP`, `Qwen2MLP`, whatever model builds them) run
+  their gate_up projection and activation as one `prism::swiglu` kernel where the table has one for that layer; and in
+  Llama, Mistral and Qwen3 decoder layers, the input side (residual add, RMSNorm, qkv
+  projection) as one `prism::fused_add_rmsnorm_linear` or `prism::rmsnorm_linear`, and the
+  post-attention side (RMSNorm of the residual sum, gate_up projection, SiLU*mul) as one
+  `prism::rmsnorm_swiglu`. A model built under a config that carries the fusion pass keeps
+  vLLM's forwards.
 
 Each provider's `supports_args` accepts only calls the table has kernels for (dtype, size,
 epsilon, device); inside the op a num_tokens miss runs the next provider in vLLM's priority.
@@ -200,9 +201,10 @@ def _forget_built_silu() -> None:
 
 # --- whole region: a SwiGLU MLP's gate_up projection + SiLU*mul as one prism::swiglu ----------
 
-# (model module, class name): decoder MLPs that run gate_up_proj -> SiluAndMul -> down_proj
-REGIONS = (("vllm.model_executor.models.llama", "LlamaMLP"), ("vllm.model_executor.models.qwen2", "Qwen2MLP"),
-           ("vllm.model_executor.models.qwen3", "Qwen3MLP"))
+# (model module, class name): decoder MLPs whose forward runs gate_up_proj -> act_fn -> down_proj.
+# Patched in place, so every model that builds one is served, however it imported the class
+# (qwen3's Qwen3MLP is Qwen2MLP, GLM-4 builds LlamaMLP); only instances of exactly these classes
+REGIONS = (("vllm.model_executor.models.llama", "LlamaMLP"), ("vllm.model_executor.models.qwen2", "Qwen2MLP"))
 SITES: list = []  # weak references to the patched MLPs, indexed by their prism::swiglu `site`
 
 
@@ -227,36 +229,53 @@ def _keep_weight(owner, linear, attr: str) -> None:
     qm.process_weights_after_loading = process_weights_after_loading
 
 
-def _region_class(base):
-    class PrismMLP(base):
-        """`base` whose gate_up projection and activation run as one prism::swiglu kernel where
-        the table has one (a num_tokens miss runs vLLM's own projection and activation)."""
+def _attach_mlp(mlp) -> None:
+    """Serve this MLP's gate_up projection and activation as one prism::swiglu kernel where the table
+    has one (eager mode; a model built under the fusion pass keeps vLLM's forward)."""
+    mlp.register_buffer("_prism_weight", None, persistent=False)
+    try:
+        served = not fusion.in_current_config() and _swiglu_served(mlp)
+    except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
+        served = False
+    if served:
+        mlp._prism_site, mlp._prism_gate_up_cls = len(SITES), type(mlp.gate_up_proj)  # LoRA swaps it: stand down
+        SITES.append(weakref.ref(mlp))
+        _keep_weight(mlp, mlp.gate_up_proj, "_prism_weight")
 
-        _prism = True
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.register_buffer("_prism_weight", None, persistent=False)
-            self._prism_site = -1
-            self._prism_gate_up_cls = type(self.gate_up_proj)  # LoRA swaps the layer later: then stand down
-            try:
-                served = not fusion.in_current_config() and _swiglu_served(self)
-            except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
-                served = False
-            if served:
-                self._prism_site = len(SITES)
-                SITES.append(weakref.ref(self))
-                _keep_weight(self, self.gate_up_proj, "_prism_weight")
+def _patch_in_place(cls, attach, forward=None) -> Callable[[], None]:
+    """Run `attach(instance)` at the end of `cls.__init__` for instances of exactly `cls` (a subclass
+    may rewire what its forward sends where: Aria's decoder layer swaps the MLP for experts after
+    calling this init), and replace `cls.forward` by `forward(original)` if given; returns the undo."""
+    own = {name: cls.__dict__[name] for name in ("__init__", "forward") if name in cls.__dict__}
+    init = cls.__init__
 
-        def forward(self, x):
-            if self._prism_weight is None or type(self.gate_up_proj) is not self._prism_gate_up_cls:
-                return super().forward(x)
-            y = torch.ops.prism.swiglu(x, self._prism_weight, self._prism_site)
-            out, _ = self.down_proj(y)
-            return out
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if type(self) is cls:
+            attach(self)
 
-    PrismMLP.__name__ = PrismMLP.__qualname__ = f"Prism{base.__name__}"
-    return PrismMLP
+    cls.__init__, cls._prism_init = __init__, init
+    if forward is not None:
+        cls.forward = forward(cls.forward)
+
+    def undo():
+        for name in ("__init__", "forward", "_prism_init"):
+            if name in own:
+                setattr(cls, name, own[name])
+            elif name in cls.__dict__:
+                delattr(cls, name)
+    return undo
+
+
+def _swiglu_forward(original):
+    def forward(self, x):
+        if getattr(self, "_prism_weight", None) is None or type(self.gate_up_proj) is not self._prism_gate_up_cls:
+            return original(self, x)
+        y = torch.ops.prism.swiglu(x, self._prism_weight, self._prism_site)
+        out, _ = self.down_proj(y)
+        return out
+    return forward
 
 
 def _vllm_swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
@@ -287,11 +306,10 @@ def _install_regions(table: Table, done: Installed) -> None:
         return
     ops.FALLBACKS["swiglu"] = _vllm_swiglu
     done.undo.append(lambda: ops.FALLBACKS.__setitem__("swiglu", ops.ref_swiglu))
-    for module, cls_name, base in _model_classes(REGIONS):
-        if getattr(base, "_prism", False):
+    for _, cls_name, cls in _model_classes(REGIONS):
+        if "_prism_init" in cls.__dict__:
             continue
-        setattr(module, cls_name, _region_class(base))
-        done.undo.append(lambda m=module, n=cls_name, b=base: setattr(m, n, b))
+        done.undo.append(_patch_in_place(cls, _attach_mlp, _swiglu_forward))
         done.names.append(f"{cls_name} (swiglu region) in eager mode")
         done.kinds.add("swiglu")
 
@@ -304,10 +322,15 @@ def _install_regions(table: Table, done: Installed) -> None:
 # Post-attention side: post_attention_layernorm adds the residual and runs the norm, gate_up
 # projection and SiLU*mul as one `prism::rmsnorm_swiglu`; its MLP then runs down_proj only.
 # Each pair is switched per instance, together, and only where the layer's forward sends the
-# norm's output to that module alone (Llama, Qwen3), so the pair stays exact.
+# norm's output to that module alone, so the pair stays exact: instances of exactly these classes
+# (Llama's, Mistral's, Qwen3's), not of a subclass, whose forward or modules may differ; Mistral's
+# only without its time-conditioned scale between the post-attention norm and the MLP.
 
 DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
+                  ("vllm.model_executor.models.mistral", "MistralDecoderLayer"),
                   ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
+# per class: instances whose forward puts something between a norm and its module (left alone)
+REWIRED = {"MistralDecoderLayer": lambda layer: getattr(layer, "ada_rms_norm_t_cond", None) is not None}
 LAYER_SITES: list = []  # weak references to the patched decoder layers, by their `site`
 
 
@@ -394,6 +417,8 @@ def _attach_decoder_layer(layer) -> None:
     layer._prism_originals = {}
     if fusion.in_current_config():  # compiled mode: the fusion pass serves this layer's regions
         return
+    if REWIRED.get(type(layer).__name__, lambda _: False)(layer):
+        return
     for attach in (_attach_input_side, _attach_post_side):
         try:
             attach(layer, site)
@@ -450,15 +475,8 @@ def _install_decoder_layers(table: Table, done: Installed) -> None:
     for _, cls_name, cls in _model_classes(DECODER_LAYERS):
         if "_prism_init" in cls.__dict__:
             continue
-        original = cls.__init__
-
-        def __init__(self, *args, _original=original, **kwargs):
-            _original(self, *args, **kwargs)
-            _attach_decoder_layer(self)
-
         # patched in place: models take their layer class as a default argument bound at import
-        cls.__init__, cls._prism_init = __init__, original
-        done.undo.append(lambda c=cls, o=original: (setattr(c, "__init__", o), delattr(c, "_prism_init")))
+        done.undo.append(_patch_in_place(cls, _attach_decoder_layer))
         done.names.append(f"{cls_name} ({', '.join(served)}) in eager mode")
         done.kinds.update(served)
 

@@ -121,12 +121,26 @@ def test_same_greedy_tokens_with_the_plugin(arch, mode):
     assert not any(prism["runs"][mode]["fallback"].values()), prism["runs"][mode]["fallback"]
 
 
+def _doctor(arch) -> dict:
+    from prism_serve.patch.doctor import patch_report
+
+    if "doctor" not in arch:
+        arch["doctor"] = patch_report(arch["path"], arch["registry"], force=True, capture=arch["capture"])
+    return arch["doctor"]
+
+
 def test_every_stored_region_kind_is_served_in_compiled_mode(arch):
+    """Every region capture reports is served in compiled mode, by its own kernel or inside a larger
+    region's; the kinds whose own kernel runs are the ones the doctor names, and they ran. (Warmup
+    also stores what only eager mode runs on its own: Qwen2's swiglu, whose decoder layer no eager
+    hook patches, runs inside rmsnorm_swiglu in compiled mode.)"""
     ran = arch["runs"]["prism"]["runs"]["compiled"]["kernel"]
-    stored = _stored(arch)
+    stored, r = _stored(arch), _doctor(arch)
     served = {k for k in stored if ran.get(k, 0) > 0}
-    expected = {k for k in stored if (arch["name"], k) not in NOT_SERVED}
-    assert served == expected, {"stored": sorted(stored), "ran": ran}
+    expected = {k for k in stored if r["served"].get(k) and (arch["name"], k) not in NOT_SERVED}
+    assert served == expected, {"stored": sorted(stored), "ran": ran, "doctor": r["served"]}
+    assert all(row["patched"] for row in r["layers"] if row["op"] in stored), [
+        row for row in r["layers"] if row["op"] in stored and not row["patched"]]
 
 
 def test_a_projection_bias_gives_the_bias_kinds_and_nothing_else_does(arch):
@@ -158,14 +172,25 @@ def test_a_mixture_of_experts_keeps_its_experts_on_vllms_path_and_serves_the_res
 
 def test_the_doctor_names_the_layers_each_stored_kind_serves(arch):
     """From the architecture's capture (the fusion pass's matcher on vLLM's graph), whatever its
-    classes: every kind warmup stored serves layers, and nothing vLLM runs is left unexplained."""
-    from prism_serve.patch.doctor import patch_report
-
-    r = patch_report(arch["path"], arch["registry"], force=True, capture=arch["capture"])
+    classes: every kind warmup stored serves layers (in one mode at least), and nothing vLLM runs
+    is left unexplained."""
+    r = _doctor(arch)
     assert r["sites_from"].startswith("capture") and r["plugin"] == "would patch"
     stored = _stored(arch)
-    assert stored <= set(r["served"]) and all(r["served"][k] for k in stored), r["served"]
+    assert stored <= set(r["served"]) and all(r["served"][k] or r["served_eager"][k] for k in stored), r["served"]
     assert not stored & set(r["unserved"])
     assert all(row.get("why") or row.get("buckets") for row in r["layers"])
     regions = {(row["op"], row["layer"]) for row in r["layers"]}
     assert regions == {(c["kind"], m) for c in arch["capture"]["regions"] for m in c["modules"]}
+
+
+def test_the_doctor_says_which_kinds_eager_mode_serves(arch):
+    """The doctor's eager column, from the architecture's classes as capture recorded them, against
+    what the eager engine ran: a stored kind it says eager mode serves ran, and one it says no layer
+    serves did not (the single ops wherever vLLM runs them, whole regions only in the classes the
+    eager hooks patch, Gemma's and the biased kinds never)."""
+    r = _doctor(arch)
+    ran = arch["runs"]["prism"]["runs"]["eager"]["kernel"]
+    says = {k for k in _stored(arch) if r["served_eager"].get(k)}
+    assert says == {k for k in _stored(arch) if ran.get(k, 0) > 0}, (r["served_eager"], ran)
+    assert all(row["eager_why"] for row in r["layers"] if not row["eager"])

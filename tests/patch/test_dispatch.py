@@ -313,3 +313,33 @@ def test_an_activation_vllm_built_before_the_switch_is_built_again(live):
         finally:
             done.revert()
         assert not getattr(get_act_and_mul_fn("silu"), "_prism", False)
+
+
+def test_a_class_hook_attaches_to_exactly_its_class_and_undoes_cleanly():
+    """The eager-mode class hooks patch a vLLM class in place (every model that builds it is served,
+    however it imported it) but attach only to instances of exactly that class: a subclass may
+    rewire its layer after the base init ran (Aria swaps the MLP for experts), so it is left alone."""
+    from prism_serve.patch.hooks import _patch_in_place
+
+    class Layer:
+        def __init__(self):
+            self.mlp = "dense"
+
+        def forward(self, x):
+            return x + 1
+
+    class Rewired(Layer):
+        def __init__(self):
+            super().__init__()
+            self.mlp = "experts"
+
+    attached = []
+    undo = _patch_in_place(Layer, lambda layer: attached.append(layer.mlp),
+                           lambda original: lambda self, x: original(self, x) * 10)
+    Layer(), Rewired()
+    assert attached == ["dense"] and Layer().forward(1) == 20 and Rewired().forward(1) == 20
+    undo()
+    assert Layer().forward(1) == 2 and "_prism_init" not in Layer.__dict__ and "forward" not in Rewired.__dict__
+    attached.clear()
+    Layer()
+    assert attached == []
