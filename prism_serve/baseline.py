@@ -142,6 +142,12 @@ def _vllm_ir():
     return ir.ops
 
 
+def _project_first(normed, w):
+    """(y, residual') of a residual add + norm -> (y @ w^T, residual')."""
+    y, r = normed
+    return torch.nn.functional.linear(y, w), r
+
+
 def _clone_first_two(inputs):
     return [inputs[0].clone(), inputs[1].clone(), *inputs[2:]]
 
@@ -175,6 +181,15 @@ _VLLM = {
     "rmsnorm_geglu": lambda v, eps: (
         lambda i: [i[0].clone(), torch.zeros_like(i[0]), *_merged(i[1:])],
         lambda x, r, g, w: (v.fused_add_rms_norm(x, r, g, eps), (_gelu_tanh(torch.nn.functional.linear(x, w)),))[1]),
+    # Gemma's regions on the stored norm weight g: vLLM's RMSNorm ops on g.float() + 1, then its GEMM
+    "gemma_rmsnorm_linear": lambda v, eps: (
+        list, lambda x, g, w: (torch.nn.functional.linear(_vllm_ir().rms_norm(x, _gemma_weight(g), eps), w),)),
+    "gemma_fused_add_rmsnorm_linear": lambda v, eps: (
+        list, lambda x, r, g, w: _project_first(_vllm_ir().fused_add_rms_norm(x, r, _gemma_weight(g), eps), w)),
+    "gemma_rmsnorm_geglu": lambda v, eps: (
+        lambda i: [i[0], torch.zeros_like(i[0]), *_merged(i[1:])],
+        lambda x, r, g, w: (_gelu_tanh(torch.nn.functional.linear(
+            _vllm_ir().fused_add_rms_norm(x, r, _gemma_weight(g), eps)[0], w)),)),
     # at its site vLLM adds the residual inside its norm: the sum arrives as x with a zero residual
     "rmsnorm_swiglu": lambda v, eps: (
         lambda i: [i[0].clone(), torch.zeros_like(i[0]), *_merged(i[1:])],

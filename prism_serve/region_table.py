@@ -129,9 +129,21 @@ KINDS: dict[str, RegionKind] = {k.name: k for k in (
                ("fused_add_rms_norm", "linear", "gelu_tanh_and_mul"), "pattern",
                doc="the residual add + RMSNorm before Gemma's MLP + gate_up projection + tanh-GELU*mul; the add "
                    "runs as one elementwise kernel before it, the rest as one kernel"),
+    # the same regions on Gemma's norm where its float32 weight w + 1 is not of the activations' dtype
+    # (bf16, fp16): the kernels take the stored weight and scale by 1 + w themselves
+    RegionKind("gemma_rmsnorm_linear", programs.gemma_rmsnorm_linear, (_H, Dim("out", "w", 0)), True,
+               ("gemma_rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
+               "a first layer's input Gemma RMSNorm (1 + w) + qkv projection"),
+    RegionKind("gemma_fused_add_rmsnorm_linear", programs.gemma_fused_add_rmsnorm_linear, (_H, Dim("out", "w", 0)),
+               True, ("gemma_fused_add_rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
+               "a layer's input residual add + Gemma RMSNorm (1 + w) + qkv projection; the kernel writes the "
+               "residual"),
+    RegionKind("gemma_rmsnorm_geglu", programs.gemma_rmsnorm_geglu, (_H, _I), True,
+               ("gemma_fused_add_rms_norm", "linear", "gelu_tanh_and_mul"), "pattern",
+               doc="rmsnorm_geglu on Gemma's norm (1 + w): the residual add beside the kernel, the rest as one"),
 )}
 # kinds whose served path runs a residual add beside the kernel (counted in the modeled speedup)
-SERVED_ADD = frozenset({"rmsnorm_swiglu", "rmsnorm_geglu"})
+SERVED_ADD = frozenset({"rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"})
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ PROGRAMS = {
     "gemma_fused_add_rms_norm": programs.gemma_fused_add_rms_norm(96, "float32"),
     "gelu_tanh_and_mul": programs.gelu_tanh_and_mul(48, "float32"),
     "geglu": programs.geglu(64, 48, "float32"),
+    "gemma_rmsnorm_linear": programs.gemma_rmsnorm_linear(96, 40, "float32"),
+    "gemma_fused_add_rmsnorm_linear": programs.gemma_fused_add_rmsnorm_linear(96, 40, "float32"),
+    "gemma_rmsnorm_geglu": programs.gemma_rmsnorm_geglu(64, 48, "float32"),
 }
 
 

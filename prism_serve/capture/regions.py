@@ -201,18 +201,6 @@ def _act_region(g: Group) -> dict:
                    [_after(y, g.nodes[-1])])
 
 
-def gemma_weight(w: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """GemmaRMSNorm's norm weight `w.float() + 1.0` as Dynamo traces it: (the stored weight, the first
-    node reading it), or None when `w` is not that."""
-    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target in (operator.add, torch.add)
-            and len(w.args) == 2 and w.args[1] == 1.0 and not w.kwargs and isinstance(w.args[0], fx.Node)):
-        return None
-    src = w.args[0]
-    if src.op == "call_method" and src.target == "float" and len(src.args) == 1:
-        return src.args[0], src
-    return src, w
-
-
 def _norm_regions(g: Group, nm: Norm) -> list[dict]:
     """The RMSNorm op of a module, whatever its class (vLLM's RMSNorm, a subclass such as the
     Transformers backend's TPAwareRMSNorm, GemmaRMSNorm): Gemma's kinds where the op's weight is
@@ -222,7 +210,7 @@ def _norm_regions(g: Group, nm: Norm) -> list[dict]:
     extra = {"rows": True} if rows else {}
     dims = {"hidden": hidden} | ({"rows_per_token": _rows_per_token(_shape(nm.x))} if rows else {})
     w = _before(nm.weight, nm.op)
-    raw = gemma_weight(nm.weight)
+    raw = patterns.gemma_weight(nm.weight)
     gemma = raw is not None and _dtype(raw[0]) == dtype
     prefix = "gemma_" if gemma else ""
     if gemma:
@@ -279,11 +267,12 @@ def _projection_region(r: patterns.Region) -> dict | None:
     else:
         if norm.residual is not None and norm.sum is None:
             return None  # the residual sum is never read: nothing to record it from
-        w = _before(norm.weight, norm.node)
+        # a Gemma norm's stored weight, read where its offset chain reads it (the Interpreter frees it after)
+        w = _before(norm.weight, norm.weight_read or norm.node)
         x_ref = _after(norm.sum) if norm.residual is not None else _before(norm.x, norm.node)
-        if r.kind in ("rmsnorm_swiglu", "rmsnorm_geglu"):
+        if r.kind in ("rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"):
             inputs, dims = [x_ref, w, *halves], {"hidden": hidden, "intermediate": n}
-        elif r.kind.startswith("fused_add_rmsnorm_linear"):
+        elif "fused_add_rmsnorm_linear" in r.kind:
             inputs, dims = [_before(norm.x, norm.node), _before(norm.residual, norm.node), w, param], \
                 {"hidden": hidden, "out": n}
         else:

@@ -174,8 +174,8 @@ def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
 
 
 def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed: dict) -> None:
-    """Replace region `r` by prism op `kind` (its own kind, or `rmsnorm_linear[_bias]` after a
-    separate residual add). `renamed` maps the outputs of regions replaced before to their new nodes (a
+    """Replace region `r` by prism op `kind` (its own kind, or `[gemma_]rmsnorm_linear[_bias]` after a
+    separate residual add); a Gemma region takes the norm's stored weight. `renamed` maps the outputs of regions replaced before to their new nodes (a
     region's input may be one), and learns this region's; `order` learns the new nodes' places."""
     P, aten = torch.ops.prism, torch.ops.aten
     lin, norm = r.linear, r.norm
@@ -189,13 +189,13 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
     bias = (lin.bias,) if kind.endswith("_bias") else ()  # the `_bias` kinds take it after the weight
     with graph.inserting_before(first):
         x = norm.x if norm else lin.x
-        if norm is not None and norm.residual is not None and not kind.startswith("fused_add_rmsnorm_linear"):
+        if norm is not None and norm.residual is not None and "fused_add_rmsnorm_linear" not in kind:
             x = outs[norm.sum] = new(aten.add.Tensor, norm.x, norm.residual)  # the next residual
         if kind in ("swiglu", "geglu"):
             outs[r.act] = new(getattr(P, kind).default, x, lin.weight, patterns.SITE, n)
-        elif kind in ("rmsnorm_swiglu", "rmsnorm_geglu"):
+        elif kind in ("rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"):
             outs[r.act] = new(getattr(P, kind).default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
-        elif kind in ("rmsnorm_linear", "rmsnorm_linear_bias"):
+        elif kind in ("rmsnorm_linear", "rmsnorm_linear_bias", "gemma_rmsnorm_linear"):
             outs[lin.out] = new(getattr(P, kind).default, x, norm.weight, lin.weight, *bias, norm.eps,
                                 patterns.SITE, n)
         else:
@@ -236,7 +236,7 @@ def serve_regions(graph: fx.Graph, table: Table) -> Counter:
                 continue
             serve_as = kind if table.entry(kind, *r.key) is not None else None
             plain = kind.replace("fused_add_", "")
-            if serve_as is None and kind.startswith("fused_add_") and table.entry(plain, *r.key):
+            if serve_as is None and "fused_add_" in kind and table.entry(plain, *r.key):
                 serve_as = plain  # with the residual add beside it
             if serve_as is None:
                 continue

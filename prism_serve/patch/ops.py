@@ -2,7 +2,8 @@
 `prism::silu_and_mul`, Gemma's `prism::gemma_rms_norm`, `prism::gemma_fused_add_rms_norm` and
 `prism::gelu_tanh_and_mul`, and the whole-region `prism::swiglu`, `prism::geglu`, `prism::rmsnorm_geglu`,
 `prism::rmsnorm_linear`, `prism::fused_add_rmsnorm_linear`, their `_bias` forms (a projection that
-adds a bias, as Qwen2's qkv) and `prism::rmsnorm_swiglu`): opaque to
+adds a bias, as Qwen2's qkv), their `gemma_` forms and `prism::gemma_rmsnorm_geglu` (on Gemma's
+stored norm weight w, scaling by 1 + w) and `prism::rmsnorm_swiglu`): opaque to
 torch.compile, with fake impls, dispatching by num_tokens.
 
 Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
@@ -36,7 +37,8 @@ log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like 
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
 OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear",
             "rmsnorm_swiglu", "gemma_rms_norm", "gemma_fused_add_rms_norm", "gelu_tanh_and_mul", "geglu",
-            "rmsnorm_linear_bias", "fused_add_rmsnorm_linear_bias", "rmsnorm_geglu")
+            "rmsnorm_linear_bias", "fused_add_rmsnorm_linear_bias", "rmsnorm_geglu", "gemma_rmsnorm_linear",
+            "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_geglu")
 
 
 class _State:
@@ -134,7 +136,20 @@ FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm"
                                       torch.nn.functional.linear(x, w_gate_up)),
                                   "rmsnorm_geglu": lambda x, norm_weight, w_gate_up, epsilon, site:
                                       ref_gelu_tanh_and_mul(torch.nn.functional.linear(
-                                          ref_rms_norm(x, norm_weight, epsilon), w_gate_up))}
+                                          ref_rms_norm(x, norm_weight, epsilon), w_gate_up)),
+                                  "gemma_rmsnorm_linear": lambda x, norm_weight, weight, epsilon, site:
+                                      torch.nn.functional.linear(ref_gemma_rms_norm(x, norm_weight, epsilon), weight),
+                                  "gemma_fused_add_rmsnorm_linear": lambda x, residual, norm_weight, weight, epsilon,
+                                  site: _project(ref_gemma_fused_add_rms_norm(x, residual, norm_weight, epsilon),
+                                                 weight),
+                                  "gemma_rmsnorm_geglu": lambda x, norm_weight, w_gate_up, epsilon, site:
+                                      ref_gelu_tanh_and_mul(torch.nn.functional.linear(
+                                          ref_gemma_rms_norm(x, norm_weight, epsilon), w_gate_up))}
+
+
+def _project(normed: tuple[Tensor, Tensor], weight: Tensor) -> tuple[Tensor, Tensor]:
+    y, r = normed
+    return torch.nn.functional.linear(y, weight), r
 
 
 # --- a projection's weight: the plain tensor, or vLLM's oneDNN handle on the CPU build ----------
@@ -177,13 +192,14 @@ def _vllm_region(kind: str, site: int, weight: Tensor, out_features: int, *args,
         return FALLBACKS["silu_and_mul"](vllm_linear(args[0], weight, out_features))
     if kind == "geglu":
         return FALLBACKS["gelu_tanh_and_mul"](vllm_linear(args[0], weight, out_features))
-    if kind.startswith("fused_add_rmsnorm_linear"):
+    gemma = "gemma_" if kind.startswith("gemma_") else ""  # Gemma's norm on its stored weight
+    if kind.removeprefix("gemma_").startswith("fused_add_rmsnorm_linear"):
         x, residual, norm_weight, _, eps, _ = args
-        y, r = FALLBACKS["fused_add_rms_norm"](x, residual, norm_weight, eps)
+        y, r = FALLBACKS[gemma + "fused_add_rms_norm"](x, residual, norm_weight, eps)
         return vllm_linear(y, weight, out_features, bias), r
     x, norm_weight, _, eps, _ = args
-    y = vllm_linear(FALLBACKS["rms_norm"](x, norm_weight, eps), weight, out_features, bias)
-    act = {"rmsnorm_swiglu": "silu_and_mul", "rmsnorm_geglu": "gelu_tanh_and_mul"}.get(kind)
+    y = vllm_linear(FALLBACKS[gemma + "rms_norm"](x, norm_weight, eps), weight, out_features, bias)
+    act = {"rmsnorm_swiglu": "silu_and_mul", "rmsnorm_geglu": "gelu_tanh_and_mul"}.get(kind.removeprefix("gemma_"))
     return FALLBACKS[act](y) if act else y
 
 
@@ -300,9 +316,10 @@ def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1,
 
 
 def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
-                        out_features: int = -1, bias: Tensor | None = None) -> Tensor:
-    """`rmsnorm_linear`, or with `bias` the `rmsnorm_linear_bias` kernel (the bias its last input)."""
-    op = "rmsnorm_linear" if bias is None else "rmsnorm_linear_bias"
+                        out_features: int = -1, bias: Tensor | None = None, op: str | None = None) -> Tensor:
+    """`rmsnorm_linear`, with `bias` the `rmsnorm_linear_bias` kernel (the bias its last input), or
+    (`op`) `gemma_rmsnorm_linear`: the same inputs, the norm scaling by 1 + norm_weight."""
+    op = op or ("rmsnorm_linear" if bias is None else "rmsnorm_linear_bias")
     hidden, out = x.shape[-1], _out_features(weight, out_features)
     launcher = pick(op, x, (hidden, out), epsilon)
     w = plain_weight(weight) if launcher is not None else None
@@ -321,10 +338,11 @@ def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon:
 
 
 def fused_add_rmsnorm_linear_impl(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
-                                  site: int, out_features: int = -1,
-                                  bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`fused_add_rmsnorm_linear`, or with `bias` its `_bias` kernel (the bias its last input)."""
-    op = "fused_add_rmsnorm_linear" if bias is None else "fused_add_rmsnorm_linear_bias"
+                                  site: int, out_features: int = -1, bias: Tensor | None = None,
+                                  op: str | None = None) -> tuple[Tensor, Tensor]:
+    """`fused_add_rmsnorm_linear`, with `bias` its `_bias` kernel (the bias its last input), or (`op`)
+    `gemma_fused_add_rmsnorm_linear`."""
+    op = op or ("fused_add_rmsnorm_linear" if bias is None else "fused_add_rmsnorm_linear_bias")
     hidden, out = x.shape[-1], _out_features(weight, out_features)
     same = residual.shape == x.shape and residual.dtype == x.dtype
     launcher = pick(op, x, (hidden, out), epsilon) if same else None
@@ -346,7 +364,8 @@ def fused_add_rmsnorm_linear_impl(x: Tensor, residual: Tensor, norm_weight: Tens
 
 def rmsnorm_swiglu_impl(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
                         out_features: int = -1, op: str = "rmsnorm_swiglu") -> Tensor:
-    """`rmsnorm_swiglu`, or (`op`) `rmsnorm_geglu`: the same inputs, another activation."""
+    """`rmsnorm_swiglu`, or (`op`) `rmsnorm_geglu` / `gemma_rmsnorm_geglu`: the same inputs, another
+    activation (and norm)."""
     inter = _out_features(w_gate_up, out_features) // 2
     launcher = pick(op, x, (x.shape[-1], inter), epsilon)
     w = plain_weight(w_gate_up) if launcher is not None else None
@@ -493,6 +512,38 @@ def _define() -> dict[str, object]:
         return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
 
     defined.update(rmsnorm_geglu=rmsnorm_geglu)
+
+    # Gemma's norm + projection regions on the stored norm weight (bf16, fp16: vLLM's w + 1 is float32)
+    @torch.library.custom_op("prism::gemma_rmsnorm_linear", mutates_args=())
+    def gemma_rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
+                             out_features: int = -1) -> Tensor:
+        return rmsnorm_linear_impl(x, norm_weight, weight, epsilon, site, out_features, op="gemma_rmsnorm_linear")
+
+    @gemma_rmsnorm_linear.register_fake
+    def _(x, norm_weight, weight, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features)))
+
+    @torch.library.custom_op("prism::gemma_fused_add_rmsnorm_linear", mutates_args=())
+    def gemma_fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor,
+                                       epsilon: float, site: int, out_features: int = -1) -> tuple[Tensor, Tensor]:
+        return fused_add_rmsnorm_linear_impl(x, residual, norm_weight, weight, epsilon, site, out_features,
+                                             op="gemma_fused_add_rmsnorm_linear")
+
+    @gemma_fused_add_rmsnorm_linear.register_fake
+    def _(x, residual, norm_weight, weight, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features))), torch.empty_like(x)
+
+    @torch.library.custom_op("prism::gemma_rmsnorm_geglu", mutates_args=())
+    def gemma_rmsnorm_geglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
+                            out_features: int = -1) -> Tensor:
+        return rmsnorm_swiglu_impl(x, norm_weight, w_gate_up, epsilon, site, out_features, "gemma_rmsnorm_geglu")
+
+    @gemma_rmsnorm_geglu.register_fake
+    def _(x, norm_weight, w_gate_up, epsilon, site, out_features=-1):
+        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
+
+    defined.update(gemma_rmsnorm_linear=gemma_rmsnorm_linear, gemma_fused_add_rmsnorm_linear=gemma_fused_add_rmsnorm_linear,
+                   gemma_rmsnorm_geglu=gemma_rmsnorm_geglu)
     defined.update(gemma_rms_norm=gemma_rms_norm, gemma_fused_add_rms_norm=gemma_fused_add_rms_norm,
                    gelu_tanh_and_mul=gelu_tanh_and_mul, geglu=geglu)
     defined.update(fused_add_rmsnorm_linear=fused_add_rmsnorm_linear, rmsnorm_swiglu=rmsnorm_swiglu)

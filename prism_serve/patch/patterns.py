@@ -30,7 +30,12 @@ Gemma (GemmaRMSNorm) hands vLLM's RMSNorm ops the weight `w.float() + 1.0`, comp
 (`add(w, 1.0)`, with a `convert_element_type` for fp16/bf16 weights). Such a norm is first an RMSNorm
 like any other, with that computed weight (so where it feeds a projection in fp32 it is part of
 `rmsnorm_linear` / `fused_add_rmsnorm_linear`); what no region took is then matched with the offset
-(`late_tiers`: `prism::gemma_rms_norm`, `prism::gemma_fused_add_rms_norm`, on the raw weight).
+(`late_tiers`: `prism::gemma_rms_norm`, `prism::gemma_fused_add_rms_norm`, on the raw weight). In
+bf16 / fp16 the computed weight is float32, of another dtype than the activations, so no plain
+region takes it: the Gemma op forms come first at the keys of a Gemma region (`tiers`) and mark
+`gemma_rmsnorm_linear`, `gemma_fused_add_rmsnorm_linear` and `gemma_rmsnorm_geglu`, whose kernels
+scale by 1 + w themselves; in Dynamo's graph (capture) `norm_at` reads the same from the weight's
+`w.float() + 1.0`.
 GeluAndMul(approximate="tanh") is `gelu(x[..., :d], approximate="tanh") * x[..., d:]` (vLLM's CPU
 path), matched like SiLU*mul.
 
@@ -61,11 +66,13 @@ from torch import Tensor, fx
 OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "gemma_fused_add_rms_norm",
             "gemma_rms_norm")
 # the regions holding a projection, largest first: the pass gives a node to the first that takes it
-REGION_KINDS = ("rmsnorm_swiglu", "rmsnorm_geglu", "fused_add_rmsnorm_linear", "rmsnorm_linear",
-                "fused_add_rmsnorm_linear_bias", "rmsnorm_linear_bias", "swiglu", "geglu")
+REGION_KINDS = ("rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu", "fused_add_rmsnorm_linear", "rmsnorm_linear",
+                "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_linear", "fused_add_rmsnorm_linear_bias",
+                "rmsnorm_linear_bias", "swiglu", "geglu")
 # a region's activation after gate_up, by the function its gate goes through: without and with the norm
 ACTS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 NORM_ACTS = {"silu": "rmsnorm_swiglu", "gelu_tanh": "rmsnorm_geglu"}
+GEMMA_NORM_ACTS = {"gelu_tanh": "gemma_rmsnorm_geglu"}  # on Gemma's norm (a SiLU MLP after it has no kind)
 KINDS = REGION_KINDS + OP_KINDS
 # the table key a match needs: (torch dtype, dim or dims, eps)
 Key = tuple[torch.dtype, object, float | None]
@@ -253,26 +260,40 @@ def op_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
     for kind in REGION_KINDS:
         for dtype, dims, eps in served.get(kind, ()):
             if kind not in ACTS.values():
-                out["rms_norm"].add((dtype, dims[0], eps))
-                out["fused_add_rms_norm"].add((dtype, dims[0], eps))
+                norm = "gemma_" if kind.startswith("gemma_") else ""  # Gemma's: the norm on the stored weight
+                out[norm + "rms_norm"].add((dtype, dims[0], eps))
+                out[norm + "fused_add_rms_norm"].add((dtype, dims[0], eps))
             if kind in ("swiglu", "rmsnorm_swiglu"):
                 out["silu_and_mul"].add((dtype, dims[1], None))
-            if kind in ("geglu", "rmsnorm_geglu"):
+            if kind in ("geglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"):
                 out["gelu_tanh_and_mul"].add((dtype, dims[1], None))
     return {k: v for k, v in out.items() if v}
+
+
+def _gemma_region_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
+    """Per Gemma norm kind, the keys a Gemma region (`gemma_` region kinds) wants its op form for."""
+    keys = {f"{norm}{k}": {(dtype, dims[0], eps) for kind in REGION_KINDS if kind.startswith("gemma_")
+                           for dtype, dims, eps in served.get(kind, ())}
+            for norm in ("gemma_",) for k in ("rms_norm", "fused_add_rms_norm")}
+    return {k: v for k, v in keys.items() if v}
 
 
 # each op-level kind's forms for one key, as the pass puts them in and reverts them
 _MAKE = {"rms_norm": lambda dtype, dim, eps: [rms_norm(dtype, eps)],
          "fused_add_rms_norm": lambda dtype, dim, eps: [fused_add_rms_norm(dtype, eps)],
+         "gemma_rms_norm": lambda dtype, dim, eps: [gemma_rms_norm(dtype, eps)],
+         "gemma_fused_add_rms_norm": lambda dtype, dim, eps: [gemma_fused_add_rms_norm(dtype, eps)],
          "silu_and_mul": lambda dtype, dim, eps: [silu_and_mul(dtype, dim, r) for r in ACT_RANKS],
          "gelu_tanh_and_mul": lambda dtype, dim, eps: [gelu_tanh_and_mul(dtype, dim, r) for r in ACT_RANKS]}
 
 
 def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
     """The op-form patterns for `op_keys(served)`, in the order the pass applies them: residual
-    add + RMSNorm first, so a plain RMSNorm never splits one off, then the single ops."""
-    wanted = op_keys(served)
+    add + RMSNorm first, so a plain RMSNorm never splits one off, then the single ops. Gemma's
+    norms join here only at the keys of a Gemma region, whose marker they are (their weight, the
+    float32 w + 1, is not of the activations' dtype, so no plain norm form matches them); elsewhere
+    they come late (`late_tiers`)."""
+    wanted = op_keys(served) | _gemma_region_keys(served)
 
     def forms(op, make):
         seen = {}
@@ -283,17 +304,20 @@ def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
 
     return [t for t in (
         forms("fused_add_rms_norm", lambda dt, dim, eps: [fused_add_rms_norm(dt, eps, first, f)
-                                                          for first in (False, True) for f in FORMS]),
+                                                          for first in (False, True) for f in FORMS])
+        + forms("gemma_fused_add_rms_norm", lambda dt, dim, eps: _gemma_add_forms(dt, eps)),
         forms("rms_norm", lambda dt, dim, eps: [rms_norm(dt, eps, f) for f in FORMS])
+        + forms("gemma_rms_norm", lambda dt, dim, eps: [gemma_rms_norm(dt, eps, f) for f in FORMS])
         + forms("silu_and_mul", _MAKE["silu_and_mul"]) + forms("gelu_tanh_and_mul", _MAKE["gelu_tanh_and_mul"]),
     ) if t]
 
 
 def late_tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
-    """Gemma's norms (vLLM's RMSNorm ops on `weight.float() + 1.0`), applied after the regions and the
-    reverts: a Gemma norm feeding a projection is first offered, with its computed weight, to the
-    regions holding one (`rmsnorm_linear`, ...), as any RMSNorm; what none took is then matched with
-    the weight's offset (only here, so a region never receives the raw weight)."""
+    """Gemma's norms (vLLM's RMSNorm ops on `weight.float() + 1.0`) at their own kernels' keys, applied
+    after the regions and the reverts: in float32 a Gemma norm feeding a projection is first offered,
+    with its computed weight, to the regions holding one (`rmsnorm_linear`, ...), as any RMSNorm;
+    what none took is then matched with the weight's offset (only here, so a float32 region never
+    receives the raw weight). In half precision the Gemma regions' keys come early (`tiers`)."""
     def forms(op, make):
         seen = {}
         for dtype, dim, eps in sorted(served.get(op, ()), key=repr):
@@ -302,12 +326,16 @@ def late_tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
         return list(seen.values())
 
     return [t for t in (
-        forms("gemma_fused_add_rms_norm", lambda dt, eps: [gemma_fused_add_rms_norm(dt, eps, first, f)
-                                                           for first in (False, True) for f in FORMS]),
+        forms("gemma_fused_add_rms_norm", _gemma_add_forms),
         forms("gemma_rms_norm", lambda dt, eps: [gemma_rms_norm(dt, eps, f) for f in FORMS]),
     ) if t]
 
 
+def _gemma_add_forms(dtype: torch.dtype, eps: float) -> list[Pattern]:
+    """Gemma's residual add + norm in every form, also where only its normed value is used (a
+    model's final norm: in half precision the sum's own rounding is then gone from the graph)."""
+    both = [gemma_fused_add_rms_norm(dtype, eps, first, f) for first in (False, True) for f in FORMS]
+    return both + [_first_output(p) for p in both]
 
 
 def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
@@ -321,7 +349,7 @@ def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
             # prism's, its miss running vLLM's path
             for p in _MAKE[op](dtype, dim, eps)[:1]:
                 out.setdefault(p.name, _revert(p))
-                if op == "fused_add_rms_norm":  # also where only the normed value is used (a model's final norm)
+                if op.endswith("fused_add_rms_norm"):  # also where only the normed value is used (a final norm)
                     first = _first_output(p)
                     out.setdefault(first.name, _revert(first))
     return list(out.values())
@@ -357,7 +385,9 @@ VIEWS = ("aten::view", "aten::reshape", "aten::_unsafe_view")
 
 @dataclass(frozen=True)
 class Norm:
-    """An RMSNorm op node: its inputs, its normed output and, for residual add + RMSNorm, the sum."""
+    """An RMSNorm op node: its inputs, its normed output and, for residual add + RMSNorm, the sum.
+    A Gemma norm (`gemma`) scales by 1 + `weight`, the stored weight: prism's Gemma op, or vLLM's
+    op on `weight.float() + 1.0` where that float32 weight is not of x's dtype (bf16, fp16)."""
 
     node: fx.Node
     x: fx.Node
@@ -366,6 +396,8 @@ class Norm:
     eps: float
     out: fx.Node  # the normed value (the op itself, or its getitem 0)
     sum: fx.Node | None  # the residual sum (getitem 1), when used
+    gemma: bool = False
+    weight_read: fx.Node | None = None  # where the stored weight is read (Dynamo's graph: its first reader)
 
 
 @dataclass(frozen=True)
@@ -420,25 +452,53 @@ def _is(n: fx.Node, *names: str) -> bool:
     return n.op == "call_function" and _packet(n.target) in {_packet(t) for t in _targets(*names)}
 
 
+def gemma_weight(w) -> tuple[fx.Node, fx.Node] | None:
+    """GemmaRMSNorm's norm weight `w.float() + 1.0` as Dynamo traces it: (the stored weight, the
+    first node reading it), or None when `w` is not that."""
+    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target in (operator.add, torch.add)
+            and len(w.args) == 2 and w.args[1] == 1.0 and not w.kwargs and isinstance(w.args[0], fx.Node)):
+        return None
+    src = w.args[0]
+    if src.op == "call_method" and src.target == "float" and len(src.args) == 1:
+        return src.args[0], src
+    return src, w
+
+
+def _gemma_norm(norm: Norm) -> Norm:
+    """`norm` (vLLM's op) as a Gemma norm on the stored weight where its weight is the float32
+    `w + 1` of a w of x's dtype that is not float32 (where it is, the computed weight is x's dtype
+    and the norm an RMSNorm like any other); else `norm` itself."""
+    raw = gemma_weight(norm.weight)
+    x, w = _val(norm.x), _val(norm.weight)
+    if raw is None or x is None or w is None or w.dtype == x.dtype or _val(raw[0]) is None \
+            or _val(raw[0]).dtype != x.dtype:
+        return norm
+    return Norm(norm.node, norm.x, norm.residual, raw[0], norm.eps, norm.out, norm.sum, True, raw[1])
+
+
 def norm_at(n: fx.Node) -> Norm | None:
-    """`n` as an RMSNorm op (prism's, or vLLM's IR op: in Dynamo's graph and before its lowering), or None."""
+    """`n` as an RMSNorm op (prism's, or vLLM's IR op: in Dynamo's graph and before its lowering),
+    or Gemma's (prism's Gemma op, or vLLM's op on Gemma's computed weight, see `Norm`), or None."""
     if n.op != "call_function":
         return None
     args = list(n.args) + [n.kwargs[k] for k in ("epsilon", "variance_size") if k in n.kwargs]
-    if _is(n, "prism::rms_norm", "vllm_ir::rms_norm"):
+    gemma = _is(n, "prism::gemma_rms_norm", "prism::gemma_fused_add_rms_norm")
+    if _is(n, "prism::rms_norm", "vllm_ir::rms_norm", "prism::gemma_rms_norm"):
         x, w, eps, *rest = args
         if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
             return None
-        return Norm(n, x, None, w, eps, n, None)
-    if _is(n, "prism::fused_add_rms_norm", "vllm_ir::fused_add_rms_norm"):
+        norm = Norm(n, x, None, w, eps, n, None, gemma)
+    elif _is(n, "prism::fused_add_rms_norm", "vllm_ir::fused_add_rms_norm", "prism::gemma_fused_add_rms_norm"):
         x, r, w, eps, *rest = args
         if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
             return None
         items = {u.args[1]: u for u in n.users if u.target is operator.getitem}
         if 0 not in items or len(items) != len(n.users):
             return None
-        return Norm(n, x, r, w, eps, items[0], items.get(1))
-    return None
+        norm = Norm(n, x, r, w, eps, items[0], items.get(1), gemma)
+    else:
+        return None
+    return norm if gemma or not _is(n, "vllm_ir::rms_norm", "vllm_ir::fused_add_rms_norm") else _gemma_norm(norm)
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:
@@ -610,6 +670,23 @@ def _region(kind: str, norm: Norm | None, lin: Linear, act_found: tuple | None) 
     return Region(kind, (x.dtype, dims, norm.eps if norm else None), norm, lin, act, None, act_nodes)
 
 
+def _gemma_regions(norm: Norm, lin: Linear, act: tuple | None, kind: str) -> list[Region]:
+    """The regions a Gemma norm starts: its `gemma_` kinds; a biased projection or a SiLU MLP after
+    it has none, and is reported with the reason."""
+    out = []
+    if act is not None:
+        name = GEMMA_NORM_ACTS.get(act[2])
+        out.append(_region(name, norm, lin, act) if name else Region(
+            "gemma_rmsnorm_swiglu", None, norm, lin, act[0], f"Gemma's norm (1 + w) before {act[2]}*mul: no region kind",
+            act[1]))
+    if kind.endswith("_bias"):
+        out.append(Region("gemma_" + kind, None, norm, lin, None, "Gemma's norm (1 + w) before a biased "
+                          "projection: no region kind"))
+    else:
+        out.append(_region("gemma_" + kind, norm, lin, None))
+    return out
+
+
 def find_regions(graph: fx.Graph) -> list[Region]:
     """Every instance of every region kind holding a projection, in graph order; regions of
     different kinds may overlap (a residual add + RMSNorm feeding gate_up + SiLU*mul is both
@@ -622,10 +699,14 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             if lin is None:
                 continue
             act = act_after(lin)
+            kind = ("fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear") + (
+                "_bias" if lin.bias is not None else "")
+            if norm.gemma:
+                out += _gemma_regions(norm, lin, act, kind)
+                continue
             if act is not None:
                 out.append(_region(NORM_ACTS[act[2]], norm, lin, act))
-            kind = "fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear"
-            out.append(_region(kind + ("_bias" if lin.bias is not None else ""), norm, lin, None))
+            out.append(_region(kind, norm, lin, None))
             continue
         lin = linear_at(n)
         act = act_after(lin) if lin is not None else None

@@ -295,8 +295,8 @@ class GemmaRMSNorm:
     pass
 
 
-def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=torch.float32, n=3, hidden=16,
-                          inter=24, offset: float | None = None):
+def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=None, n=3, hidden=16,
+                          inter=24, offset: float | None = None, dtype=torch.float32):
     """A post-attention side as vLLM's CPU build traces it in Dynamo: residual add + RMSNorm (the IR op),
     gate_up as vLLM's in-place oneDNN call on its handle (or torch's linear), `act(x[..., :d]) * x[..., d:]`.
     `act`: "silu", "gelu" (exact) or "gelu_tanh"; `offset`: a GemmaRMSNorm, whose IR op gets the
@@ -305,11 +305,16 @@ def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=
 
     from vllm import _custom_ops as vops
 
+    weight_dtype = weight_dtype or dtype
+
+    def rand(*shape):
+        return torch.randn(*shape).to(dtype)
+
     g = fx.Graph()
     x, res, w, wl = (g.placeholder(name) for name in ("x", "res", "w", "wl"))
     weight = torch.randn(2 * inter, hidden).to(weight_dtype) / 4
     handler = vops.create_onednn_mm(weight.t(), 32) if gemm == "onednn" else None
-    for p, val in ((x, torch.randn(n, hidden)), (res, torch.randn(n, hidden)), (w, torch.randn(hidden)),
+    for p, val in ((x, rand(n, hidden)), (res, rand(n, hidden)), (w, rand(hidden)),
                    (wl, handler.handler_tensor if handler else weight)):
         p.meta["example_value"] = val
 
@@ -325,22 +330,22 @@ def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=
         wf = call("float", (w,), norm_path, norm_cls, torch.randn(hidden), method=True)
         norm_w = call(operator.add, (wf, offset), norm_path, norm_cls, torch.randn(hidden))
     op = call(fused_add_rms_norm, (x, res, norm_w, 1e-6, None), norm_path, norm_cls, None)
-    y, s = (call(operator.getitem, (op, i), norm_path, norm_cls, torch.randn(n, hidden)) for i in (0, 1))
+    y, s = (call(operator.getitem, (op, i), norm_path, norm_cls, rand(n, hidden)) for i in (0, 1))
     if gemm == "onednn":
-        c = call(torch.empty, ((n, 2 * inter),), lin_path, MergedColumnParallelLinear, torch.randn(n, 2 * inter))
-        a = call("reshape", (y, -1, hidden), lin_path, MergedColumnParallelLinear, torch.randn(n, hidden), method=True)
+        c = call(torch.empty, ((n, 2 * inter),), lin_path, MergedColumnParallelLinear, rand(n, 2 * inter))
+        a = call("reshape", (y, -1, hidden), lin_path, MergedColumnParallelLinear, rand(n, hidden), method=True)
         call(torch.ops._C.onednn_mm, (c, a, None, wl), lin_path, MergedColumnParallelLinear, None)
     else:
         c = call(linear, (y, wl), lin_path, MergedColumnParallelLinear, torch.randn(n, 2 * inter).to(weight_dtype))
     cls = SiluAndMul if act == "silu" else GeluAndMul
-    gate = call(operator.getitem, (c, (Ellipsis, slice(None, inter))), act_path, cls, torch.randn(n, inter))
-    up = call(operator.getitem, (c, (Ellipsis, slice(inter, None))), act_path, cls, torch.randn(n, inter))
+    gate = call(operator.getitem, (c, (Ellipsis, slice(None, inter))), act_path, cls, rand(n, inter))
+    up = call(operator.getitem, (c, (Ellipsis, slice(inter, None))), act_path, cls, rand(n, inter))
     if act == "gelu_tanh":  # GeluAndMul(approximate="tanh"), as Dynamo traces F.gelu
-        h = call(torch._C._nn.gelu, (gate,), act_path, cls, torch.randn(n, inter), approximate="tanh")
+        h = call(torch._C._nn.gelu, (gate,), act_path, cls, rand(n, inter), approximate="tanh")
     else:
         fn = torch.nn.functional.silu if act == "silu" else torch.nn.functional.gelu
-        h = call(fn, (gate,), act_path, cls, torch.randn(n, inter))
-    out = call(operator.mul, (h, up), act_path, cls, torch.randn(n, inter))
+        h = call(fn, (gate,), act_path, cls, rand(n, inter))
+    out = call(operator.mul, (h, up), act_path, cls, rand(n, inter))
     g.output((out, s))
     return g, handler
 
@@ -454,3 +459,23 @@ def test_a_norm_weight_offset_other_than_one_is_not_gemmas(monkeypatch):
     names = [r["kind"] for r in backend.STATE.regions]
     rec = backend.STATE.recorded[0][1][names.index("fused_add_rms_norm")]
     torch.testing.assert_close(rec["inputs"], [x, res, w + 2.0])
+
+
+def test_a_half_precision_gemma_norm_gives_the_gemma_kinds_on_the_stored_weight(monkeypatch):
+    """fp16 / bf16 Gemma: the op's weight w.float() + 1.0 is float32, not x's dtype, so the norm is
+    Gemma's (not a plain norm of another dtype's weight) and the regions it starts are the `gemma_`
+    kinds, which record the stored weight; in float32 they are the plain kinds (the tests above)."""
+    g, handler = _post_attention_graph(act="gelu_tanh", offset=1.0, dtype=torch.float16)
+    regions, _ = find_regions(g)
+    kinds = {r["kind"]: r for r in regions if r["supported"]}
+    assert set(kinds) == {"gemma_fused_add_rms_norm", "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_geglu",
+                          "geglu", "gelu_tanh_and_mul"}, [(r["kind"], r["reason"]) for r in regions]
+    assert kinds["gemma_rmsnorm_geglu"]["dims"] == {"hidden": 16, "intermediate": 24}
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
+    x, res, w = torch.randn(3, 16).half(), torch.randn(3, 16).half(), (torch.rand(16) - 0.5).half()
+    backend.STATE.record_pending = 1
+    run(x, res, w, handler.handler_tensor)
+    names = [r["kind"] for r in backend.STATE.regions]
+    rec = backend.STATE.recorded[0][1][names.index("gemma_fused_add_rmsnorm_linear")]
+    torch.testing.assert_close(rec["inputs"][:3], [x, res, w])  # the stored weight, in its own dtype

@@ -36,6 +36,9 @@ TOKEN_CASES = [
     ("gemma_fused_add_rms_norm", {"hidden": 100}, (1, 7, 33)),
     ("gelu_tanh_and_mul", {"intermediate": 50}, (1, 7, 33)),
     ("geglu", {"hidden": 48, "intermediate": 40}, (1, 7, 20)),
+    ("gemma_rmsnorm_linear", {"hidden": 96, "out": 40}, (1, 7, 20)),
+    ("gemma_fused_add_rmsnorm_linear", {"hidden": 64, "out": 40}, (1, 5)),
+    ("gemma_rmsnorm_geglu", {"hidden": 80, "intermediate": 48}, (1, 7)),
 ]
 ATTENTION_CASES = [  # (batch, heads, q_len, kv_len, head_dim, kv_heads), KV splits
     ((2, 8, 1, 96, 32, 4), 4),

@@ -37,6 +37,8 @@ DIMS = {"rms_norm": {"hidden": 64}, "fused_add_rms_norm": {"hidden": 64}, "silu_
         "rmsnorm_swiglu": {"hidden": 64, "intermediate": 32}, "rmsnorm_geglu": {"hidden": 64, "intermediate": 32},
         "gemma_rms_norm": {"hidden": 64}, "gemma_fused_add_rms_norm": {"hidden": 64},
         "gelu_tanh_and_mul": {"intermediate": 64}, "geglu": {"hidden": 64, "intermediate": 32},
+        "gemma_rmsnorm_linear": {"hidden": 64, "out": 32}, "gemma_fused_add_rmsnorm_linear": {"hidden": 64, "out": 32},
+        "gemma_rmsnorm_geglu": {"hidden": 64, "intermediate": 32},
         "attention": {"batch": 1, "heads": 2, "q_len": 1, "kv_len": 64, "head_dim": 16, "kv_heads": 1},
         "qk_norm_attention": {"batch": 1, "heads": 2, "q_len": 1, "kv_len": 64, "head_dim": 16, "kv_heads": 1}}
 PROVEN = tuple(sorted(ORACLES))

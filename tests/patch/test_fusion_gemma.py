@@ -141,3 +141,40 @@ def test_a_norm_weight_computed_after_the_sum_still_gives_the_region(gemm):
     args = [x_(), x_(), w_(H), qkv.arg]
     tab = table(("fused_add_rmsnorm_linear", (F32, (H, QKV), EPS)))
     assert rewrite(fn, args, tab) == ({"fused_add_rmsnorm_linear": 1}, {"fused_add_rmsnorm_linear"})
+
+
+F16 = torch.float16
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_half_precision_gemma_layer_is_served_on_the_stored_norm_weight(gemm):
+    """fp16 / bf16 Gemma: vLLM's norm weight w.float() + 1 is float32, not the activations' dtype, so
+    no plain region takes the norm (their kernels multiply by a weight of x's dtype); the `gemma_`
+    kinds take it on the stored weight: layer 0's input norm + qkv, a later layer's residual add +
+    norm + qkv, the norm before the MLP with gate_up + GeGLU, and the final norm as the Gemma op."""
+    qkv, gate_up = Proj(gemm, QKV, F16), Proj(gemm, 2 * INTER, F16)
+
+    def layers(x, g0, wq, g1, wg, g2, g3):
+        h = gemma_norm(x, g0)  # layer 0's input norm: no residual yet
+        a = qkv(h, wq)[:, :H]  # stands in for attention
+        h, s = gemma_add_norm(a, x, g1)  # the norm before the MLP
+        m = gelu_mul(gate_up(h, wg))[:, :H]  # stands in for down_proj
+        h, s = gemma_add_norm(m, s, g2)  # layer 1's input norm
+        a = qkv(h, wq)[:, :H]
+        return gemma_add_norm(a, s, g3)[0]  # the final norm
+    args = [x_().half(), w_(H, dtype=F16), qkv.arg, w_(H, dtype=F16), gate_up.arg, w_(H, dtype=F16),
+            w_(H, dtype=F16)]
+    kinds = table(("gemma_rmsnorm_linear", (F16, (H, QKV), EPS)), ("gemma_fused_add_rmsnorm_linear", (F16, (H, QKV), EPS)),
+                  ("gemma_rmsnorm_geglu", (F16, (H, INTER), EPS)), ("gemma_fused_add_rms_norm", (F16, H, EPS)))
+    done, left = rewrite(layers, args, kinds)
+    assert done == {"gemma_rmsnorm_linear": 1, "gemma_fused_add_rmsnorm_linear": 1, "gemma_rmsnorm_geglu": 1,
+                    "gemma_fused_add_rms_norm": 1}
+    assert left == {"gemma_rmsnorm_linear", "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_geglu",
+                    "gemma_fused_add_rms_norm"}
+    # a plain region's kernel at the same keys takes no Gemma norm; without the final norm's own
+    # kernel the op form put in as the regions' marker goes back to vLLM's
+    plain = table(("rmsnorm_linear", (F16, (H, QKV), EPS)), ("fused_add_rmsnorm_linear", (F16, (H, QKV), EPS)),
+                  ("rmsnorm_geglu", (F16, (H, INTER), EPS)))
+    assert rewrite(layers, args, plain) == ({}, set())
+    done, left = rewrite(layers, args, table(("gemma_rmsnorm_linear", (F16, (H, QKV), EPS))))
+    assert done == {"gemma_rmsnorm_linear": 2} and left == {"gemma_rmsnorm_linear"}  # the residual add beside it

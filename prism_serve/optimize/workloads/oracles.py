@@ -139,6 +139,28 @@ def _with_bias(g: SGraph, name: str) -> SGraph:
     return SGraph(f"{name}_oracle", g.program, (), (BlockKernel(name, k.grid, k.forloop, nodes),))
 
 
+def _gemma(g: SGraph, name: str) -> SGraph:
+    """A norm oracle on Gemma's weight: the loaded g tile becomes 1 + g before its first use."""
+    (k,) = g.kernels
+    nodes = []
+    for n in k.nodes:
+        if n.op == "load" and n.attr("tensor") == "g":
+            nodes += [n, node("one", "const", value=1.0), node("g1", "add", n.name, "one")]
+        else:
+            nodes.append(replace(n, inputs=tuple("g1" if i == "g" else i for i in n.inputs)))
+    return SGraph(f"{name}_oracle", g.program, g.intermediates, (BlockKernel(name, k.grid, k.forloop, tuple(nodes)),))
+
+
+def gemma_rmsnorm_linear(prog: Program) -> SGraph:
+    """rmsnorm_linear's loop over hidden, on x * (1 + g)."""
+    return _gemma(rmsnorm_linear(prog), "gemma_rmsnorm_linear")
+
+
+def gemma_fused_add_rmsnorm_linear(prog: Program) -> SGraph:
+    """fused_add_rmsnorm_linear's loop (writing r), on r * (1 + g)."""
+    return _gemma(fused_add_rmsnorm_linear(prog), "gemma_fused_add_rmsnorm_linear")
+
+
 def rmsnorm_linear_bias(prog: Program) -> SGraph:
     """rmsnorm_linear's loop, the bias added in the epilogue."""
     return _with_bias(rmsnorm_linear(prog), "rmsnorm_linear_bias")
@@ -210,6 +232,11 @@ def rmsnorm_geglu(prog: Program) -> SGraph:
     return SGraph("rmsnorm_geglu_oracle", prog, (), (BlockKernel("rmsnorm_geglu", k.grid, k.forloop, nodes),))
 
 
+def gemma_rmsnorm_geglu(prog: Program) -> SGraph:
+    """rmsnorm_geglu's loop, on x * (1 + g)."""
+    return _gemma(rmsnorm_geglu(prog), "gemma_rmsnorm_geglu")
+
+
 def attention(prog: Program) -> SGraph:
     """Split-KV (flash-decoding): S splits of the KV sequence, each an online-softmax loop of F
     steps writing an unnormalised partial output, its row sum and row max; a combine kernel
@@ -262,6 +289,8 @@ ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rmsnorm_linear_bias": rmsnorm_linear_bias, "fused_add_rmsnorm_linear_bias": fused_add_rmsnorm_linear_bias,
     "gemma_rms_norm": gemma_rms_norm, "gemma_fused_add_rms_norm": gemma_fused_add_rms_norm,
     "gelu_tanh_and_mul": gelu_tanh_and_mul, "geglu": geglu,
+    "gemma_rmsnorm_linear": gemma_rmsnorm_linear, "gemma_fused_add_rmsnorm_linear": gemma_fused_add_rmsnorm_linear,
+    "gemma_rmsnorm_geglu": gemma_rmsnorm_geglu,
     "attention": attention,
     "qk_norm_attention": qk_norm_attention,
 }

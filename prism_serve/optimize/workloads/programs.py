@@ -125,6 +125,27 @@ def fused_add_rmsnorm_linear(hidden: int = 4096, out: int | None = None, dtype: 
     ), ("y", "r"))
 
 
+def _gemma(prog: Program, name: str) -> Program:
+    """A norm + projection Program on Gemma's norm: the norm scales by 1 + g, g the stored weight
+    (vLLM's GemmaRMSNorm hands its RMSNorm op `g.float() + 1.0`; in float32, rounded once as there)."""
+    inputs = [n for n in prog.nodes if n.op == "input"]
+    body = [replace(n, inputs=tuple("g1" if i == "g" else i for i in n.inputs)) for n in prog.nodes if n.op != "input"]
+    return Program(name, tuple(inputs + [node("one", "const", value=1.0), node("g1", "add", "g", "one")] + body),
+                   prog.outputs)
+
+
+def gemma_rmsnorm_linear(hidden: int = 4096, out: int | None = None, dtype: str = "float16",
+                         eps: float = EPS) -> Program:
+    """Gemma's first input norm + qkv: y = rms_norm(x) * (1 + g) @ W^T."""
+    return _gemma(rmsnorm_linear(hidden, out, dtype, eps), "gemma_rmsnorm_linear")
+
+
+def gemma_fused_add_rmsnorm_linear(hidden: int = 4096, out: int | None = None, dtype: str = "float16",
+                                   eps: float = EPS) -> Program:
+    """Gemma's input side: r = x + residual; y = rms_norm(r) * (1 + g) @ W^T. Outputs (y, r)."""
+    return _gemma(fused_add_rmsnorm_linear(hidden, out, dtype, eps), "gemma_fused_add_rmsnorm_linear")
+
+
 def _with_bias(prog: Program, name: str) -> Program:
     """A norm + projection Program whose projection adds a bias b (as Qwen2's qkv): the input b
     after w, the product renamed p, and y = p + b; the outputs stay as they were."""
@@ -202,6 +223,12 @@ def rmsnorm_geglu(hidden: int = 4096, intermediate: int | None = None, dtype: st
     nodes = tuple(replace(n, name=renamed.get(n.name, n.name), op="gelu_tanh" if n.op == "silu" else n.op,
                           inputs=tuple(renamed.get(i, i) for i in n.inputs)) for n in base.nodes)
     return Program("rmsnorm_geglu", nodes, base.outputs)
+
+
+def gemma_rmsnorm_geglu(hidden: int = 4096, intermediate: int | None = None, dtype: str = "float16",
+                        eps: float = EPS) -> Program:
+    """rmsnorm_geglu on Gemma's norm, scaling by 1 + g: Gemma's pre-MLP norm + gate_up + GeGLU."""
+    return _gemma(rmsnorm_geglu(hidden, intermediate, dtype, eps), "gemma_rmsnorm_geglu")
 
 
 def _attention_nodes(q: str, k: str, v: str, head_dim: int) -> list[Node]:
@@ -287,6 +314,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("gemma_fused_add_rms_norm", gemma_fused_add_rms_norm, {"hidden": 4096},
              default_num_tokens=(1, 16, 256, 4096)),
     Workload("gelu_tanh_and_mul", gelu_tanh_and_mul, {"intermediate": 4096}, default_num_tokens=(1, 16, 256, 4096)),
+    Workload("gemma_rmsnorm_linear", gemma_rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("gemma_fused_add_rmsnorm_linear", gemma_fused_add_rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("gemma_rmsnorm_geglu", gemma_rmsnorm_geglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
 )}
 PRISM_WORKLOADS = ("rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention")
 
