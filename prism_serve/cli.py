@@ -65,6 +65,8 @@ def doctor(
     capture: bool = typer.Option(False, "--capture",
                                  help="take the model's sites from a vLLM capture (the fusion pass's matcher) even "
                                       "where config.json tells them; an architecture it does not is always captured"),
+    dtype: str = typer.Option("auto", "--dtype", help="the dtype vLLM serves the model in, as `vllm serve --dtype` "
+                                                      "(auto: vLLM's default, bfloat16 for a float32 checkpoint)"),
 ) -> None:
     """Show versions, the device kernels would run on, where the registry lives, and with a
     model, which of its layers the vLLM plugin would patch here and why the others would not."""
@@ -73,7 +75,7 @@ def doctor(
         from prism_serve.patch.doctor import patch_report
 
         try:
-            report["patch"] = patch_report(model, capture=True if capture else None)
+            report["patch"] = patch_report(model, dtype=dtype, capture=True if capture else None)
         except (PrismError, OSError, ValueError) as exc:
             raise _fail(exc) from None
     if as_json:
@@ -112,6 +114,9 @@ def warmup(
                                                                     "configured one)"),
     budget: float = typer.Option(60.0, "--budget", help="search seconds per region"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the warmup report here"),
+    dtype: str = typer.Option("auto", "--dtype", help="the dtype vLLM serves the model in, as `vllm serve --dtype`: "
+                                                      "auto (vLLM's default: bfloat16 for a float32 checkpoint), "
+                                                      "float32, bfloat16 or float16"),
 ) -> None:
     """Capture a model under vLLM, superoptimize its hot regions, check them against vLLM, store them."""
     interpret_unless_gpu()
@@ -128,11 +133,11 @@ def warmup(
             def progress(stage: str, done: int, total: int) -> None:
                 bar.update(task, description=stage, completed=done, total=max(total, 1))
 
-            report = run_warmup(model, registry=registry, budget_s=budget, progress=progress)
+            report = run_warmup(model, registry=registry, budget_s=budget, progress=progress, dtype=dtype)
     except PrismError as exc:
         raise _fail(exc) from None
     table = Table("region", "kernel", "buckets", "verified", "vs vLLM modeled", "vs vLLM measured", "status",
-                  title=f"warmup of {report.model} on {report.device} in {report.seconds:.1f} s"
+                  title=f"warmup of {report.model} ({report.dtype}) on {report.device} in {report.seconds:.1f} s"
                   + (": nothing new" if report.nothing_new else "")
                   + " (speedups per bucket, over vLLM's path for the region)")
     for r in report.regions:

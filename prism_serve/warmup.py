@@ -16,7 +16,12 @@ reported with the reason and skipped, and the run goes on (`run_status`). Every 
 only when it measured faster;
 on the CPU nothing is measured, so kernels stay `verified` (PRISM_SERVE_FORCE=1 uses them).
 
-A capture report is cached per model fingerprint (config, weight files, versions):
+Kernels are for the dtype vLLM runs the model in, and keyed by it: warmup captures the model in
+the dtype it is asked for (`dtype`, as `vllm serve --dtype`; "auto", vLLM's default, runs a float32
+checkpoint in bfloat16), so the regions, their Programs and the outputs checked against are vLLM's
+in that dtype.
+
+A capture report is cached per model fingerprint (config, weight files, dtype, versions):
 a second run whose regions all have kernels for this device finishes without vLLM.
 """
 
@@ -64,9 +69,10 @@ class WarmupReport:
     seconds: float
     nothing_new: bool
     regions: list[RegionOutcome]
+    dtype: str = ""  # the dtype vLLM ran the model in, which every kernel stored is for
 
     def to_json(self) -> dict:
-        return {"model": self.model, "device": self.device, "seconds": self.seconds,
+        return {"model": self.model, "device": self.device, "dtype": self.dtype, "seconds": self.seconds,
                 "nothing_new": self.nothing_new, "regions": [asdict(r) for r in self.regions]}
 
 
@@ -78,11 +84,13 @@ def bucket_ranges(buckets: list[int]) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(lows, sizes[:-1] + [MAX_TOKENS])]
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """What a capture depends on: the config, the weight files (name, size, mtime), the versions."""
+def model_fingerprint(model_dir: Path, dtype: str = "auto") -> str:
+    """What a capture depends on: the config, the weight files (name, size, mtime), the dtype asked
+    of vLLM, the versions."""
     from prism_serve.registry.store import current_versions
 
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    h.update(f"dtype:{dtype}".encode())
     for p in sorted(model_dir.iterdir()):
         if p.suffix in (".safetensors", ".bin", ".pt"):
             st = p.stat()
@@ -193,8 +201,10 @@ def known_designs(session, prog) -> list:
 
 
 def warmup(model: str | Path | None = None, *, registry: str | None = None, budget_s: float = 60.0,
-           progress: Progress | None = None) -> WarmupReport:
-    """Capture, optimize, check and store kernels for `model` on this device (see the module doc)."""
+           progress: Progress | None = None, dtype: str = "auto") -> WarmupReport:
+    """Capture, optimize, check and store kernels for `model` on this device (see the module doc),
+    for the dtype vLLM runs it in: `dtype` as vLLM's own (`vllm serve --dtype`; "auto", vLLM's
+    default, runs a float32 checkpoint in bfloat16)."""
     from prism_serve.capture.embedded import resolve_model
     from prism_serve.patch.device import current_device
     from prism_serve.registry.db import open_registry
@@ -204,10 +214,10 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
     model_dir = resolve_model(model)
     if not (model_dir / "config.json").is_file():
         from prism_serve.capture.runner import capture  # its validation gives the precise one-line error
-        capture(model)
+        capture(model, dtype)
     name = str(model) if model is not None else model_dir.name
     device, device_type = current_device(use_vllm=False, measure=True)
-    key = model_fingerprint(model_dir)
+    key = model_fingerprint(model_dir, dtype)
     env = current_versions()
     cached = _cached_capture(key)
     stored = _all_stored(registry, cached, device, env) if cached is not None else None
@@ -215,12 +225,12 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
         return WarmupReport(name, device.fingerprint, time.perf_counter() - start, True, [
             RegionOutcome(r["kind"], r["program_hash"], r["layers"], [tuple(b) for b in bucket_ranges(r["buckets"])],
                           status="stored", reason="kernels already in the registry")
-            for r in stored])
+            for r in stored], cached.get("dtype", ""))
     from prism_serve.capture.runner import capture
 
     if progress:
         progress("capture under vLLM", 0, 1)
-    captured = capture(model)  # before the registry is opened: a model that fails leaves no registry behind
+    captured = capture(model, dtype)  # before the registry is opened: a model that fails leaves no registry behind
     reg = open_registry(registry)
     try:
         with reg.write() as s:
@@ -249,7 +259,7 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
                      for r in captured.regions if not r.supported]
         if progress:
             progress("done", len(supported), len(supported))
-        report = WarmupReport(name, device.fingerprint, time.perf_counter() - start, False, outcomes)
+        report = WarmupReport(name, device.fingerprint, time.perf_counter() - start, False, outcomes, captured.dtype)
         with reg.write() as s:
             finish_warmup(s, run_id, run_status(outcomes), report.to_json())
         _store_capture(key, captured.to_json())

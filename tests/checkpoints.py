@@ -16,6 +16,9 @@ import torch
 
 from prism_serve.capture.embedded import EMBEDDED, embedded_path
 
+# the dtype the tests' vLLM runs models in (tests/patch/vllm_child.py), so captures and warmups are
+# asked for it: vLLM's default ("auto") would run these float32 checkpoints in bfloat16
+DTYPE = "float32"
 _BASE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 256,
          "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "vocab_size": 256, "tie_word_embeddings": False,
@@ -27,6 +30,12 @@ ARCH_CONFIGS: dict[str, dict] = {
     "tiny-qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
     "tiny-gemma": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu_pytorch_tanh",
                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    # Gemma in half precision, where its norm's float32 weight w + 1 is not the activations' dtype
+    # (float16: on AMX machines vLLM's CPU build runs small bfloat16 weights through its own GEMM,
+    # which prism does not match, and float16 ones through oneDNN, as every large weight)
+    "tiny-gemma-fp16": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+                        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                        "tie_word_embeddings": True, "torch_dtype": "float16"},
     "tiny-gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
                     "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
                     "tie_word_embeddings": True, "query_pre_attn_scalar": 32, "sliding_window": 4096,
@@ -47,6 +56,13 @@ BERT_CONFIG = {"architectures": ["BertModel"], "model_type": "bert", "hidden_siz
                "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "gelu", "max_position_embeddings": 256,
                "type_vocab_size": 2, "layer_norm_eps": 1e-12, "vocab_size": 256, "pad_token_id": 0,
                "torch_dtype": "float32"}
+
+
+def dtype_of(model: str) -> str:
+    """The dtype the tests run `model` in: its config's, where that is a half precision one (which
+    vLLM then keeps), else `DTYPE`."""
+    dtype = config_of(model).get("torch_dtype")
+    return dtype if dtype in ("float16", "bfloat16") else DTYPE
 
 
 def config_of(model: str) -> dict:

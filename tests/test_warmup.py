@@ -17,6 +17,7 @@ from prism_serve.registry import open_registry
 from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, warmup
 
+from .checkpoints import DTYPE
 from .patch.vllm_run import config, run_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +36,14 @@ def warmed(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("PRISM_SERVE_REGISTRY", "PRISM_SERVE_FORCE")}
     try:
         stages = []
-        first = warmup(None, registry=url, progress=lambda stage, done, total: stages.append(stage))
-        second = warmup(None, registry=url)
+        first = warmup(None, registry=url, progress=lambda stage, done, total: stages.append(stage), dtype=DTYPE)
+        second = warmup(None, registry=url, dtype=DTYPE)
         # without the cached capture, with the plugin pointed at the warmed registry and forced on:
         # capture must still see vLLM's own ops, and every plan is reused instead of searched
         for f in (tmp / "cache" / "captures").glob("*.json"):
             f.unlink()
         os.environ.update(PRISM_SERVE_REGISTRY=url, PRISM_SERVE_FORCE="1")
-        third = warmup(None, registry=url)
+        third = warmup(None, registry=url, dtype=DTYPE)
     finally:
         for k, v in {"PRISM_SERVE_CACHE": old, **saved}.items():
             if v is None:
@@ -136,7 +137,7 @@ def test_the_doctor_finds_every_stored_kind_serving_layers(warmed):
     from prism_serve.patch.doctor import patch_report
 
     _, _, url, _, _ = warmed
-    report = patch_report("tiny-llama", url, force=True)
+    report = patch_report("tiny-llama", url, force=True, dtype=DTYPE)
     assert set(report["served"]) == SERVED and report["unserved"] == []
     assert report["served"]["rmsnorm_swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert report["served"]["fused_add_rms_norm"] == ["model.norm"]
@@ -163,3 +164,25 @@ def test_a_warmup_that_fails_on_a_bad_model_leaves_no_registry_behind(tmp_path, 
     with pytest.raises(PrismError, match="must hold a JSON object"):
         warmup(model, registry=str(registry))
     assert not registry.exists() and not registry.parent.exists()
+
+
+def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, monkeypatch):
+    """`prism-serve warmup` with no --dtype warms what `vllm serve` runs by default: vLLM's
+    dtype="auto", which runs the float32 tiny Llama in bfloat16 (kernels for float32 would serve
+    nothing there). vLLM then runs the stored kernels, in its default dtype and compiled mode."""
+    monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    report = warmup(None, registry=url)
+    assert report.dtype == "bfloat16"
+    stored = {r.kind for r in report.regions if r.status in ("verified", "enabled")}
+    assert stored >= {"fused_add_rms_norm"}  # the final norm, whichever GEMM this CPU's vLLM runs
+    reg = open_registry(url, readonly=True)
+    with reg.read() as s:
+        assert {k.dtype for k in list_kernels(s)} == {"bfloat16"}
+    reg.close()
+    model = ROOT / "prism_serve" / "capture" / "models" / "tiny-llama"
+    runs = run_vllm(model, tmp_path, [config("stock", url, "compiled", dtype="auto", PRISM_SERVE_DISABLE="1"),
+                                      config("prism", url, "compiled", dtype="auto")])
+    ran = runs["prism"]["runs"]["compiled"]["kernel"]
+    assert all(ran[k] > 0 for k in stored), (stored, ran)
+    assert runs["prism"]["runs"]["compiled"]["tokens"] == runs["stock"]["runs"]["compiled"]["tokens"]

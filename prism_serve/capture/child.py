@@ -1,6 +1,7 @@
-"""The capture child process: `python -m prism_serve.capture.child MODEL_DIR OUT_DIR`.
+"""The capture child process: `python -m prism_serve.capture.child MODEL_DIR OUT_DIR [DTYPE]`.
 
-Starts vLLM on the model with the capture backend, records one prefill forward
+Starts vLLM on the model with the capture backend, in DTYPE (vLLM's `dtype`; default "auto", vLLM's
+own choice, which runs a float32 checkpoint in bfloat16: the dtype `vllm serve` runs it in), records one prefill forward
 (the region inputs/outputs for fidelity checks), then times a short batched
 generation with mixed prompt lengths under torch.profiler (a pooling model, which vLLM
 runs with its tokenizer, embeds the prompts instead and is reported as no prism target). Writes
@@ -74,6 +75,7 @@ def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[st
     def grab(model):
         import torch
 
+        dtype = next(model.parameters()).dtype
         mods = dict(model.named_modules())
         found, biased = {}, {}
         for path in paths:
@@ -90,8 +92,8 @@ def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[st
                 found[path], bias = w.detach().clone().cpu(), b
             else:
                 n = int(mod.input_size_per_partition)
-                with torch.no_grad():
-                    y = mod(torch.cat([torch.zeros(1, n), torch.eye(n)]).to(torch.float32))
+                with torch.no_grad():  # in the layer's own dtype: exact without a bias (products with 1)
+                    y = mod(torch.cat([torch.zeros(1, n), torch.eye(n)]).to(getattr(mod, "params_dtype", dtype)))
                 y = y[0] if isinstance(y, tuple) else y
                 found[path], bias = (y[1:] - y[:1]).t().contiguous().cpu(), y[0]
             if bias is not None and bias.numel() > 0 and bool(bias.detach().abs().max() > 0):
@@ -172,6 +174,7 @@ def _group_times(prof) -> tuple[dict[str, float], float]:
 
 def main(argv: list[str]) -> int:
     model_dir, out = Path(argv[0]), Path(argv[1])
+    dtype = argv[2] if len(argv) > 2 else "auto"
     os.environ.update(ENV)
     try:
         config = json.loads((model_dir / "config.json").read_text())
@@ -193,7 +196,7 @@ def main(argv: list[str]) -> int:
         # vLLM's pooling runner needs the model's tokenizer; a decoder needs none (prompts are token ids)
         tokenizer = any((model_dir / f).is_file() for f in TOKENIZER_FILES)
         llm = LLM(model=str(model_dir), load_format="auto" if has_weights else "dummy",
-                  skip_tokenizer_init=not tokenizer, max_model_len=max_len, dtype="float32", enforce_eager=False, seed=0,
+                  skip_tokenizer_init=not tokenizer, max_model_len=max_len, dtype=dtype, enforce_eager=False, seed=0,
                   compilation_config={"mode": 2, "backend": "prism_serve.capture.backend.capture_backend",
                                       "ir_enable_torch_wrap": True})
     except Exception as exc:  # vLLM rejected the model or config
@@ -232,6 +235,7 @@ def main(argv: list[str]) -> int:
             regions = regions + _near_misses(regions, st.groups)
         torch.save({"recorded": st.recorded, "weights": weights}, out / "record.pt")
         result = {"ok": True, "model": str(model_dir), "architecture": (config.get("architectures") or [""])[0],
+                  "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
                   "load_format": "auto" if has_weights else "dummy", "runner": runner, "graph_nodes": st.graph_nodes,
                   "regions": regions, "classes": st.classes, "module_time_us": times, "forward_time_us": total,
                   "num_tokens": {str(k): v for k, v in sorted(st.num_tokens.items())},

@@ -14,7 +14,7 @@ from prism_serve.errors import PrismError
 
 def _table(result) -> str:
     head = f"{'region':<20} {'program':<12} {'dims':<40} {'layers':<10} {'time':>6}  buckets"
-    lines = [f"model {result.model} ({result.architecture}, {result.load_format} weights); "
+    lines = [f"model {result.model} ({result.architecture}, {result.load_format} weights, run in {result.dtype}); "
              f"num_tokens seen {result.num_tokens}", head, "-" * len(head)]
     for r in result.regions:
         dims = ",".join(f"{k}={v}" for k, v in r.dims.items()) + (f",eps={r.eps:g}" if r.eps is not None else "")
@@ -35,12 +35,14 @@ def capture_command(
         None, help=f"model directory with config.json, or an embedded model ({', '.join(EMBEDDED)}); "
                    f"default {DEFAULT_MODEL}"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the capture report as JSON here"),
+    dtype: str = typer.Option("auto", "--dtype", help="vLLM's dtype for the model: auto (vLLM's choice, as `vllm "
+                                                      "serve` runs it), float32, bfloat16 or float16"),
 ) -> None:
     """Run a model under vLLM, find its hot fusable regions and print them as Programs."""
     from prism_serve.capture.runner import capture
 
     try:
-        result = capture(model)
+        result = capture(model, dtype)
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

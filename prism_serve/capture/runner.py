@@ -108,10 +108,11 @@ class CaptureResult:
     attention_shapes: list[dict] = field(default_factory=list)
     runner: str = "generate"  # vLLM's runner for the model: "generate", or "pooling" (no prism target)
     classes: dict[str, str] = field(default_factory=dict)  # module path -> its class name, every level
+    dtype: str = ""  # the dtype vLLM ran the model in
 
     def to_json(self) -> dict:
         return {"model": self.model, "architecture": self.architecture, "load_format": self.load_format,
-                "runner": self.runner,
+                "runner": self.runner, "dtype": self.dtype,
                 "num_tokens_histogram": {str(k): v for k, v in self.num_tokens.items()}, "buckets": self.buckets,
                 "attention_shapes": self.attention_shapes, "regions": [r.to_json() for r in self.regions],
                 "classes": self.classes}
@@ -138,9 +139,9 @@ def _validate(model_dir: Path) -> None:
         raise CaptureError(f"{cfg} must hold a JSON object")
 
 
-def _run_child(model_dir: Path, out: Path) -> dict:
+def _run_child(model_dir: Path, out: Path, dtype: str) -> dict:
     env = dict(os.environ)
-    cmd = [sys.executable, "-m", "prism_serve.capture.child", str(model_dir), str(out)]
+    cmd = [sys.executable, "-m", "prism_serve.capture.child", str(model_dir), str(out), dtype]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -225,13 +226,20 @@ def _merge(instances: list[Instance], total_us: float, hist: dict[int, int],
     return sorted(merged.values(), key=lambda r: (not r.supported, -r.time_share))
 
 
-def capture(model: str | Path | None = None) -> CaptureResult:
-    """Capture `model` (a directory, an embedded model name, or None for the default embedded one)."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def capture(model: str | Path | None = None, dtype: str = "auto") -> CaptureResult:
+    """Capture `model` (a directory, an embedded model name, or None for the default embedded one)
+    as vLLM runs it in `dtype` (vLLM's `dtype`: "auto", vLLM's choice, is what `vllm serve` runs;
+    it runs a float32 checkpoint in bfloat16). The regions' Programs are in the dtype vLLM ran."""
+    if dtype not in DTYPES:
+        raise CaptureError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPES)}")
     model_dir = resolve_model(model)
     _validate(model_dir)
     with tempfile.TemporaryDirectory(prefix="prism-capture-") as tmp:
         out = Path(tmp)
-        result = _run_child(model_dir, out)
+        result = _run_child(model_dir, out, dtype)
         record = torch.load(out / "record.pt", weights_only=True)
     hist = {int(k): v for k, v in result["num_tokens"].items()}
     buckets = buckets_from_histogram(hist)
@@ -241,4 +249,4 @@ def capture(model: str | Path | None = None) -> CaptureResult:
     return CaptureResult(str(model) if model is not None else str(model_dir), result["architecture"],
                          result["load_format"], regions, instances, hist, buckets,
                          result["recorded_num_tokens"], result["seconds"], shapes, result.get("runner", "generate"),
-                         result.get("classes", {}))
+                         result.get("classes", {}), result.get("dtype", ""))

@@ -112,7 +112,9 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     and, per region kind the registry holds for the model's sizes, the layers it would serve.
     Each row names the region kind (`op`) and the chain of vLLM ops it matches (`pattern`); a
     patched row (compiled mode, vLLM's default) the kernels serving it, any other row why not;
-    `eager` whether eager mode (`enforce_eager`) serves it too, and if not, `eager_why`. `lora`: vLLM runs the model with
+    `eager` whether eager mode (`enforce_eager`) serves it too, and if not, `eager_why`. `dtype`:
+    the one vLLM serves the model in (`vllm serve --dtype`), None or "auto" for vLLM's default
+    (a float32 checkpoint runs in bfloat16): kernels are looked up for it. `lora`: vLLM runs the model with
     LoRA adapters (they wrap its projections). `capture`: a capture report to take the sites from,
     True to capture the model now, None to capture only an architecture not in `ARCHITECTURES`
     (`sites_from` in the report says which)."""
@@ -125,13 +127,16 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     arch = (cfg.get("architectures") or [""])[0]
     if capture is True or (capture is None and arch not in ARCHITECTURES):
         from prism_serve.capture.runner import capture as run_capture
-        capture = run_capture(path).to_json()
+        capture = run_capture(path, dtype or "auto").to_json()
     ran = {r["dtype"] for r in capture["regions"]} if isinstance(capture, dict) else set()
-    dtype = dtype or (ran.pop() if len(ran) == 1 else _dtype(cfg, path))  # what vLLM ran, where captured
+    ran = {capture["dtype"]} if isinstance(capture, dict) and capture.get("dtype") else ran
+    if dtype in (None, "auto"):  # what vLLM ran, where captured; else what its dtype="auto" runs
+        dtype = ran.pop() if len(ran) == 1 else serving_dtype(_dtype(cfg, path))
     device, device_type = current_device(use_vllm=False)
     url = resolve_url(registry)
     p = plan(url, device, device_type, force)
-    report = {"model": str(path), "architecture": arch, "dtype": dtype, "device": device.fingerprint,
+    report = {"model": str(path), "architecture": arch, "dtype": dtype, "model_dtype": _dtype(cfg, path),
+              "device": device.fingerprint,
               "registry": p.where, "plugin": p.state if p.state != "ready" else "would patch",
               "message": p.message, "skipped": dict(p.reasons), "layers": [], "served": {}, "unserved": []}
     if not isinstance(capture, dict):
@@ -221,9 +226,19 @@ def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dic
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
+def serving_dtype(model_dtype: str) -> str:
+    """The dtype vLLM's `dtype="auto"` runs a model of `model_dtype` in: its own, but float32 is
+    downcast to the platform's first supported dtype (bfloat16; float16 on a GPU without bfloat16)."""
+    if model_dtype != "float32":
+        return model_dtype
+    import torch
+
+    return "float16" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bfloat16"
+
+
 def _dtype(cfg: dict, path: Path) -> str:
-    """The dtype vLLM's `dtype="auto"` starts from: config.json's, else the weights' own (the
-    floating dtype most of their elements have, read from the safetensors headers), else float16."""
+    """The model's own dtype, which vLLM's `dtype="auto"` starts from: config.json's, else the weights'
+    own (the floating dtype most of their elements have, read from the safetensors headers), else float16."""
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or _weights_dtype(path) or "float16").replace("torch.", "")
 
 

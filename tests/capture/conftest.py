@@ -6,17 +6,17 @@ import pytest
 
 from prism_serve.capture import capture
 
-from ..checkpoints import write_checkpoint
+from ..checkpoints import DTYPE, write_checkpoint
 
 
 @pytest.fixture(scope="session")
 def llama_capture():
-    return capture("tiny-llama")
+    return capture("tiny-llama", DTYPE)
 
 
 @pytest.fixture(scope="session")
 def qwen3_capture():
-    return capture("tiny-qwen3")
+    return capture("tiny-qwen3", DTYPE)
 
 
 @pytest.fixture(scope="session")
@@ -27,4 +27,4 @@ def real_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_capture(real_checkpoint):
-    return capture(real_checkpoint[0])
+    return capture(real_checkpoint[0], DTYPE)

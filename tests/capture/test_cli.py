@@ -26,7 +26,7 @@ def _invoke(*args):
 
 
 def test_report_table_and_json(llama_capture, monkeypatch, tmp_path):
-    monkeypatch.setattr(capture_runner, "capture", lambda model: llama_capture)
+    monkeypatch.setattr(capture_runner, "capture", lambda model, dtype: llama_capture)
     out = tmp_path / "report.json"
     res = _invoke("tiny-llama", "--json", out)
     assert res.exit_code == 0, res.output

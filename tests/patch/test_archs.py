@@ -1,7 +1,7 @@
 """Decoder architectures beyond Llama and Qwen3, end to end on tiny random-weight checkpoints:
 `warmup` (capture under vLLM, search, check against vLLM, store), then one vLLM process per
 architecture running stock vLLM and vLLM with the plugin on the warmed registry, eager and
-compiled: greedy tokens must be identical, and every region kind that capture reported and
+compiled, both in the dtype the tests run the checkpoint in (`dtype_of`): greedy tokens must be identical, and every region kind that capture reported and
 warmup stored must have run as a prism kernel in compiled mode, except the (architecture, kind)
 pairs of `NOT_SERVED`, each with the reason, which are checked to still be unserved (so the
 list shrinks when serving closes a gap).
@@ -34,7 +34,11 @@ computes; fp32 only), rmsnorm_geglu (the norm before the MLP + gate_up + tanh GE
 since 2026-12-04, where geglu and a Gemma norm ran before), gemma_fused_add_rms_norm (the final
 norm) and, Gemma 2 only, gemma_rms_norm (its post-attention and post-feedforward norms), and serve
 every one of them in compiled mode with no fallback (2026-12-04, 7 forwards: rmsnorm_geglu 14 calls
-in each, gemma_rms_norm 28 in Gemma 2); nothing runs in eager mode (no class hook for Gemma). The tiny Gemma checkpoints repeat one
+in each, gemma_rms_norm 28 in Gemma 2); nothing runs in eager mode (no class hook for Gemma). Gemma in float16 (tiny-gemma-fp16, run in
+its own dtype: its norm weight w + 1 is float32, so the plain kinds cannot take it) stores and serves
+the `gemma_` kinds in compiled mode (2026-12-04, 7 forwards: gemma_rmsnorm_linear 7,
+gemma_fused_add_rmsnorm_linear 7, gemma_rmsnorm_geglu 14, gemma_fused_add_rms_norm 7 calls, no
+fallback, tokens identical; the search's fp16 outlier check refused two designs that overflow). The tiny Gemma checkpoints repeat one
 token per prompt (the cause is not investigated), so their token check is weaker than the
 others': warmup's check against vLLM's own outputs on the layers' real inputs is the stronger one.
 """
@@ -49,7 +53,7 @@ import pytest
 from prism_serve.capture.embedded import resolve_model
 from prism_serve.warmup import model_fingerprint, warmup
 
-from ..checkpoints import ARCH_CONFIGS, config_of, write_checkpoint
+from ..checkpoints import ARCH_CONFIGS, config_of, dtype_of, write_checkpoint
 from .vllm_run import config, run_vllm
 
 ARCHS = tuple(ARCH_CONFIGS)
@@ -86,15 +90,16 @@ def arch(request, arch_registry, tmp_path_factory):
     old = os.environ.get("PRISM_SERVE_CACHE")
     os.environ["PRISM_SERVE_CACHE"] = str(tmp / "cache")
     try:
-        report = warmup(path, registry=arch_registry)
-        capture = json.loads((tmp / "cache" / "captures" / f"{model_fingerprint(resolve_model(path))}.json").read_text())
+        report = warmup(path, registry=arch_registry, dtype=dtype_of(name))
+        key = model_fingerprint(resolve_model(path), dtype_of(name))
+        capture = json.loads((tmp / "cache" / "captures" / f"{key}.json").read_text())
     finally:
         if old is None:
             os.environ.pop("PRISM_SERVE_CACHE", None)
         else:
             os.environ["PRISM_SERVE_CACHE"] = old
-    runs = run_vllm(path, tmp, [config("stock", arch_registry, *MODES, PRISM_SERVE_DISABLE="1"),
-                                config("prism", arch_registry, *MODES)])
+    runs = run_vllm(path, tmp, [config("stock", arch_registry, *MODES, dtype=dtype_of(name), PRISM_SERVE_DISABLE="1"),
+                                config("prism", arch_registry, *MODES, dtype=dtype_of(name))])
     return {"name": name, "path": path, "registry": arch_registry, "biases": biases, "report": report,
             "capture": capture, "runs": runs}
 

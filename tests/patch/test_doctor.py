@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from prism_serve.patch.doctor import patch_report, print_patch_report
 
+from ..checkpoints import DTYPE
+
 
 REGIONS = ("swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu")
 
 
 def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
-    r = patch_report("tiny-qwen3", kernels_registry, force=True)
+    r = patch_report("tiny-qwen3", kernels_registry, force=True, dtype=DTYPE)
     assert r["plugin"] == "would patch" and r["device"].startswith("cpu:")
     ops = [row for row in r["layers"] if row["op"] not in REGIONS]
     assert len(ops) == 2 * 5 + 1  # per layer: input norm, q norm, k norm, post norm, act; the final norm
@@ -32,7 +34,7 @@ def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
 
 
 def test_decoder_regions_take_in_the_ops_they_span(regions_registry):
-    r = patch_report("tiny-llama", regions_registry, force=True)
+    r = patch_report("tiny-llama", regions_registry, force=True, dtype=DTYPE)
     by = {(row["layer"], row["op"]): row for row in r["layers"]}
     for i in (0, 1):
         p = f"model.layers.{i}."
@@ -54,13 +56,13 @@ def test_decoder_regions_take_in_the_ops_they_span(regions_registry):
 
 
 def test_reasons_when_nothing_would_be_patched(kernels_registry, tmp_path):
-    unforced = patch_report("tiny-llama", kernels_registry, force=False)
+    unforced = patch_report("tiny-llama", kernels_registry, force=False, dtype=DTYPE)
     assert unforced["plugin"] == "nothing"
     assert "PRISM_SERVE_FORCE=1 would use the verified ones" in unforced["layers"][0]["why"]
     other_dtype = patch_report("tiny-llama", kernels_registry, dtype="float16", force=True)
     norm = next(row for row in other_dtype["layers"] if row["layer"] == "model.layers.0.input_layernorm")
     assert "no kernel in the registry for rms_norm (128, float16, eps 1e-06)" in norm["why"]
-    missing = patch_report("tiny-llama", str(tmp_path / "none.db"))
+    missing = patch_report("tiny-llama", str(tmp_path / "none.db"), dtype=DTYPE)
     assert "no registry at" in missing["layers"][0]["why"] and not (tmp_path / "none.db").exists()
 
 
@@ -68,19 +70,24 @@ def test_report_prints_as_a_table(kernels_registry):
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    print_patch_report(patch_report("tiny-llama", kernels_registry, force=True), console)
+    print_patch_report(patch_report("tiny-llama", kernels_registry, force=True, dtype=DTYPE), console)
     text = console.export_text()
     assert "model.layers.1.mlp.act_fn" in text and "1-8: kernel" in text and "would patch" in text
 
 
 def test_dtype_comes_from_the_weights_when_config_json_has_none(kernels_registry, tmp_path):
+    """The model's own dtype is config.json's, else its weights'; the one kernels are looked up for
+    is what vLLM's dtype="auto" runs it in: float32 is downcast to bfloat16 (or asked for)."""
     from tests.checkpoints import write_checkpoint
 
     write_checkpoint("tiny-llama", tmp_path / "fp32", drop_dtype=True)
     r = patch_report(tmp_path / "fp32", kernels_registry, force=True)
-    assert r["dtype"] == "float32"  # the weights are float32; float16 was the old guess
+    assert r["model_dtype"] == "float32"  # the weights are float32; float16 was the old guess
+    assert r["dtype"] == "bfloat16"  # what `vllm serve` runs it in, so the float32 kernels serve nothing
+    assert not any(row["patched"] for row in r["layers"])
+    r = patch_report(tmp_path / "fp32", kernels_registry, force=True, dtype="float32")
     norm = next(row for row in r["layers"] if row["layer"] == "model.layers.0.input_layernorm")
-    assert norm["patched"]  # so the float32 kernels are found
+    assert norm["patched"]  # served with --dtype float32
     half = {k: v.half() for k, v in write_checkpoint("tiny-llama", tmp_path / "fp16", drop_dtype=True).items()}
     from safetensors.torch import save_file
     save_file(half, str(tmp_path / "fp16" / "model.safetensors"))
@@ -102,7 +109,7 @@ def test_json_names_each_rows_pattern_its_kernels_or_why_not(regions_registry, m
 
     monkeypatch.setenv("PRISM_SERVE_REGISTRY", regions_registry)
     monkeypatch.setenv("PRISM_SERVE_FORCE", "1")
-    res = CliRunner().invoke(app, ["doctor", "tiny-llama", "--json"])
+    res = CliRunner().invoke(app, ["doctor", "tiny-llama", "--json", "--dtype", DTYPE])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["patch"]["layers"]
     assert {r["op"] for r in rows} == {k for k, kind in KINDS.items() if kind.hook != "pattern"}
@@ -128,8 +135,8 @@ def test_quantized_weights_lora_and_an_unsupported_dtype_are_named(regions_regis
     projections = {k for k, kind in KINDS.items() if "linear" in kind.vllm_path}
     cfg = json.loads((embedded_path("tiny-llama") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
-    for report, why in ((patch_report(tmp_path, regions_registry, force=True), "quantized weight (fp8)"),
-                        (patch_report("tiny-llama", regions_registry, force=True, lora=True), "LoRA: adapters")):
+    for report, why in ((patch_report(tmp_path, regions_registry, force=True, dtype=DTYPE), "quantized weight (fp8)"),
+                        (patch_report("tiny-llama", regions_registry, force=True, lora=True, dtype=DTYPE), "LoRA: adapters")):
         for r in report["layers"]:
             if r["op"] in projections:
                 assert not r["patched"] and r["why"].startswith(why), r

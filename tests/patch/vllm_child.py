@@ -5,7 +5,7 @@ the config asks for, the plugin's status and the prism op counters per mode, as 
     python tests/patch/vllm_child.py MODEL_DIR OUT.json CONFIGS.json
 
 CONFIGS.json is a list of {"name", "env": {PRISM_SERVE_* settings}, "modes": ["eager", ...],
-"faults": optional (see `inject_faults`)}. The plugin acts once per process, so before each
+"dtype": optional (vLLM's, default float32), "faults": optional (see `inject_faults`)}. The plugin acts once per process, so before each
 config this script undoes what it patched (`patch.unpatch`), applies the config's settings and
 calls the entry point `patch.register()` itself (vLLM calls it only at its first start in a
 process), as a fresh process would. Each config's inductor and vLLM compile caches are its own
@@ -28,7 +28,7 @@ MODES = {"eager": {"enforce_eager": True},
 MARK = "prism-test: config "
 
 
-def run(model: str, mode: str) -> dict:
+def run(model: str, mode: str, dtype: str = "float32") -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -39,7 +39,7 @@ def run(model: str, mode: str) -> dict:
     has_weights = any(f.endswith(".safetensors") for f in os.listdir(model))
     t0 = time.time()
     llm = LLM(model=model, load_format="auto" if has_weights else "dummy", skip_tokenizer_init=True,
-              max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8, dtype="float32", seed=0,
+              max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8, dtype=dtype, seed=0,
               **MODES[mode])
     cc = llm.llm_engine.vllm_config.compilation_config
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
@@ -104,7 +104,7 @@ def run_config(model: str, config: dict, scratch: str) -> dict:
     undo = inject_faults(config["faults"]) if config.get("faults") else None
     try:
         patch.register()
-        result: dict = {"runs": {mode: run(model, mode) for mode in config["modes"]}}
+        result: dict = {"runs": {mode: run(model, mode, config.get("dtype", "float32")) for mode in config["modes"]}}
     finally:
         if undo is not None:
             undo()

@@ -39,7 +39,9 @@ def run_vllm(model: Path, tmp: Path, configs: list[dict]) -> dict:
     return results
 
 
-def config(name: str, registry: str | None, *modes: str, faults: dict | None = None, **env) -> dict:
-    """A vllm_child config: the plugin forced (verified kernels) on `registry`, as a fresh process."""
+def config(name: str, registry: str | None, *modes: str, faults: dict | None = None, dtype: str = "float32",
+           **env) -> dict:
+    """A vllm_child config: the plugin forced (verified kernels) on `registry`, as a fresh process,
+    vLLM running the model in `dtype`."""
     env = {"PRISM_SERVE_FORCE": "1", **({"PRISM_SERVE_REGISTRY": registry} if registry is not None else {}), **env}
-    return {"name": name, "env": env, "modes": list(modes), **({"faults": faults} if faults else {})}
+    return {"name": name, "env": env, "modes": list(modes), "dtype": dtype, **({"faults": faults} if faults else {})}
