@@ -426,18 +426,23 @@ def test_exact_gelu_is_reported_unsupported_not_as_geglu():
     assert "geglu" not in {r["kind"] for r in regions}
 
 
+def _recorded(monkeypatch, g: fx.Graph, kind: str, *inputs) -> dict:
+    """What the capture backend records for the region `kind` of `g` on one forward of `inputs`."""
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
+    backend.STATE.record_pending = 1
+    run(*inputs)
+    names = [r["kind"] for r in backend.STATE.regions]
+    return backend.STATE.recorded[0][1][names.index(kind)]
+
+
 def test_gemma_norm_is_reported_with_its_stored_weight(monkeypatch):
     g, handler = _post_attention_graph(act="gelu_tanh", offset=1.0)
     regions, _ = find_regions(g)
     norm = next(r for r in regions if r["modules"] == ["layers.0.post_attention_layernorm"])
     assert norm["kind"] == "gemma_fused_add_rms_norm" and norm["supported"] and norm["dims"] == {"hidden": 16}
-    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
-    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
     x, res, w = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16) - 0.5
-    backend.STATE.record_pending = 1
-    run(x, res, w, handler.handler_tensor)
-    names = [r["kind"] for r in backend.STATE.regions]
-    rec = backend.STATE.recorded[0][1][names.index("gemma_fused_add_rms_norm")]
+    rec = _recorded(monkeypatch, g, "gemma_fused_add_rms_norm", x, res, w, handler.handler_tensor)
     torch.testing.assert_close(rec["inputs"], [x, res, w])  # the stored weight, not w + 1
     s = x + res
     want = torch.nn.functional.rms_norm(s, (16,), 1 + w, 1e-6)
@@ -451,13 +456,8 @@ def test_a_norm_weight_offset_other_than_one_is_not_gemmas(monkeypatch):
     regions, _ = find_regions(g)
     norm = next(r for r in regions if r["modules"] == ["layers.0.post_attention_layernorm"])
     assert norm["kind"] == "fused_add_rms_norm" and norm["supported"]
-    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
-    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
     x, res, w = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16) - 0.5
-    backend.STATE.record_pending = 1
-    run(x, res, w, handler.handler_tensor)
-    names = [r["kind"] for r in backend.STATE.regions]
-    rec = backend.STATE.recorded[0][1][names.index("fused_add_rms_norm")]
+    rec = _recorded(monkeypatch, g, "fused_add_rms_norm", x, res, w, handler.handler_tensor)
     torch.testing.assert_close(rec["inputs"], [x, res, w + 2.0])
 
 
@@ -471,11 +471,6 @@ def test_a_half_precision_gemma_norm_gives_the_gemma_kinds_on_the_stored_weight(
     assert set(kinds) == {"gemma_fused_add_rms_norm", "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_geglu",
                           "geglu", "gelu_tanh_and_mul"}, [(r["kind"], r["reason"]) for r in regions]
     assert kinds["gemma_rmsnorm_geglu"]["dims"] == {"hidden": 16, "intermediate": 24}
-    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
-    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
     x, res, w = torch.randn(3, 16).half(), torch.randn(3, 16).half(), (torch.rand(16) - 0.5).half()
-    backend.STATE.record_pending = 1
-    run(x, res, w, handler.handler_tensor)
-    names = [r["kind"] for r in backend.STATE.regions]
-    rec = backend.STATE.recorded[0][1][names.index("gemma_fused_add_rmsnorm_linear")]
+    rec = _recorded(monkeypatch, g, "gemma_fused_add_rmsnorm_linear", x, res, w, handler.handler_tensor)
     torch.testing.assert_close(rec["inputs"][:3], [x, res, w])  # the stored weight, in its own dtype
