@@ -183,7 +183,8 @@ def _eager(all_sites: list[Site], rows: list[dict], own: list[tuple[bool, str | 
     kernel_of: dict[Site, str] = {}
     for s, r, (has, why, kernel) in zip(all_sites, rows, own):
         inside = next((t for t in taken if s.modules < t.modules), None)
-        rule = _eager_rule(s, classes) if has else why
+        # the rule of the kind whose kernel serves it (a plain norm kernel takes a float32 Gemma norm)
+        rule = _eager_rule(Site(s.layer, kernel or s.op, s.dim, s.eps, s.note, s.spans), classes) if has else why
         if inside is not None:
             r.update(eager=True, eager_why=f"runs inside its layer's {kernel_of[inside]} kernel ({inside.layer})")
         elif rule is None:
@@ -289,17 +290,16 @@ def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dic
     if never is not None:
         row["why"] = never
         return row
-    kernel, entry = s.op, p.table.entry(s.op, TORCH_DTYPES[dtype], s.dim, s.eps) if p.table is not None else None
-    if entry is None and s.op.startswith("fused_add_rmsnorm_linear") and p.table is not None:
-        # the plugin adds the residual in torch and runs the norm + projection kernel on the sum
-        kernel = s.op.replace("fused_add_", "")
-        entry = p.table.entry(kernel, TORCH_DTYPES[dtype], s.dim, s.eps)
+    kernel, entry = _kernel(s, TORCH_DTYPES[dtype], p.table) if p.table is not None else (s.op, None)
     if entry is not None:
         row.update(patched=True, kernel=kernel)
         row["buckets"] = [f"{lo}-{hi}: kernel {lz.kernel_id}" for lo, hi, lz in zip(entry.los, entry.his,
                                                                                   entry.launchers)]
         row["why"] = "kernels for every num_tokens in these buckets; other sizes run vLLM's own path"
-        if kernel != s.op:
+        if kernel == s.op.removeprefix("gemma_") != s.op:  # a plain norm kernel on Gemma's computed weight
+            row["why"] += (f"; vLLM's RMSNorm op on the float32 w + 1 goes to prism's IR provider, whose {kernel} "
+                           "kernel runs it")
+        elif kernel != s.op:
             row["why"] += f"; the residual is added before the {kernel} kernel"
         return row
     if p.state != "ready" and p.message:
@@ -307,6 +307,23 @@ def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dic
         return row
     row["why"] = _why_not(s, dtype, url, device, p)
     return row
+
+
+def _kernel(s: Site, dtype, table) -> tuple[str, object]:
+    """(the kind whose kernel serves the site, its buckets) where the table has one, else (s.op, None).
+    In float32 a Gemma norm is vLLM's RMSNorm op on the computed w + 1, of x's dtype: a plain norm
+    kernel for that key takes it first (the IR provider, as Dynamo traces), before Gemma's own.
+    A residual add + norm + projection without its own kernel runs its norm + projection kernel
+    on the sum (the plugin adds the residual beside it)."""
+    plain = s.op.removeprefix("gemma_")
+    if s.op in ("gemma_rms_norm", "gemma_fused_add_rms_norm") and dtype == TORCH_DTYPES["float32"]:
+        entry = table.entry(plain, dtype, s.dim, s.eps)
+        if entry is not None:
+            return plain, entry
+    entry = table.entry(s.op, dtype, s.dim, s.eps)
+    if entry is None and "fused_add_rmsnorm_linear" in s.op:
+        return s.op.replace("fused_add_", ""), table.entry(s.op.replace("fused_add_", ""), dtype, s.dim, s.eps)
+    return s.op, entry
 
 
 def _status(status: str) -> str:

@@ -123,8 +123,15 @@ def matchers(table: Table) -> tuple[list, object | None, list]:
             pm_pass = pm.PatternMatcherPass(pass_name=name)
             for p in pats:
                 # vLLM's own trace function: make_fx plus the view/permute clean-ups its passes use
-                pm.register_replacement(p.pattern, p.replacement, p.inputs(), VllmFusionPatternMatcherPass._trace_fn,
-                                        pm_pass, extra_check=check(p))
+                try:
+                    pm.register_replacement(p.pattern, p.replacement, p.inputs(),
+                                            VllmFusionPatternMatcherPass._trace_fn, pm_pass, extra_check=check(p))
+                except RuntimeError as exc:
+                    # the same graph traced for another dtype (a prism op to revert, vLLM's IR op):
+                    # the form registered first serves it, its check reads the key (dtype included)
+                    # off the match, so every dtype's keys pass it
+                    if "Duplicate pattern" not in str(exc):
+                        raise
             return pm_pass
 
         wanted = patterns.op_keys(keys)

@@ -147,3 +147,29 @@ def test_quantized_weights_lora_and_an_unsupported_dtype_are_named(regions_regis
     fp8 = patch_report("tiny-llama", regions_registry, dtype="float8_e4m3fn", force=True)
     assert fp8["layers"] and all(not r["patched"] and r["why"].startswith("unsupported dtype float8_e4m3fn")
                                  for r in fp8["layers"])
+
+
+def test_a_float32_gemma_norm_runs_on_a_plain_norm_kernel_where_the_table_has_one(kernels_registry):
+    """In float32 GemmaRMSNorm hands vLLM's RMSNorm op the computed weight w + 1, of x's dtype, so
+    prism's IR provider takes it wherever the table holds a plain norm kernel for the key (as
+    Dynamo traces, before any Gemma pattern), in both modes: the doctor names that kernel."""
+    region = {"kind": "gemma_fused_add_rms_norm", "dims": {"hidden": 128}, "eps": 1e-6, "supported": True,
+              "reason": None, "modules": ["norm"], "dtype": "float32"}
+    r = patch_report("tiny-llama", kernels_registry, force=True, capture={"regions": [region], "dtype": "float32"})
+    [row] = r["layers"]
+    assert row["patched"] and row["kernel"] == "fused_add_rms_norm" and "IR provider" in row["why"]
+    assert row["eager"] and row["eager_kernel"] == "fused_add_rms_norm"
+    # in half precision the computed weight is float32, not x's dtype: the IR provider refuses it, a
+    # plain norm kernel at the key serves nothing there, Gemma's own kernel does
+    import torch
+
+    from prism_serve.patch.doctor import Site, _kernel
+    from prism_serve.patch.table import Buckets, Table
+
+    table = Table("cpu")
+    for op in ("fused_add_rms_norm", "gemma_fused_add_rms_norm"):
+        table.ops[op] = {(torch.float16, 128, 1e-6): Buckets()}
+    site = Site("norm", "gemma_fused_add_rms_norm", 128, 1e-6)
+    assert _kernel(site, torch.float16, table)[0] == "gemma_fused_add_rms_norm"
+    table.ops["fused_add_rms_norm"][torch.float32, 128, 1e-6] = Buckets()
+    assert _kernel(site, torch.float32, table)[0] == "fused_add_rms_norm"  # though no float32 Gemma kernel

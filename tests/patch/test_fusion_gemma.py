@@ -178,3 +178,25 @@ def test_a_half_precision_gemma_layer_is_served_on_the_stored_norm_weight(gemm):
     assert rewrite(layers, args, plain) == ({}, set())
     done, left = rewrite(layers, args, table(("gemma_rmsnorm_linear", (F16, (H, QKV), EPS))))
     assert done == {"gemma_rmsnorm_linear": 2} and left == {"gemma_rmsnorm_linear"}  # the residual add beside it
+
+
+def test_kernels_of_two_dtypes_at_one_size_leave_the_pass_working():
+    """A registry with kernels for float32 and float16 at the same sizes (two models, or one model
+    warmed for two dtypes): forms that trace to one graph whatever the dtype (the prism op a revert
+    starts from, vLLM's IR op) are registered once, and the pass serves each dtype's regions."""
+    gate_up = Proj("onednn", 2 * INTER)
+
+    def fn(x, r, g, w):
+        h, _ = gemma_add_norm(x, r, g)
+        return gelu_mul(gate_up(h, w))
+    both = table(("rmsnorm_geglu", (F32, (H, INTER), EPS)), ("gemma_rmsnorm_geglu", (F16, (H, INTER), EPS)),
+                 ("rms_norm", (F32, H, EPS)), ("rms_norm", (F16, H, EPS)))
+    done, _ = rewrite(fn, [x_(), x_(), w_(H), gate_up.arg], both)
+    assert done == {"rmsnorm_geglu": 1}
+    half = Proj("onednn", 2 * INTER, F16)
+
+    def fn16(x, r, g, w):
+        h, _ = gemma_add_norm(x, r, g)
+        return gelu_mul(half(h, w))
+    done, _ = rewrite(fn16, [x_().half(), x_().half(), w_(H, dtype=F16), half.arg], both)
+    assert done == {"gemma_rmsnorm_geglu": 1}
