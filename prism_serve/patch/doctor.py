@@ -160,12 +160,12 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
 
 def _take_in(all_sites: list[Site], rows: list[dict], own: list[bool]) -> None:
     """Compiled mode (vLLM's default; the fusion pass serves every kind): a site inside a larger site
-    served by its own kernel runs in that kernel (larger regions come first)."""
+    served by its own kernel runs in that kernel (larger regions come first; `inside` names it)."""
     taken: list[Site] = []
     for s, r, has in zip(all_sites, rows, own):
         inside = next((t for t in taken if s.modules < t.modules), None)
         if inside is not None:
-            r.update(patched=True, why=f"runs inside its layer's {inside.op} kernel ({inside.layer})")
+            r.update(patched=True, inside=inside.layer, why=f"runs inside its layer's {inside.op} kernel ({inside.layer})")
             r.pop("buckets", None)
             r.pop("kernel", None)
         elif has:

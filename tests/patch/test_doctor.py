@@ -46,6 +46,7 @@ def test_decoder_regions_take_in_the_ops_they_span(regions_registry):
                           ("mlp.act_fn", "silu_and_mul")):
             row = by[p + layer, op]
             assert row["patched"] and "inside its layer's rmsnorm_swiglu" in row["why"] and "buckets" not in row
+            assert row["inside"] == p + "mlp"
     # every kind stored for the model's sizes is named with the layers it serves; swiglu, stored beside
     # rmsnorm_swiglu, serves none (rmsnorm_swiglu takes the MLPs in), and the doctor says so
     assert r["served"]["rmsnorm_swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
