@@ -23,7 +23,7 @@ from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Program, node
 from prism_serve.optimize.codegen import compile_instance
 from prism_serve.optimize.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import BlockKernel, SGraph, instantiate
+from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, instantiate
 from prism_serve.optimize.verify import prove_equivalent
 from prism_serve.optimize.workloads import designs as D
 from prism_serve.optimize.workloads.oracles import ORACLES, load, oracle, store
@@ -50,6 +50,8 @@ HAND_BUILT = {f"oracle_{n}": (lambda n=n: oracle(WORKLOADS[n].program())) for n 
     "c_rms_recomputed_linear": lambda: D.rms_recomputed(_norm("rmsnorm_linear", out=40)),
     "d_divide_before_pv": lambda: D.attention_whole_row(_attn(), divide_first=True),
     "d_divide_after_pv": lambda: D.attention_whole_row(_attn(), divide_first=False),
+    "rms_norm_over_split_columns": lambda: D.rms_over_split_columns(_norm("rms_norm")),
+    "fused_add_rms_norm_over_split_columns": lambda: D.rms_over_split_columns(_norm("fused_add_rms_norm")),
 }
 
 _REDUCE = ("sum", "mean", "max")
@@ -223,7 +225,57 @@ def test_the_abstract_expression_rule_is_sound_on_a_loop_program():
     assert any(k.split for f in result.found for k in f.design.kernels)
 
 
+def _row_scaled() -> Program:
+    """Each row times its max: a statistic of whole rows applied to every column."""
+    return Program("row_scaled", (
+        node("x", "input", shape=(N, 24), dtype="float32"), node("m", "max", "x", dim=-1, keepdim=True),
+        node("y", "mul", "x", "m")), ("y",))
+
+
+def _row_scaled_over_split_columns(prog: Program) -> SGraph:
+    """Blocks of BT rows x (24 / G) columns: the rows loaded whole (replicated over the column axis)
+    for the max, the column tile scaled by it."""
+    nodes = (load("x_rows", "x", (0, None)), load("x", "x", (0, 1)), node("m", "max", "x_rows", dim=-1, keepdim=True),
+             node("y", "mul", "x", "m"), store("out", "y", "y", (0, 1)))
+    return SGraph("row_scaled_over_split_columns", prog, (),
+                  (BlockKernel("k", (GridAxis("BT", True), GridAxis("G")), None, nodes),))
+
+
+def test_the_abstract_expression_rule_is_sound_over_row_iterators():
+    """A grid that splits the columns of a row statistic: with and without the rule the same
+    designs, among them the one whose block loads its rows whole, replicated over the column axis
+    (built by hand here); without the rule every activation has a row iterator, also over labels
+    the Program never reduces (the run with it makes none there)."""
+    prog = _row_scaled()
+    (with_rule, on), (without, off) = _designs(prog, True), _designs(prog, False)
+    assert with_rule == without and not on.stopped_by_budget and not off.stopped_by_budget
+    assert canonical_hash(_row_scaled_over_split_columns(prog)) in with_rule
+    assert off.generated > on.generated
+
+
 # --- reachability: the generator builds the issue's designs --------------------------------------
+
+@pytest.mark.parametrize("workload", ["rms_norm", "fused_add_rms_norm"])
+def test_the_generator_reaches_a_row_statistic_over_split_columns(workload):
+    """A replicated map where the tensor has the grid's label: walking the subtree of grid
+    (tokens, hidden), the generator yields the design whose blocks load their rows whole for the
+    rms and write their own column tiles (the hand-built sGraph's canonical hash), proven and
+    passing the fp16 numeric check with outlier channels."""
+    prog = _norm(workload)
+    want = canonical_hash(D.rms_over_split_columns(prog))
+    gen = KernelGenerator(make_context(prog), max_kernels=1, max_block_ops=10, max_grid=MAX_GRID,
+                          deadline=time.perf_counter() + 600)
+    choices = gen.choices()
+    first = ((N, "x1"), None)
+    assert first in choices
+    reached = [d for d in gen.subtree(1, first, choices) if canonical_hash(build(prog, d)) == want]
+    assert not gen.stopped and reached
+    assert any(i.endswith(":row") for o in reached[0].kernels[0].ops for i in o.inputs)
+    proof = prove_equivalent(build(prog, reached[0]))
+    assert proof.ok, proof.reason
+    verdict = _check_numerics(prog, reached[0], H100)
+    assert verdict.ok, verdict.reasons
+
 
 def test_the_generator_reaches_both_softmax_divisions_of_whole_row_attention():
     """(d): walking the subtree of its grid (batch, kv head) without a loop, the generator yields
@@ -281,8 +333,16 @@ def _recomputed_softmax_sum_from_wrong_input() -> SGraph:
     return _with_nodes(g, 0, {"l": node("l", "sum", "ss", dim=-1, keepdim=True)})
 
 
+def _rms_of_a_column_tile() -> SGraph:
+    """rms_norm over split columns whose rows are partitioned where they must be replicated: each
+    block's rms is that of its own column tile."""
+    g = D.rms_over_split_columns(WORKLOADS["rms_norm"].program(hidden=48, dtype="float32"))
+    return _with_nodes(g, 0, {"x_rows": load("x_rows", "x", (0, 1))})
+
+
 NEW_MUTANTS = {
     "softmax_sum_from_wrong_input": (_recomputed_softmax_sum_from_wrong_input, {"B": 2, "H": 2}),
+    "rms_of_a_column_tile": (_rms_of_a_column_tile, {"BT": 1, "G": 4}),
 }
 
 

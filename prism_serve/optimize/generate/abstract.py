@@ -337,6 +337,11 @@ class Oracle:
             return False
         return labels is None or (key, labels) in self._positions
 
+    @cached_property
+    def reduced_labels(self) -> frozenset[str]:
+        """The labels the targets reduce over: no rule creates a reduction over another label."""
+        return frozenset(s[1] for t in self.targets.values() for s in _parts(t) if s[0] in REDUCE)
+
     def position(self, t: Term, labels: tuple) -> int | None:
         """The index, in the Program's order, of the first node that computes `t` (up to + and *
         order) laid out with these index labels, or None: neither a transposed product nor the

@@ -12,7 +12,13 @@ An activation (a kernel tensor with the token label) that the loop walks has two
 iterators: its loop tiles (``@x``) and its whole row, loaded once before the loop
 (``@x:whole``), so that a row statistic such as the rms is computed before the loop and applied
 to each tile (the fp16-safe rmsnorm_linear). The whole row's loop dim carries its own label
-(`whole_label`), so it never meets a loop tile of that dim.
+(`whole_label`), so it never meets a loop tile of that dim. An activation whose non-token dims the
+grid partitions, along labels the Program reduces, has a third: its token rows with those dims
+whole, replicated over their grid axes (``@x:row``): each block computes the statistic of whole
+rows (the rms) and applies it to its own column tile, so a row op's grid may split its columns.
+A reduction over such a whole dim is a full one; a value that still holds one is never stored
+(its grid axis partitions the tensor). A row over a label the Program never reduces could only
+be stored, so none is made.
 
 Only well-typed candidates are built: unary ops and reductions of each value, elementwise pairs
 whose broadcast dims carry one label each, matmuls whose operands' last dims carry the
@@ -61,7 +67,7 @@ from typing import Iterator
 
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags
-from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, whole_ref
+from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, row_ref, whole_ref
 from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 
 RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression", "cost")
@@ -91,6 +97,11 @@ class Value:
     partial: str | None = None  # sum | mean | max over the loop label, awaiting an accumulator
     rescale: str | None = None  # the max accumulator whose running value it uses
     running_max: bool = False  # a max accumulator (readable inside the loop)
+
+    @cached_property
+    def whole(self) -> tuple[bool, ...]:
+        """Per dim, whether the block holds it whole where a grid axis or the loop splits it."""
+        return tuple(_is_whole(lb) for lb in self.labels)
 
     @cached_property
     def eid(self) -> int:
@@ -129,7 +140,8 @@ class Completion:
 class BlockGenerator:
     def __init__(self, oracle: Oracle, outputs: dict[str, TensorType], tensors: dict[str, Value],
                  consts: dict[str, Value], grid: tuple[str, ...], loop: str | None, max_ops: int,
-                 written: frozenset[str], deadline: float = float("inf"), outputs_only: bool = False):
+                 written: frozenset[str], deadline: float = float("inf"), outputs_only: bool = False,
+                 rows: bool = True):
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
         self.written, self.deadline, self.outputs_only = written, deadline, outputs_only
         self.stopped = False
@@ -138,7 +150,8 @@ class BlockGenerator:
         # design that keeps the loop's operands normalised (the order only decides what comes sooner)
         self.sources = [
             self._whole(v) for v in tensors.values() if loop is not None and loop in v.labels and NUM_TOKENS in v.labels
-        ] + [self._source(v) for v in tensors.values()] + list(consts.values())
+        ] + [self._row(v) for v in tensors.values() if rows and self._has_row(v)] + [
+            self._source(v) for v in tensors.values()] + list(consts.values())
         self.seen: set = set()
         self._keys: dict = {}  # see `_key`
         self.memo: dict = {}
@@ -157,6 +170,22 @@ class BlockGenerator:
         (`whole_label`), so that the shape rule never pairs it with a loop tile of that dim."""
         labels = tuple(whole_label(lb) if lb == self.loop else lb for lb in v.labels)
         return Value(whole_ref(v.ref), v.type, labels, v.expr, "pre")
+
+    def _has_row(self, v: Value) -> bool:
+        """Whether an activation gets a row iterator: the grid splits some of its non-token dims,
+        each along a label the Program reduces (a whole dim of another label could only be reduced
+        to a term outside the target's, never stored; without the abstract-expression rule, to
+        check that, every such activation gets one)."""
+        split = [lb for lb in v.labels if lb in self.grid and lb != NUM_TOKENS]
+        reduced = all(lb in self.oracle.reduced_labels for lb in split) or not self.oracle.enabled
+        return NUM_TOKENS in v.labels and bool(split) and reduced
+
+    def _row(self, v: Value) -> Value:
+        """An activation's token rows, every dim the grid or the loop splits held whole (replicated
+        over those grid axes), loaded once before the loop (``@name:row``)."""
+        labels = tuple(whole_label(lb) if lb != NUM_TOKENS and (lb in self.grid or lb == self.loop) else lb
+                       for lb in v.labels)
+        return Value(row_ref(v.ref), v.type, labels, v.expr, "pre")
 
     # --- the walk --------------------------------------------------------
     def run(self) -> Iterator[Completion | None]:
@@ -182,11 +211,11 @@ class BlockGenerator:
             yield None
         self.stopped = False
         cands = self._candidates(values) if left > 0 else (("accum", (v,), ()) for v in pending)
-        held = {(v.eid, v.stage, v.partial) for v in values}
+        held = {(v.eid, v.stage, v.partial, v.whole) for v in values}
         for op, ins, attrs in cands:  # accumulators are not counted against max_ops
             self._counts.generated += 1
             new, rule, bop = self._apply(op, ins, attrs, len(ops))
-            if rule is None and (new.eid, new.stage, new.partial) in held:
+            if rule is None and (new.eid, new.stage, new.partial, new.whole) in held:
                 rule = "canonical"  # the block already holds this value: reuse it
             if rule is None and last is not None and not any(i.ref == last[1] for i in ins) and \
                     self._key(new) <= last[0]:
@@ -195,7 +224,7 @@ class BlockGenerator:
                 nuses = dict(uses)
                 for i in ins:
                     nuses[i.ref] = nuses.get(i.ref, 0) + 1
-                state = (frozenset((v.eid, v.stage, v.partial, v.rescale) for v in values + (new,)),
+                state = (frozenset((v.eid, v.stage, v.partial, v.rescale, v.whole) for v in values + (new,)),
                          frozenset(v.eid for v in values + (new,) if v.ref not in nuses))
                 if state in self.seen:
                     rule = "canonical"
@@ -355,7 +384,7 @@ class BlockGenerator:
         if key is None:
             position = self.oracle.position(v.expr, tuple(base_label(lb) for lb in v.labels))
             key = self._keys[at] = (_UNPLACED if position is None else position, _SORT_KEYS[v.eid],
-                                    _STAGES.index(v.stage), v.partial or "")
+                                    _STAGES.index(v.stage), v.partial or "", v.whole)
         return key
 
     # --- one op ----------------------------------------------------------
@@ -410,7 +439,8 @@ class BlockGenerator:
         expr, reduced = _expr(op, a, ins)
         partial = None
         if reduced is not None:
-            if reduced in self.grid and self.oracle.enabled:  # the block holds a slice of the reduced dim only
+            if reduced in self.grid and not _is_whole(_reduced_dim(op, a, ins)) and self.oracle.enabled:
+                # the block holds a slice of the reduced dim only
                 return None, "abstract_expression"
             if stage == "loop" and reduced == self.loop:
                 if op == "mean":  # accumulate it as a sum, times the constant 1/size after the loop
@@ -434,6 +464,8 @@ class BlockGenerator:
         unused = [v for v in values if v.ref not in uses]
         if any(v.partial or v.stage == "loop" for v in unused):
             return None
+        if any(w and base_label(lb) in self.grid for v in unused for lb, w in zip(v.labels, v.whole)):
+            return None  # a row's whole dim that a grid axis splits: the block holds no tile of it to store
         if self.loop and not any(o.op == "accum" for o in ops):
             return None
         sinks: list[Value] = []
@@ -539,6 +571,13 @@ def _labels(op: str, a: dict, ins: tuple[Value, ...]) -> tuple | None:
     return None
 
 
+def _reduced_dim(op: str, a: dict, ins: tuple[Value, ...]) -> str | None:
+    """The label of the dim a reduction or a matmul reduces, as its operand carries it."""
+    if op in ("sum", "mean", "max"):
+        return ins[0].labels[a["dim"] % len(ins[0].labels)]
+    return ins[0].labels[-1] if op == "matmul" else None
+
+
 def _expr(op: str, a: dict, ins: tuple[Value, ...]) -> tuple[Term, str | None]:
     """The abstract expression of an op, and the label it reduces (if any)."""
     e = [v.expr for v in ins]
@@ -548,8 +587,7 @@ def _expr(op: str, a: dict, ins: tuple[Value, ...]) -> tuple[Term, str | None]:
         return (op, e[0]), None
     if op in BINARY:
         return (op, e[0], e[1]), None
+    lb = base_label(_reduced_dim(op, a, ins))
     if op in ("sum", "mean", "max"):
-        lb = base_label(ins[0].labels[a["dim"] % len(ins[0].labels)])
         return (op, lb, e[0]), lb
-    lb = base_label(ins[0].labels[-1])
     return ("sum", lb, ("mul", e[0], e[1])), lb

@@ -5,9 +5,11 @@ A `Design` is a sequence of kernels. A `LibrarySpec` runs one IR op over kernel 
 for-loop walks one label; its block ops refer to kernel tensors as ``@name`` (an input
 iterator: the load's imap partitions, per grid axis, the tensor's dim with that axis' label,
 or replicates the tile where the tensor lacks it; its fmap is the dim with the loop label),
-as ``@name:whole`` (the same imap, no fmap: every loop tile at once, loaded before the loop)
-and to the Program's constants as ``#name``. With ``split``, one more grid axis partitions the
-loop label (split-K / split-KV): see `split.py`.
+as ``@name:whole`` (the same imap, no fmap: every loop tile at once, loaded before the loop),
+as ``@name:row`` (the imap partitions the token dim only, replicating the tile over every other
+grid axis, and no fmap: the block's token rows, whole, loaded before the loop, for a statistic
+of rows whose columns the grid splits) and to the Program's constants as ``#name``. With
+``split``, one more grid axis partitions the loop label (split-K / split-KV): see `split.py`.
 
 `build(prog, design)` is pure and depends on the Program only through its node names, index
 labels, dims and constants, so a design found for one Program of a family is replayed for
@@ -105,6 +107,7 @@ def _attrs_json(attrs) -> dict:
 
 
 WHOLE = ":whole"
+ROW = ":row"
 
 
 def reads(spec: "KernelSpec") -> frozenset[str]:
@@ -134,10 +137,18 @@ def whole_ref(ref: str) -> str:
     return ref + WHOLE
 
 
-def tensor_of(ref: str) -> tuple[str, bool]:
-    """The kernel tensor an ``@`` reference names, and whether it is the whole-row iterator."""
+def row_ref(ref: str) -> str:
+    """The block-op reference to kernel tensor `ref`'s (``@name``) token rows, whole, before the loop."""
+    return ref + ROW
+
+
+def tensor_of(ref: str) -> tuple[str, str]:
+    """The kernel tensor an ``@`` reference names, and the iterator that loads it: tile, whole or row."""
     name = ref[1:]
-    return (name[:-len(WHOLE)], True) if name.endswith(WHOLE) else (name, False)
+    for suffix, kind in ((WHOLE, "whole"), (ROW, "row")):
+        if name.endswith(suffix):
+            return name[:-len(suffix)], kind
+    return name, "tile"
 
 
 def ident(name: str) -> str:
@@ -269,13 +280,16 @@ def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: d
 
     def ref(s: str) -> str:
         if s.startswith("@"):
-            tensor, whole = tensor_of(s)
-            name = f"ld_{ident(tensor)}{'_whole' if whole else ''}"
+            tensor, kind = tensor_of(s)
+            name = f"ld_{ident(tensor)}{'' if kind == 'tile' else '_' + kind}"
             if name not in seen:
                 t = tensors[tensor]
-                walked = spec.loop is not None and spec.loop in t.labels and not whole
+                walked = spec.loop is not None and spec.loop in t.labels and kind == "tile"
                 fmap = t.labels.index(spec.loop) if walked else None
-                loads.append(node(name, "load", tensor=t.name, imap=imap_of(t, spec.grid), fmap=fmap))
+                imap = imap_of(t, spec.grid)
+                if kind == "row":
+                    imap = tuple(d if lb == NUM_TOKENS else None for d, lb in zip(imap, spec.grid))
+                loads.append(node(name, "load", tensor=t.name, imap=imap, fmap=fmap))
                 seen.add(name)
             return name
         if s.startswith("#"):
@@ -310,8 +324,8 @@ def stages(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, str]:
         src = []
         for s in o.inputs:
             if s.startswith("@"):
-                tensor, whole = tensor_of(s)
-                src.append("loop" if spec.loop and spec.loop in tensors[tensor].labels and not whole else "pre")
+                tensor, kind = tensor_of(s)
+                src.append("loop" if spec.loop and spec.loop in tensors[tensor].labels and kind == "tile" else "pre")
             elif not s.startswith("#"):
                 src.append(out[s])
         out[o.name] = "loop" if "loop" in src else "post" if "post" in src else "pre"

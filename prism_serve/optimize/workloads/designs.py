@@ -11,6 +11,9 @@ graph, kernel split or grid for a workload the oracles already cover.
   split): one block takes every q head of its kv head, so K/V tiles are loaded once per group.
 - `attention_whole_row` (d): one block per (batch, kv head) holds the whole KV row and divides by
   the softmax sum before (`divide_first=True`) or after the PV product.
+- `rms_over_split_columns`: rms_norm / fused_add_rms_norm with a grid over hidden as well as tokens:
+  each block loads its rows whole, replicated over the hidden axis, for the rms, and normalises and
+  writes its own column tile (the residual sum recomputed on that tile): more blocks for few tokens.
 """
 
 from __future__ import annotations
@@ -147,3 +150,21 @@ DESIGNS: dict[str, tuple[str, Callable[[Program], SGraph]]] = {
     "d_divide_before_pv": ("attention", partial(attention_whole_row, divide_first=True)),
     "d_divide_after_pv": ("attention", partial(attention_whole_row, divide_first=False)),
 }
+
+
+def rms_over_split_columns(prog: Program) -> SGraph:
+    """Blocks of BT rows x (hidden / G) columns; x (and the residual) loaded twice: the block's rows
+    whole (imap None on the hidden axis: replicated) for 1/rms, and its column tile to normalise."""
+    if prog.name not in ("rms_norm", "fused_add_rms_norm"):
+        raise SGraphError(f"design for {prog.name!r}: needs rms_norm or fused_add_rms_norm")
+    nodes = [load("x_rows", "x", (0, None)), load("x", "x", (0, 1))]
+    rows, tile = "x_rows", "x"
+    if prog.name == "fused_add_rms_norm":
+        nodes += [load("res_rows", "residual", (0, None)), load("res", "residual", (0, 1)),
+                  node("sum_rows", "add", "x_rows", "res_rows"), node("sum", "add", "x", "res"),
+                  store("st_r", "sum", "r", (0, 1))]
+        rows, tile = "sum_rows", "sum"
+    nodes += [load("w", "w", (None, 0)), *_rms_nodes(rows, _eps(prog)), node("xn", "mul", tile, "r"),
+              node("y", "mul", "xn", "w"), store("out", "y", "y", (0, 1))]
+    k = BlockKernel(prog.name, (GridAxis("BT", True), GridAxis("G")), None, tuple(nodes))
+    return SGraph(f"{prog.name}_over_split_columns", prog, (), (k,))
