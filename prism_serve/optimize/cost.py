@@ -7,7 +7,10 @@ Per block kernel:
   the rest go to DRAM again. Achieved bandwidth follows Little's law: the bytes a resident
   block has in flight (one loop iteration's loads) times the resident blocks (occupancy from
   the resource model's registers, shared memory and warps) over the DRAM latency, capped by
-  what each busy SM's L1 can take per clock and by the GPU's peak.
+  what each busy SM's L1 can take per clock and by the GPU's peak. However many blocks split
+  its bytes, a kernel that reads DRAM takes at least its blocks' chain of dependent loads: one
+  DRAM latency, or, for a loop, one per `PIPELINED_STEPS` iterations (a loop of hidden / 1
+  steps is never as fast as one whole-row load, though both move few bytes).
 - compute: half-precision matmuls codegen emits as `tl.dot` (see `resources.kernel_resources`,
   which pads small token tiles to the MMA minimum where that is cheaper) run on tensor cores
   at their padded size; fp32 dots (IEEE), broadcast-and-sum products and everything else on
@@ -47,6 +50,10 @@ DRAM_LATENCY_NS = 600.0
 # Bytes an SM's L1 returns per clock (A100 and H100 whitepapers: 128 B/clk/SM): a cap on how
 # fast one busy SM can pull data, so a small grid cannot reach the GPU's peak.
 L1_BYTES_PER_CLOCK = 128
+# Loop iterations whose loads one DRAM latency covers: codegen's loops are software-pipelined with
+# Triton's num_stages 3 (`resources.py`), which issues the loads of two iterations ahead of the one
+# being computed (Triton's "Software pipelining" in its loop pipeliner docs).
+PIPELINED_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,9 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
     steps = values[k.forloop] if k.forloop else 1
     requested: dict[str, float] = {}
     unique: dict[str, float] = {}
-    in_flight = {"pre": 0.0, "loop": 0.0}
+    # bytes in flight per stage and tensor: a second load of a tensor in one block (a row load
+    # beside its column tile, say) re-reads what the first brings and adds no DRAM request
+    in_flight: dict[tuple[str, str], float] = {}
     tc = fp32 = 0.0
     types = g.block_types(k)
     token = next((sym(a.symbol) for a in k.grid if a.over_tokens), None)
@@ -135,7 +144,8 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
             requested[decl.name] = requested.get(decl.name, 0.0) + writers * times * tile_bytes
             unique[decl.name] = max(unique.get(decl.name, 0.0), _numel(shape) * BYTES[decl.dtype] * waste)
             if n.op == "load":
-                in_flight["loop" if stage == "loop" else "pre"] += tile_bytes
+                key = ("loop" if stage == "loop" else "pre", decl.name)
+                in_flight[key] = max(in_flight.get(key, 0.0), tile_bytes)
         elif n.op == "matmul":
             a_dims = inst.concrete(types[n.inputs[0]].shape[-2], num_tokens)
             kk = inst.concrete(types[n.inputs[0]].shape[-1])
@@ -149,8 +159,10 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
             fp32 += _numel(tile) * blocks * times
     dram, l2 = _split_l2(requested, unique, gpu)
     resident = max(blocks_per_sm(res, gpu), 1)
-    bandwidth = achieved_bandwidth_gbs(gpu, blocks, resident, max(in_flight.values()))
-    time = _time_us(gpu, blocks, resident, dram, l2, tc, fp32, bandwidth) + launch_us(gpu, graphs)
+    per_stage = {st: sum(b for (s, _), b in in_flight.items() if s == st) for st in ("pre", "loop")}
+    bandwidth = achieved_bandwidth_gbs(gpu, blocks, resident, max(per_stage.values()))
+    chain = math.ceil(steps / PIPELINED_STEPS) if per_stage["loop"] else 1
+    time = _time_us(gpu, blocks, resident, dram, l2, tc, fp32, bandwidth, chain) + launch_us(gpu, graphs)
     return KernelCost(k.name, blocks, dram, l2, tc, fp32, time, res.regs_per_thread, resident, bandwidth)
 
 
@@ -169,12 +181,17 @@ def _split_l2(requested: dict[str, float], unique: dict[str, float], gpu: GpuSpe
 
 
 def _time_us(gpu: GpuSpec, blocks: int, resident_per_sm: int, dram: float, l2: float, tc: float, fp32: float,
-             bandwidth_gbs: float) -> float:
+             bandwidth_gbs: float, latency_chain: int = 1) -> float:
+    """A kernel's time without its launch: the slower of memory and compute; `latency_chain`
+    counts the DRAM latencies a block waits for in sequence (see the module docstring), once per
+    wave of blocks."""
     slots = gpu.sms * resident_per_sm
     waves = max(1, math.ceil(blocks / slots))
     # the last wave's idle slots: compute stretches by the share of SM-slots left unused
     busy = min(1.0, blocks / (waves * slots)) if blocks > slots else min(blocks, gpu.sms) / gpu.sms
     mem = dram / (bandwidth_gbs * 1e3) + l2 / (gpu.mem_bandwidth_gbs * 1e3 * L2_BANDWIDTH_FACTOR)
+    if dram:  # however many blocks share the bytes, none finishes before its chain of loads returns
+        mem = max(mem, waves * latency_chain * DRAM_LATENCY_NS / 1e3)
     compute = (tc / (gpu.fp16_tensor_tflops * 1e6) + fp32 / (gpu.fp32_tflops * 1e6)) / max(busy, 1e-9)
     return max(mem, compute)
 

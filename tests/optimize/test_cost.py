@@ -107,3 +107,30 @@ def test_ties_prefer_fewer_registers_and_more_occupancy():
 def test_graph_replay_is_cheaper_than_eager_launches():
     inst, _ = _linear({"BT": 16, "F": 16, "G": 128})
     assert modeled_us(inst, 16, H100, graphs=False) - modeled_us(inst, 16, H100) == pytest.approx(2.0)
+
+
+def test_blocks_that_split_a_row_still_wait_one_dram_latency():
+    """One token of rms_norm over 16 column blocks: each holds the 8 KiB row (re-read from the L2
+    by 15 of them) and its 512-byte column tile of x and w; together they would pull the 24 KiB
+    in 55 ns, but none finishes before its first loads return: 600 ns, then the launch. The two
+    loads of x in a block count once in flight, as one DRAM request serves them."""
+    from prism_serve.optimize.workloads.designs import rms_over_split_columns
+
+    g = rms_over_split_columns(WORKLOADS["rms_norm"].program())
+    c = block_kernel_cost(instantiate(g, {"BT": 1, "G": 16}, H100), g.kernels[0], 1, H100)
+    assert c.blocks == 16 and c.dram_bytes == 24 * KiB
+    assert c.bandwidth_gbs == pytest.approx(16 * (8 * KiB + 512) / 600.0)
+    assert c.time_us == pytest.approx(0.6 + 1.0)
+
+
+def test_a_loop_waits_one_dram_latency_per_two_pipelined_steps():
+    """rmsnorm_linear 128 -> 256 at 16 tokens, one token row and 32 columns a block (128 blocks,
+    one wave), the 128-wide K walked in 16 steps: the bytes (145 KiB from DRAM, 2 MiB of L2
+    re-reads) take 0.9 us, but each block's loop waits for its loads 16 times, two iterations in
+    flight (num_stages 3): 8 DRAM latencies. The same tiles in one step wait one."""
+    g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=128, out=256))
+    looped = block_kernel_cost(instantiate(g, {"BT": 1, "F": 16, "G": 8}, H100), g.kernels[0], 16, H100)
+    assert looped.blocks == 128 and looped.dram_bytes / MB_PER_US + looped.l2_bytes / L2_PER_US < 0.9
+    assert looped.time_us == pytest.approx(8 * 0.6 + 1.0)
+    one_step = block_kernel_cost(instantiate(g, {"BT": 1, "F": 1, "G": 8}, H100), g.kernels[0], 16, H100)
+    assert one_step.time_us == pytest.approx(0.6 + 1.0)
