@@ -17,7 +17,7 @@ from prism_serve.optimize.generate.abstract import Term
 from prism_serve.optimize.generate.context import Context, make_context
 from prism_serve.optimize.generate.block import Value
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, op_labels, program_context
-from prism_serve.optimize.generate.kernel import KernelGenerator
+from prism_serve.optimize.generate.kernel import LIBRARY, KernelGenerator
 from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _check_numerics, _Costed, _generate, optimize
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Program, node
@@ -470,3 +470,62 @@ def test_the_generator_reaches_gqa_decode_over_four_grid_axes_with_a_kv_split():
     assert proof.ok, proof.reason
     verdict = _check_numerics(prog, reached[0], H100)
     assert verdict.ok, verdict.reasons
+
+
+# --- the walk of designs of several kernels ------------------------------------------------------
+
+def test_a_kernel_feeding_later_ones_tries_small_grids_without_a_loop_first():
+    """rmsnorm_linear's choices: a design's last kernel tries library ops and then the choices in
+    order (more grid axes first); a kernel that feeds later ones tries (tokens) without a loop
+    first, library ops last."""
+    gen = KernelGenerator(make_context(_norm("rmsnorm_linear", out=40)), max_kernels=2, max_block_ops=8,
+                          max_grid=MAX_GRID, deadline=time.perf_counter() + 60)
+    choices = gen.choices()
+    assert gen.groups(choices, True) == [LIBRARY, *choices]
+    feeders = gen.groups(choices, False)
+    assert feeders[0] == ((N,), None) and feeders[1] == ((N,), "x1") and feeders[-1] == LIBRARY
+    assert set(feeders[:-1]) == set(choices) and len(feeders) == len(choices) + 1
+
+
+def test_a_later_kernel_reads_what_an_earlier_one_stored_before_it_rebuilds_it():
+    """After a kernel that stores 1/rms (grid (tokens), no loop: its 4th block graph), the first
+    block graphs of the projection kernel read it (x * 1/rms, times g, the dot): the walk tries
+    the ops that rebuild a part of a stored tensor after the others. Both kernels together are a
+    design the proof accepts."""
+    prog = _norm("rmsnorm_linear", out=40)
+    ctx = make_context(prog)
+    gen = KernelGenerator(ctx, max_kernels=2, max_block_ops=8, max_grid=MAX_GRID, deadline=time.perf_counter() + 120)
+    feeders = gen._blocks(dict(ctx.inputs), frozenset(), (N,), None, False, False)
+    rms = next(c for c in feeders[:8] if [o.op for o in c.ops] == ["square", "mean", "add", "rsqrt"])
+    r = rms.sinks[0]
+    tensors = dict(ctx.inputs) | {"@t0_0": Value("@t0_0", r.type, r.labels, r.expr)}
+    first = BlockSpec((N,), None, rms.ops + (BlockOp("st0", "store", (r.ref,), (("tensor", "t0_0"),)),))
+    last = gen._blocks(tensors, frozenset(), (N, "w0"), "x1", True, False)
+    assert all(any("@t0_0" in o.inputs for o in c.ops) for c in last[:2])
+    design = Design((first, BlockSpec((N, "w0"), "x1", last[0].ops + _store_all(last[0]))))
+    proof = prove_equivalent(build(prog, design))
+    assert proof.ok, proof.reason
+
+
+def test_deeper_walks_share_the_time_among_more_enumerations_than_they_expected():
+    """At depth 2 each kernel before the last opens enumerations of the next: more than the
+    `pending` the walk expected. In the first pass each still gets a quarter of the time left
+    (`pending` stays at 4; counted down to 1, the enumeration that reached 1 took all the time
+    left and no later first kernel got a turn); resumption passes share what is left among the
+    enumerations that paused."""
+    prog = _norm("rmsnorm_linear", out=40)
+    gen = KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=8, max_grid=MAX_GRID,
+                          deadline=time.perf_counter() + 8)
+    choices = gen.choices()
+    gen.pending = 4
+    divisors = []
+    advance = gen._advance
+
+    def recorded(entry):  # what the time left is divided by, for each enumeration of the first pass
+        if gen._resumed is None:
+            divisors.append(gen.pending)
+        advance(entry)
+    gen._advance = recorded
+    for _ in gen.subtree(2, ((N,), None), choices):
+        pass
+    assert len(divisors) > 8 and min(divisors) == 4

@@ -66,7 +66,7 @@ from functools import cached_property
 from typing import Iterator
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags
+from prism_serve.optimize.generate.abstract import Oracle, Term, _parts, op_tags
 from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, row_ref, whole_ref
 from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 
@@ -152,6 +152,10 @@ class BlockGenerator:
             self._whole(v) for v in tensors.values() if loop is not None and loop in v.labels and NUM_TOKENS in v.labels
         ] + [self._row(v) for v in tensors.values() if rows and self._has_row(v)] + [
             self._source(v) for v in tensors.values()] + list(consts.values())
+        # what the kernel tensors written by earlier kernels hold, term by term (as `_key` spells a
+        # term): an op that rebuilds a part of one comes after those that use it (see `_candidates`)
+        self._stored_parts = frozenset(repr(t) for v in tensors.values() if v.expr[0] != "var"
+                                       for t in _parts(v.expr) if t[0] not in ("var", "const"))
         self.seen: set = set()
         self._keys: dict = {}  # see `_key`
         self.memo: dict = {}
@@ -283,8 +287,10 @@ class BlockGenerator:
         # first the ops that rebuild a node of the Program as written, smallest term first (`_key`)
         first = [c for cached, slots in lists for c in _fill(cached[0], slots, True)]
         first += _fill(self._source_ops, (), True)
-        held = {self._key(v)[0] for v in values}  # a node computed again (a whole row's loop tile) comes last
-        first.sort(key=lambda c: (c[3][0] in held, c[3]))
+        # a node computed again (a whole row's loop tile), or a part of what an earlier kernel stored
+        # (its 1/rms), comes last: a later kernel reads what an earlier one wrote before it rebuilds it
+        held = {self._key(v)[0] for v in values}
+        first.sort(key=lambda c: (c[3][0] in held or c[3][1] in self._stored_parts, c[3]))
         for op, ins, attrs, _ in first:
             yield op, ins, attrs
         for v in values[:-1]:

@@ -61,6 +61,7 @@ class KernelGenerator:
         self.stopped = False
         self._cache: dict = {}  # per (tensors, grid, loop): [completions so far, generator, its walk or None]
         self.pending = 1  # block enumerations still to run in this pass: each gets an equal share of time
+        self._floor = 1  # what `pending` counts down to (see `_passes`)
         self._pass_deadline = deadline
         self._resumed: set | None = None  # in a resumption pass: the enumerations resumed so far
         self._choices: list | None = None
@@ -143,8 +144,15 @@ class KernelGenerator:
 
     def _passes(self, depth: int, choices, first, yielded: set) -> Iterator[Design]:
         """A first pass of the walk at `depth`, then resumption passes of the block enumerations it
-        paused, until `_pass_deadline` or nothing is left paused; each design is yielded once."""
+        paused, until `_pass_deadline` or nothing is left paused; each design is yielded once.
+
+        At depth 1 the first pass runs one block enumeration per choice, so `pending` counts down
+        to equal shares. Deeper, every kernel before the last opens new enumerations after it, as
+        many as the walk finds: there `pending` stays at its first value, each enumeration getting
+        that fraction of the time left (counted down to 1, the enumeration that reached 1 took all
+        the time left, and the walk saw no further first kernel)."""
         self._resumed = None
+        self._floor = 1 if depth == 1 else self.pending
         while True:
             for d in self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices, first):
                 if d not in yielded:
@@ -154,6 +162,7 @@ class KernelGenerator:
                     self._resumed == set():
                 return
             self._resumed, self.pending = set(), self.truncated  # a resumption pass at this depth
+            self._floor = 1
 
     def _walk(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int,
               choices, first=None) -> Iterator[Design]:
@@ -170,38 +179,74 @@ class KernelGenerator:
         if time.perf_counter() > self.deadline:
             self.stopped = True
             return
+        for spec, new, outs in self._children(kernels, tensors, written, depth, choices, first):
+            yield from self._walk(kernels + (spec,), tensors | new, outs, depth, choices)
+            if self.stopped:
+                return
+
+    def _children(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int, choices,
+                  first) -> Iterator[tuple]:
+        """The next kernels of a partial design, as (spec, new kernel tensors, outputs written
+        after it), group by group in `groups` order (library ops, or the block graphs of one
+        (grid, loop) choice, split or not), those the ``cost`` rule drops left out."""
         last = len(kernels) == depth - 1
-        for spec, new in self._library(tensors, written, len(kernels)) if first in (None, LIBRARY) else ():
+        for group in self.groups(choices, last) if first is None else [first]:
+            if group == LIBRARY:
+                yield from self._library_children(kernels, tensors, written, depth)
+            else:
+                yield from self._block_children(kernels, tensors, written, depth, group)
+            if self.stopped:
+                return
+
+    @staticmethod
+    def groups(choices, last: bool) -> list:
+        """The order in which a kernel's kinds are tried: for a design's last kernel, library ops,
+        then the (grid, loop) choices in order; for a kernel that feeds later ones, the choices
+        with fewer grid axes first and, among those, without a loop first (what a later kernel
+        reads is an intermediate, cheapest as a reduction such as the 1/rms of a row, which
+        carries fewer labels; a block walk without a loop is the smaller: rmsnorm_linear's 1/rms
+        kernel is its 4th block graph of grid (tokens), its 11,604th of 15,201 with a loop over
+        hidden), library ops last (each writes a whole tensor). An order only: what comes sooner
+        within the budget."""
+        if last:
+            return [LIBRARY, *choices]
+        return [*sorted(choices, key=lambda c: (len(c[0]), c[1] is not None)), LIBRARY]
+
+    def _library_children(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int):
+        last = len(kernels) == depth - 1
+        for spec, new in self._library(tensors, written, len(kernels)):
             outs = written | {o[1:] for o in new if o[1:] in self.ctx.outputs}  # new is keyed by "@name"
             if last and outs != set(self.ctx.outputs):
                 continue
-            if self._over_bound(kernels + (spec,), tensors | new, outs, depth - len(kernels) - 1):
+            if not self._over_bound(kernels + (spec,), tensors | new, outs, depth - len(kernels) - 1):
+                yield spec, new, outs
+
+    def _block_children(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int,
+                        choice):
+        last = len(kernels) == depth - 1
+        grid, loop = choice
+        for comp in self._blocks(tensors, written, grid, loop, last, not kernels and last):
+            outs = {o for o in comp.outputs if o}
+            if last and not set(self.ctx.outputs) - written <= outs:
                 continue
-            yield from self._walk(kernels + (spec,), tensors | new, outs, depth, choices)
-        for grid, loop in choices if first is None else [c for c in choices if c == first]:
-            for comp in self._blocks(tensors, written, grid, loop, last, not kernels and last):
-                outs = {o for o in comp.outputs if o}
-                if last and not set(self.ctx.outputs) - written <= outs:
-                    continue
-                if not outs and any(v.expr == t.expr for v in comp.sinks for t in tensors.values()):
-                    self._own.pruned["canonical"] += 1  # recomputes a tensor already stored
-                    continue
-                stores, new = [], {}
-                for j, (v, o) in enumerate(zip(comp.sinks, comp.outputs)):
-                    name = o or f"t{len(kernels)}_{j}"
-                    stores.append(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", name),)))
-                    new[f"@{name}"] = Value(f"@{name}", v.type if o else intermediate_type(v.type),
-                                            tuple(base_label(lb) for lb in v.labels), v.expr)
-                ops = comp.ops + tuple(stores)
-                splits = (False, True) if loop else (False,)
-                for split in splits:
-                    self.kernel_graphs += 1
-                    spec = BlockSpec(grid, loop, ops, split)
-                    if self._over_bound(kernels + (spec,), tensors | new, written | outs, depth - len(kernels) - 1):
-                        continue
-                    yield from self._walk(kernels + (spec,), tensors | new, written | outs, depth, choices)
-                    if self.stopped:
-                        return
+            if not outs and any(v.expr == t.expr for v in comp.sinks for t in tensors.values()):
+                self._own.pruned["canonical"] += 1  # recomputes a tensor already stored
+                continue
+            stores, new = [], {}
+            for j, (v, o) in enumerate(zip(comp.sinks, comp.outputs)):
+                name = o or f"t{len(kernels)}_{j}"
+                stores.append(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", name),)))
+                new[f"@{name}"] = Value(f"@{name}", v.type if o else intermediate_type(v.type),
+                                        tuple(base_label(lb) for lb in v.labels), v.expr)
+            ops = comp.ops + tuple(stores)
+            for split in (False, True) if loop else (False,):
+                self.kernel_graphs += 1
+                spec = BlockSpec(grid, loop, ops, split)
+                if not self._over_bound(kernels + (spec,), tensors | new, written | outs,
+                                        depth - len(kernels) - 1):
+                    yield spec, new, written | outs
+            if self.stopped:
+                return
 
     def depth_cut(self, depth: int) -> bool:
         """Whether the cost rule drops every design of `depth` kernels at once (counted once)."""
@@ -237,7 +282,7 @@ class KernelGenerator:
         """Run a block enumeration for its share of the pass's time, until it ends or pauses."""
         comps, gen, walk = entry
         share = max(0.0, self._pass_deadline - time.perf_counter()) / max(1, self.pending)
-        self.pending = max(1, self.pending - 1)
+        self.pending = max(self._floor, self.pending - 1)
         gen.deadline = time.perf_counter() + share
         for c in walk:
             if c is None:  # paused at its deadline
