@@ -3,6 +3,8 @@ verified designs whose winners compute the reference function, and stored design
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -197,3 +199,22 @@ def test_the_generator_builds_gemmas_tanh_gelu_designs(name, dims):
         inputs[0] @ inputs[1].T, inputs[0] @ inputs[2].T)
     want = torch.nn.functional.gelu(a, approximate="tanh") * b
     assert max_rel_error(got[0], want) <= TOLERANCE["float32"]
+
+
+def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
+    """Past EXHAUSTIVE_ASSIGNMENTS a verified design's instances are not enumerated (a two-kernel
+    design with a split took 25 s of a 60 s budget): each bucket takes the descent's best; the
+    open last bucket the instance that scales, where it ties at the bucket's size."""
+    from prism_serve.optimize.generate import search
+    from prism_serve.optimize.tune import best_modeled, symbol_choices
+
+    g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=1024, out=1024))
+    exhaustive = search._instances(g, H100, (1, 16), None, 1)
+    assert math.prod(len(c) for c in symbol_choices(g).values()) <= search.EXHAUSTIVE_ASSIGNMENTS
+    monkeypatch.setattr(search, "EXHAUSTIVE_ASSIGNMENTS", 0)
+    monkeypatch.setattr(search, "enumerate_instances", lambda *a: pytest.fail("enumerated"))
+    descended = search._instances(g, H100, (1, 16), None, 1)
+    assert descended[0].modeled_us == best_modeled(g, H100, 1).modeled_us
+    assert descended[1].modeled_us <= best_modeled(g, H100, 16).modeled_us * search.NEAR_TIE
+    # what the descent gives up: it can stop at a local optimum, never below the exhaustive one
+    assert all(d.modeled_us >= e.modeled_us for d, e in zip(descended, exhaustive))

@@ -38,19 +38,19 @@ import torch
 from prism_serve.errors import SGraphError
 from prism_serve.optimize import canonical_hash, prune
 from prism_serve.optimize.check import NumericVerdict, check_numerics, small_program
-from prism_serve.optimize.cost import unfused_us
+from prism_serve.optimize.cost import modeled_us, unfused_us
 from prism_serve.optimize.generate.block import RULES
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, build
-from prism_serve.optimize.generate.kernel import DEPTH_SHARE, LIBRARY, KernelGenerator
+from prism_serve.optimize.generate.kernel import DEPTH_SHARE, KernelGenerator
 from prism_serve.optimize.generate.workers import Config, Pool, default_workers
 from prism_serve.optimize.gpus import GpuSpec, get_gpu
 from prism_serve.optimize.ir import Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.optimize.timing import Timer, cuda_timer
-from prism_serve.optimize.tune import (Candidate, best_modeled, enumerate_instances, measure, rank, rank_open,
-                                       symbol_choices)
+from prism_serve.optimize.tune import (NEAR_TIE, PROBE_TOKENS, SCALE_PROBE, Candidate, best_modeled,
+                                       enumerate_instances, measure, rank, rank_open, symbol_choices)
 from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
@@ -203,18 +203,48 @@ def verify_design(prog: Program, design: Design, gpu: GpuSpec) -> tuple[ProofRes
     return proof, verdict, time.perf_counter() - t0
 
 
+# Symbol assignments up to which a verified design's instances are ranked exhaustively. Past it,
+# enumerating and ranking them takes longer than the search's budget leaves (a two-kernel
+# rmsnorm_linear design with a split: 85,184 assignments, 11,868 valid, 25 s), and the descent
+# ranks instead: it can stop at a local optimum (rmsnorm_linear's oracle at hidden 1024, one of
+# its buckets: 2.43 against 1.94 us), the price of a verified design that comes within budget.
+EXHAUSTIVE_ASSIGNMENTS = 20_000
+
+
 def _instances(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...], timer: Timer | None, top: int
                ) -> tuple[Candidate, ...]:
     """A verified design's best instance per bucket, ranked exhaustively (the descent that costs
     every generated design can stop at a local optimum), the last bucket, which also serves every
-    larger size, by `rank_open`; on a device, the measured best of the `top` modeled ones."""
-    instances = enumerate_instances(g, gpu)
+    larger size, by `rank_open`; on a device, the measured best of the `top` modeled ones. A
+    design of more than EXHAUSTIVE_ASSIGNMENTS takes the descent's instance (`_descended`)."""
+    exhaustive = math.prod(len(c) for c in symbol_choices(g).values()) <= EXHAUSTIVE_ASSIGNMENTS
+    instances = enumerate_instances(g, gpu) if exhaustive else None
     out = []
     for nt in buckets:
-        ranked = (rank_open if nt == max(buckets) else rank)(g, gpu, nt, instances)
+        if exhaustive:
+            ranked = (rank_open if nt == max(buckets) else rank)(g, gpu, nt, instances)
+        else:
+            ranked = [_descended(g, gpu, nt, open_=nt == max(buckets))]
         timed = measure(ranked, timer, top) if timer is not None else []
         out.append(timed[0] if timed else ranked[0])
     return tuple(out)
+
+
+def _descended(g: SGraph, gpu: GpuSpec, num_tokens: int, open_: bool) -> Candidate:
+    """The descent's best instance at `num_tokens`; for the open last bucket (`rank_open`'s rule
+    on two candidates) the descent's best at the probe size instead where it models within
+    NEAR_TIE of it at `num_tokens` and faster at the probe size."""
+    best = best_modeled(g, gpu, num_tokens)
+    if best is None:
+        raise SGraphError(f"sGraph '{g.name}': no power-of-two assignment fits {gpu.name}")
+    probe = max(SCALE_PROBE * num_tokens, PROBE_TOKENS)
+    scaled = best_modeled(g, gpu, probe) if open_ else None
+    if scaled is not None:
+        here = Candidate(scaled.instance, num_tokens, modeled_us(scaled.instance, num_tokens, gpu))
+        if here.modeled_us <= best.modeled_us * NEAR_TIE and \
+                scaled.modeled_us < modeled_us(best.instance, probe, gpu):
+            return here
+    return best
 
 
 def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdict | None, seconds: float,
@@ -258,7 +288,7 @@ def _generate(gen: KernelGenerator, costed: _Costed, bound: DesignBound | None, 
 def _generate_parallel(pool: Pool, gen: KernelGenerator, choices: list, costed: _Costed, bound: DesignBound | None,
                        progress: Progress | None) -> None:
     """Stage 1 in the workers: one task per (depth, first-kernel group), merged in `run`'s order
-    (depth, then library ops, then the (grid, loop) choices in order), so the designs and their
+    (depth, then the first kernel's groups in `KernelGenerator.groups` order), so the designs and their
     order are those of `_generate` whenever neither stops at its deadline. A depth's tasks start
     once the designs of fewer kernels are costed (the cost rule's threshold, as in `_generate`),
     and share the depth's time as `KernelGenerator.run` does (`DEPTH_SHARE`).
@@ -271,8 +301,8 @@ def _generate_parallel(pool: Pool, gen: KernelGenerator, choices: list, costed: 
         stats.stopped_by_budget = True
         return
     stats.stopped_by_budget = False
-    groups = [LIBRARY] + choices
     for depth in range(1, max_kernels + 1):
+        groups = gen.groups(choices, depth == 1)
         factor = 1 if depth == 1 else 4
         left = max(0.0, deadline - time.perf_counter())  # each depth but the last gets DEPTH_SHARE of it, as in `run`
         until = time.time() + (DEPTH_SHARE * left if depth < max_kernels else left)
