@@ -244,11 +244,11 @@ def test_operand_signatures_reject_only_terms_the_egraph_rejects():
     necessary conditions (symbols, leaves) let through and this one rejects, 60 spread over all of
     them are put to egglog itself, which rejects each; the divide-after-PV form of attention, no
     term of the Program, still passes."""
-    from prism_serve.optimize.generate.abstract import _parts
+    from prism_serve.optimize.generate.abstract import term_parts
 
     ctx = make_context(_qk_norm_attention())
     o = ctx.oracle
-    parts = list(dict.fromkeys(_parts(ctx.targets["o"])))
+    parts = list(dict.fromkeys(term_parts(ctx.targets["o"])))
     terms = [(op, a, b) for op in ("sub", "div") for a in parts for b in parts] + \
         [(op, a) for op in ("exp", "rsqrt", "sqrt") for a in parts] + [("max", "k2", a) for a in parts]
     loose = [t for t in terms if _symbols_and_leaves_fit(o, t)]

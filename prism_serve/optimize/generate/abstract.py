@@ -236,12 +236,12 @@ def _operand_signatures(t: Term) -> tuple:
     return ()
 
 
-def _parts(t: Term):
+def term_parts(t: Term):
     """`t` and every term inside it."""
     yield t
     if t[0] not in ("var", "const"):
         for a in (t[2],) if t[0] in REDUCE else t[1:]:
-            yield from _parts(a)
+            yield from term_parts(a)
 
 
 _AC: dict[Term, Term] = {}
@@ -305,9 +305,10 @@ class Oracle:
         self._check_equals = {o: self.egraph._egraph.parse_program(f"(check (= $q $target_{i}))")[0]
                               for i, o in enumerate(targets)}
         self._leaves = [leaves(t) for t in targets.values()]
-        self._operands = frozenset(sig for t in targets.values() for s in _parts(t) for sig in _operand_signatures(s))
-        self._literal = frozenset(ac_form(s) for t in targets.values() for s in _parts(t))
-        self._reduced = frozenset(ac_form(s[2]) for t in targets.values() for s in _parts(t) if s[0] in REDUCE)
+        self._operands = frozenset(sig for t in targets.values() for s in term_parts(t)
+                                   for sig in _operand_signatures(s))
+        self._literal = frozenset(ac_form(s) for t in targets.values() for s in term_parts(t))
+        self._reduced = frozenset(ac_form(s[2]) for t in targets.values() for s in term_parts(t) if s[0] in REDUCE)
         self.enabled = True  # False: every term passes (to check that the rule is sound)
         self._within: dict[Term, bool] = {}
         self._equals: dict[tuple[Term, str], bool] = {}
@@ -340,7 +341,7 @@ class Oracle:
     @cached_property
     def reduced_labels(self) -> frozenset[str]:
         """The labels the targets reduce over: no rule creates a reduction over another label."""
-        return frozenset(s[1] for t in self.targets.values() for s in _parts(t) if s[0] in REDUCE)
+        return frozenset(s[1] for t in self.targets.values() for s in term_parts(t) if s[0] in REDUCE)
 
     def position(self, t: Term, labels: tuple) -> int | None:
         """The index, in the Program's order, of the first node that computes `t` (up to + and *

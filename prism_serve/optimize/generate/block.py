@@ -66,7 +66,7 @@ from functools import cached_property
 from typing import Iterator
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.generate.abstract import Oracle, Term, _parts, op_tags
+from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
 from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, row_ref, whole_ref
 from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 
@@ -155,7 +155,7 @@ class BlockGenerator:
         # what the kernel tensors written by earlier kernels hold, term by term (as `_key` spells a
         # term): an op that rebuilds a part of one comes after those that use it (see `_candidates`)
         self._stored_parts = frozenset(repr(t) for v in tensors.values() if v.expr[0] != "var"
-                                       for t in _parts(v.expr) if t[0] not in ("var", "const"))
+                                       for t in term_parts(v.expr) if t[0] not in ("var", "const"))
         self.seen: set = set()
         self._keys: dict = {}  # see `_key`
         self.memo: dict = {}
