@@ -29,7 +29,7 @@ from prism_serve.optimize.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
 from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, Program
 from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.resources import KernelResources, blocks_per_sm
-from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance, sym
+from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance, Kernel, sym
 
 LAUNCH_US = GRAPH_LAUNCH_US  # the default mode's launch cost (CUDA-graph replay), for bounds
 SECTOR_BYTES = 32  # DRAM / L2 access granularity (CUDA C++ Best Practices Guide, "Coalesced Access")
@@ -219,14 +219,17 @@ def _library_cost(prog_types, op, num_tokens: int, gpu: GpuSpec, name: str, grap
 def instance_cost(inst: Instance, num_tokens: int, gpu: GpuSpec, *, graphs: bool = True) -> list[KernelCost]:
     """Modeled cost of every kernel of an instance at `num_tokens` (launches as graph replay
     unless `graphs=False`)."""
-    costs = []
-    for k in inst.sgraph.kernels:
-        if isinstance(k, BlockKernel):
-            costs.append(block_kernel_cost(inst, k, num_tokens, gpu, graphs=graphs))
-        else:
-            types = {n: _Type(inst.tensor_shape(n, num_tokens), t.dtype) for n, t in inst.sgraph.tensors.items()}
-            costs.append(_library_cost(types, k.op, num_tokens, gpu, k.op.name, graphs))
-    return costs
+    return [kernel_cost(inst, k, num_tokens, gpu, graphs=graphs) for k in inst.sgraph.kernels]
+
+
+def kernel_cost(inst: Instance, k: Kernel, num_tokens: int, gpu: GpuSpec, *, graphs: bool = True) -> KernelCost:
+    """Modeled cost of one kernel of an instance; it depends only on the symbols that kernel reads
+    (`tune.kernel_symbols`), so an instance's time is the sum over its kernels."""
+    if isinstance(k, BlockKernel):
+        return block_kernel_cost(inst, k, num_tokens, gpu, graphs=graphs)
+    tensors = inst.sgraph.tensors
+    types = {n: _Type(inst.tensor_shape(n, num_tokens), tensors[n].dtype) for n in (k.op.name, *k.op.inputs)}
+    return _library_cost(types, k.op, num_tokens, gpu, k.op.name, graphs)
 
 
 def modeled_us(inst: Instance, num_tokens: int, gpu: GpuSpec, *, graphs: bool = True) -> float:

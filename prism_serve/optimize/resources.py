@@ -261,11 +261,12 @@ def _analyse(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool):
     tok = token_symbol(k)
     dims_of: dict[str, list[int]] = {}
     padded_of: dict[str, list[int]] = {}
+    values = dict(values)
     for n in k.nodes:
         if n.op in ("store", "const"):
             continue
         shape = types[n.name].shape
-        dims = [_exact(g.name, f"kernel '{k.name}' node '{n.name}'", d, dict(values)) for d in shape]
+        dims = [_exact(g.name, f"kernel '{k.name}' node '{n.name}'", d, values) for d in shape]
         dims_of[n.name] = dims
         padded_of[n.name] = [max(pow2(v), MMA_MIN) if pad and tok and d == sym(tok) else pow2(v)
                              for d, v in zip(shape, dims)]

@@ -343,15 +343,26 @@ def _dim_function(expr: Expr) -> tuple[tuple[str, ...], Callable]:
     return names, sympy.lambdify([sym(n) for n in names], expr, modules=[{"floor": math.floor}, "math"])
 
 
+_DIM_VALUES: dict[tuple, Fraction] = {}  # (compiled dim, its symbols' values) -> value: tuning re-reads the same few
+_DIM_VALUES_MAX = 1 << 20
+
+
 def evaluate_dim(expr: Expr, values: Mapping[str, int]) -> Fraction:
-    """Exact value of a dim expression under `values` (fast: compiled once per expression)."""
+    """Exact value of a dim expression under `values` (fast: compiled once per expression, each
+    value computed once per assignment of the expression's own symbols)."""
     if isinstance(expr, int) or expr.is_Number:
         return Fraction(int(expr)) if isinstance(expr, int) or expr.is_Integer else Fraction(str(expr))
     names, fn = _dim_function(expr)
-    missing = [n for n in names if n not in values]
-    if missing:
-        raise SGraphError(f"dim {expr} depends on unassigned {missing}")
-    return Fraction(fn(*(Fraction(values[n]) for n in names)))
+    try:
+        key = (fn, tuple(values[n] for n in names))
+    except KeyError:
+        raise SGraphError(f"dim {expr} depends on unassigned {[n for n in names if n not in values]}") from None
+    value = _DIM_VALUES.get(key)
+    if value is None:
+        if len(_DIM_VALUES) >= _DIM_VALUES_MAX:
+            _DIM_VALUES.clear()
+        value = _DIM_VALUES[key] = Fraction(fn(*map(Fraction, key[1])))
+    return value
 
 
 @dataclass(frozen=True)
@@ -402,26 +413,39 @@ def instantiate(g: SGraph, assignment: Mapping[str, int], gpu: GpuSpec) -> Insta
     if bad:
         raise SGraphError(f"sGraph '{g.name}': symbol values must be positive ints, got {bad}")
     values = dict(assignment)
-    for t in g.intermediates:
-        for d in t.shape:
-            if TOKENS not in d.free_symbols:  # token dims are bound at launch
-                _exact(g.name, f"intermediate '{t.name}'", d, values)
+    _check_intermediates(g, g.intermediates, values)
     for k in g.kernels:
-        if not isinstance(k, BlockKernel):
-            continue
-        _check_block_limits(g, k, values, gpu)
-        for i, dims in enumerate(launch_dims(len(k.grid))):
-            extent = math.prod(assignment[k.grid[a].symbol] for a in dims if not k.grid[a].over_tokens)
-            if extent > gpu.max_grid[i]:
-                raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': grid dim {i} = "
-                                  f"{extent} exceeds {gpu.name}'s limit {gpu.max_grid[i]}")
+        if isinstance(k, BlockKernel):
+            _check_limits(g, k, values, gpu)
     return Instance(g, tuple(sorted(values.items())), gpu.name)
 
 
-def _check_block_limits(g: SGraph, k: BlockKernel, values: dict, gpu: GpuSpec) -> None:
-    """Tile size, 2-D block matmuls, shared memory and registers without spilling (the resource model)."""
+def check_kernel(g: SGraph, k: BlockKernel, values: Mapping[str, int], gpu: GpuSpec) -> None:
+    """`instantiate`'s checks that concern one kernel (the intermediates it reads or writes, its
+    tiles and its grid), which hold or fail independently of the other kernels' symbols; an
+    assignment that passes them for every kernel instantiates. SGraphError when one fails."""
+    touched = {n.attr("tensor") for n in k.loads + k.stores}
+    _check_intermediates(g, [t for t in g.intermediates if t.name in touched], values)
+    _check_limits(g, k, values, gpu)
+
+
+def _check_intermediates(g: SGraph, decls, values: Mapping[str, int]) -> None:
+    for t in decls:
+        for d in t.shape:
+            if TOKENS not in d.free_symbols:  # token dims are bound at launch
+                _exact(g.name, f"intermediate '{t.name}'", d, values)
+
+
+def _check_limits(g: SGraph, k: BlockKernel, values: Mapping[str, int], gpu: GpuSpec) -> None:
+    """Tile size, 2-D block matmuls, shared memory and registers without spilling (the resource
+    model), and the grid's launch limits."""
     from prism_serve.optimize.resources import check
     check(g, k, values, gpu)
+    for i, dims in enumerate(launch_dims(len(k.grid))):
+        extent = math.prod(values[k.grid[a].symbol] for a in dims if not k.grid[a].over_tokens)
+        if extent > gpu.max_grid[i]:
+            raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': grid dim {i} = "
+                              f"{extent} exceeds {gpu.name}'s limit {gpu.max_grid[i]}")
 
 
 def _exact(gname: str, where: str, dim: Expr, values: dict) -> int:

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.cost import modeled_us, tie_key
+from prism_serve.optimize.cost import kernel_cost, modeled_us, tie_key
 from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.sgraph import BlockKernel, Instance, SGraph, instantiate
+from prism_serve.optimize.ir import NUM_TOKENS
+from prism_serve.optimize.sgraph import BlockKernel, Instance, Kernel, SGraph, check_kernel, instantiate
 
 log = logging.getLogger(__name__)
 TOKEN_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -114,9 +115,59 @@ def _better(a: Candidate, b: Candidate, gpu: GpuSpec) -> bool:
 def best_modeled(g: SGraph, gpu: GpuSpec, num_tokens: int) -> Candidate | None:
     """The best instance descent finds from balanced starts (or the finest tiles), or None
     when nothing fits `gpu`; ties by `order`, as in `rank`."""
-    found = [c for c in (descend(g, gpu, num_tokens, balanced_assignment(g, t)) for t in (64, 16)) if c]
-    found = found or [c for c in [descend(g, gpu, num_tokens, finest_assignment(g))] if c]
+    times = KernelTimes(g, gpu, num_tokens)
+    found = [c for c in (descend(g, gpu, num_tokens, balanced_assignment(g, t), times) for t in (64, 16)) if c]
+    found = found or [c for c in [descend(g, gpu, num_tokens, finest_assignment(g), times)] if c]
     return min(found, key=lambda c: order(c, gpu)) if found else None
+
+
+def kernel_symbols(g: SGraph, k: Kernel) -> tuple[str, ...]:
+    """The symbols a kernel's checks and modeled cost read: its grid and loop symbols and those in
+    the shapes of the tensors and tiles it touches."""
+    if isinstance(k, BlockKernel):
+        names = {a.symbol for a in k.grid} | ({k.forloop} if k.forloop else set())
+        shapes = [g.tensors[n.attr("tensor")].shape for n in k.loads + k.stores]
+        shapes += [t.shape for t in g.block_types(k).values()]
+    else:
+        names, shapes = set(), [g.tensors[n].shape for n in (k.op.name, *k.op.inputs)]
+    names |= {str(s) for shape in shapes for d in shape for s in getattr(d, "free_symbols", ())}
+    return tuple(sorted(names - {NUM_TOKENS}))
+
+
+class KernelTimes:
+    """Modeled time of assignments of one sGraph at one num_tokens, memoised per kernel by the
+    values of the symbols it reads (`kernel_symbols`): checks and cost are per kernel, so a move
+    of one symbol re-evaluates only the kernels that read it. None for an assignment that breaks
+    a kernel's check (`sgraph.check_kernel`); a time is `modeled_us` of its instance."""
+
+    def __init__(self, g: SGraph, gpu: GpuSpec, num_tokens: int):
+        self.g, self.gpu, self.num_tokens = g, gpu, num_tokens
+        self.kernels = [(i, k, kernel_symbols(g, k)) for i, k in enumerate(g.kernels)]
+        self._memo: dict[tuple, float | None] = {}
+
+    def __call__(self, values: dict[str, int]) -> float | None:
+        total = 0.0
+        for i, k, names in self.kernels:
+            key = (i, tuple(values[s] for s in names))
+            if key not in self._memo:
+                self._memo[key] = self._kernel_us(k, values)
+            t = self._memo[key]
+            if t is None:
+                return None
+            total += t
+        return total
+
+    def _kernel_us(self, k: Kernel, values: dict[str, int]) -> float | None:
+        if isinstance(k, BlockKernel):
+            try:
+                check_kernel(self.g, k, values, self.gpu)
+            except SGraphError:
+                return None
+        inst = Instance(self.g, tuple(sorted(values.items())), self.gpu.name)  # checked per kernel above
+        return kernel_cost(inst, k, self.num_tokens, self.gpu).time_us
+
+    def candidate(self, values: dict[str, int], us: float) -> Candidate:
+        return Candidate(Instance(self.g, tuple(sorted(values.items())), self.gpu.name), self.num_tokens, us)
 
 
 def _coupled(g: SGraph) -> list[tuple[str, str]]:
@@ -128,34 +179,58 @@ def _coupled(g: SGraph) -> list[tuple[str, str]]:
     return pairs
 
 
-def descend(g: SGraph, gpu: GpuSpec, num_tokens: int, start: dict[str, int]) -> Candidate | None:
+PAIR_RADIUS = 3  # a joint move changes each of its two symbols by at most this many choices
+
+
+def _pair_moves(values: dict[str, int], choices: dict[str, tuple[int, ...]], times: KernelTimes
+                ) -> list[dict[str, int]]:
+    """Joint moves of two symbols of one kernel (a grid tile with the loop's step, say), each by
+    at most PAIR_RADIUS choices from `values`: where a kernel's resource limits bind, single
+    moves stall on a ridge that these cross."""
+    def near(s: str) -> list[int]:
+        c = choices[s]
+        i = c.index(values[s]) if values[s] in c else 0
+        return [v for v in c[max(0, i - PAIR_RADIUS):i + PAIR_RADIUS + 1] if v != values[s]]
+
+    pairs = sorted({(a, b) for _, _, names in times.kernels for i, a in enumerate(names) for b in names[i + 1:]})
+    return [{a: va, b: vb} for a, b in pairs for va in near(a) for vb in near(b)]
+
+
+def descend(g: SGraph, gpu: GpuSpec, num_tokens: int, start: dict[str, int],
+            times: KernelTimes | None = None) -> Candidate | None:
     """Coordinate descent on modeled time from a valid `start`, over `symbol_choices` one symbol
-    at a time and coupled (split, loop) pairs jointly: a cheap stand-in for `rank` while
-    searching. A move is taken when it ranks before the current best by `order`, so equal times
-    move to fewer registers and more occupancy as `rank` would."""
+    at a time and coupled (split, loop) pairs jointly, and where those stall, over any two
+    symbols of one kernel jointly: a cheap stand-in for `rank` while searching. A move is taken
+    when it ranks before the current best by `order`, so equal times move to fewer registers and
+    more occupancy as `rank` would. `times` (shared by the starts of one search) memoises the
+    kernels' times."""
+    times = times or KernelTimes(g, gpu, num_tokens)
     choices = symbol_choices(g)
-    moves = [{s: v} for s in g.symbols for v in choices[s]] + [
+    singles = [{s: v} for s in g.symbols for v in choices[s]] + [
         {a: va, b: vb} for a, b in _coupled(g) for va in choices[a] for vb in choices[b]]
-    try:
-        inst = instantiate(g, start, gpu)
-    except SGraphError:
+    values = dict(start)
+    us = times(values) if set(values) == set(g.symbols) else None
+    if us is None:
         return None
-    best = Candidate(inst, num_tokens, modeled_us(inst, num_tokens, gpu))
-    improved = True
-    while improved:
-        improved = False
-        for m in moves:
-            values = best.assignment | m
-            if values == best.assignment:
-                continue
-            try:
-                inst = instantiate(g, values, gpu)
-            except SGraphError:
-                continue
-            cand = Candidate(inst, num_tokens, modeled_us(inst, num_tokens, gpu))
-            if _better(cand, best, gpu):
-                best, improved = cand, True
-    return best
+    best = times.candidate(values, us)
+    while True:
+        for moves in (singles, None):
+            moves = singles if moves is not None else _pair_moves(best.assignment, choices, times)
+            improved = False
+            for m in moves:
+                values = best.assignment | m
+                if values == best.assignment:
+                    continue
+                us = times(values)
+                if us is None:
+                    continue
+                cand = times.candidate(values, us)
+                if _better(cand, best, gpu):
+                    best, improved = cand, True
+            if improved:
+                break
+        else:
+            return Candidate(instantiate(g, best.assignment, gpu), num_tokens, best.modeled_us)
 
 
 def enumerate_instances(g: SGraph, gpu: GpuSpec) -> list[Instance]:

@@ -216,5 +216,7 @@ def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     descended = search._instances(g, H100, (1, 16), None, 1)
     assert descended[0].modeled_us == best_modeled(g, H100, 1).modeled_us
     assert descended[1].modeled_us <= best_modeled(g, H100, 16).modeled_us * search.NEAR_TIE
-    # what the descent gives up: it can stop at a local optimum, never below the exhaustive one
-    assert all(d.modeled_us >= e.modeled_us for d, e in zip(descended, exhaustive))
+    # the descent can stop at a local optimum (never below the exhaustive best); here, crossing
+    # ridges with joint moves, it reaches it; the open bucket trades up to NEAR_TIE for scaling
+    assert descended[0].modeled_us == exhaustive[0].modeled_us
+    assert exhaustive[1].modeled_us <= descended[1].modeled_us * search.NEAR_TIE

@@ -5,6 +5,7 @@ import pytest
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.cost import instance_cost, modeled_us, unfused_us
 from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.sgraph import instantiate
 from prism_serve.optimize.tune import best_modeled, enumerate_instances, measure, order, rank
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
@@ -104,3 +105,45 @@ def test_the_open_bucket_takes_the_near_tie_that_scales_to_more_tokens():
     assert at_probe[open_[0].instance] == min(at_probe.values())
     assert at_probe[plain[0].instance] > 5 * at_probe[open_[0].instance]
     assert [c.assignment for c in rank_open(g, H100, 0)] == [c.assignment for c in rank(g, H100, 0)]
+
+
+def test_kernel_times_are_the_modeled_time_of_the_instance_or_none_where_it_does_not_instantiate():
+    """The descent's memo adds per-kernel times checked per kernel; the full path (instantiate,
+    then modeled_us) is the reference, on a split design whose split symbol two kernels share."""
+    import itertools
+    import random
+
+    from prism_serve.optimize.tune import KernelTimes, symbol_choices
+    from prism_serve.optimize.workloads.designs import gqa_decode
+
+    g = gqa_decode(WORKLOADS["attention"].program())
+    choices = symbol_choices(g)
+    names = list(choices)
+    rng = random.Random(0)
+    sample = rng.sample(list(itertools.product(*(choices[s] for s in names))), 300)
+    times = KernelTimes(g, H100, 1)
+    valid = 0
+    for values in map(lambda v: dict(zip(names, v)), sample):
+        try:
+            expected = modeled_us(instantiate(g, values, H100), 1, H100)
+        except SGraphError:
+            expected = None
+        got = times(values)
+        assert got == pytest.approx(expected) if expected is not None else got is None, values
+        valid += expected is not None
+    assert 0 < valid < len(sample)  # both kinds of assignment were drawn
+
+
+def test_descent_crosses_the_ridge_where_single_moves_stall():
+    """rmsnorm_linear's 1/rms-then-projection design at 16 tokens: from the tiles one-symbol
+    descent stalled at (8-token blocks, 16 output tiles, 32 loop steps; 18.39 us) no single move
+    helps, while the instance of 16-token blocks, 64 output tiles and 8 loop steps models at 13.75
+    us; joint moves of two symbols of one kernel reach it."""
+    from prism_serve.optimize.tune import descend
+    from prism_serve.optimize.workloads.designs import rms_then_projection
+
+    g = rms_then_projection(WORKLOADS["rmsnorm_linear"].program())
+    target = modeled_us(instantiate(g, {"BR": 1, "FR": 1, "BT": 16, "G": 64, "F": 8}, H100), 16, H100)
+    stall = {"BR": 1, "FR": 1, "BT": 8, "G": 16, "F": 32}
+    assert modeled_us(instantiate(g, stall, H100), 16, H100) > 1.3 * target
+    assert descend(g, H100, 16, stall).modeled_us <= target + 1e-9
