@@ -26,9 +26,8 @@ def test_fp16_rms_after_the_dot_overflows_and_is_rejected_by_name():
     assert not verdict.ok
     assert any(r.startswith("overflow: inf in output 'y' at outlier 6.55e+04") and r.endswith("(fp16)")
                for r in verdict.reasons), verdict.reasons
-    random_cases = [c for c in verdict.cases if c.name.startswith("random")]
-    assert [c.num_tokens for c in random_cases] == [1, 7] and all(c.failure is None for c in random_cases)
-    assert verdict.cases[-1].failure and len(verdict.reasons) == 1  # it stops at the first failing case
+    # the outlier cases run first (an unsafe design fails there), and the check stops at the first failure
+    assert len(verdict.cases) == 1 and verdict.cases[0].name.startswith("outlier") and len(verdict.reasons) == 1
     # The mechanism, in plain torch: the fp16 operand x * g is out of range, vLLM's path is not.
     x, g, w = random_inputs(prog, 7, seed=0)
     c = int(g.float().abs().argmax())
@@ -61,8 +60,8 @@ def test_zero_rows_catch_a_missing_epsilon():
     nodes = tuple(node("r", "rsqrt", "ms") if n.name == "r" else n for n in k.nodes)
     mutant = SGraph("no_eps", g.program, (), (BlockKernel(k.name, k.grid, k.forloop, nodes),))
     verdict = check_numerics(instantiate(mutant, {"BT": 4}, H100), seed=0)
-    assert [(c.name, c.failure) for c in verdict.cases] == [
-        ("random inputs, 1 token", None),
+    assert [(c.name, c.failure) for c in verdict.cases][-3:] == [
+        ("outlier 1e+04, 7 tokens", None), ("random inputs, 1 token", None),
         ("random inputs with zero rows, 7 tokens",
          "NaN in output 'y' at random inputs with zero rows, 7 tokens (fp32)")]
 
