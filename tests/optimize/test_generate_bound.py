@@ -122,3 +122,33 @@ def test_a_generation_stopped_by_its_deadline_resumes_where_it_paused():
     # the second round walks the kernel level again (block walks resume from their caches), so the
     # library ops it judges again are counted again
     assert rounds.stats.pruned["abstract_expression"] >= whole.stats.pruned["abstract_expression"]
+
+
+def test_the_cost_rules_threshold_is_the_best_design_of_fewer_kernels_that_verifies(monkeypatch):
+    """A cheap design that fails verification (fp16 rmsnorm_linear's one-kernel designs that
+    overflow) must not set the bar that drops designs of more kernels: `best_us` verifies the
+    designs of fewer kernels fastest first and takes the first that passes; the answers are kept
+    for stage 2; with no time left to verify, nothing is cut."""
+    from types import SimpleNamespace
+
+    from prism_serve.optimize.generate import search
+
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
+    costed = _listing(prog, get_gpu("h100"), 2, 3)
+    one = [(us, d) for us, d, _ in costed.ranked() if len(d.kernels) == 1]
+    assert len(one) >= 2
+    failing = one[0][1]
+    asked = []
+
+    def verify(prog_, design, gpu):
+        asked.append(design)
+        ok = SimpleNamespace(ok=design != failing)
+        return ok, ok, 0.0
+
+    monkeypatch.setattr(search, "verify_design", verify)
+    assert costed.best_us(2) == one[1][0] >= one[0][0]
+    assert asked == [failing, one[1][1]] and set(costed.verdicts) == set(asked)
+    assert costed.best_us(1) == float("inf")  # no design of fewer than one kernel
+    fresh = _Costed(prog, get_gpu("h100"), BUCKETS, SearchStats())
+    fresh.items, fresh.deadline = costed.items, time.perf_counter() - 1
+    assert fresh.best_us(2) == float("inf") and not fresh.verdicts

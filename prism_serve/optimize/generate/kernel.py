@@ -176,13 +176,20 @@ class KernelGenerator:
             return
         if len(kernels) >= depth or self._over_bound(kernels, tensors, written, depth - len(kernels)):
             return
-        if time.perf_counter() > self.deadline:
-            self.stopped = True
+        if self._out_of_time():
             return
         for spec, new, outs in self._children(kernels, tensors, written, depth, choices, first):
             yield from self._walk(kernels + (spec,), tensors | new, outs, depth, choices)
-            if self.stopped:
+            if self._out_of_time():
                 return
+
+    def _out_of_time(self) -> bool:
+        """Past the pass's deadline (a depth's share): the walk unwinds. The designs that the block
+        graphs enumerated so far would complete are not all yielded (costing them is what takes
+        the time); past the search's deadline, `stopped` says so to the driver."""
+        now = time.perf_counter()
+        self.stopped |= now > self.deadline
+        return self.stopped or now > self._pass_deadline
 
     def _children(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int, choices,
                   first) -> Iterator[tuple]:
@@ -195,7 +202,7 @@ class KernelGenerator:
                 yield from self._library_children(kernels, tensors, written, depth)
             else:
                 yield from self._block_children(kernels, tensors, written, depth, group)
-            if self.stopped:
+            if self._out_of_time():
                 return
 
     @staticmethod

@@ -8,7 +8,7 @@ rules; every rule is counted in `SearchStats.pruned`. Each complete design is bu
 symbolic sGraph (`generate/design.build`) and ranked by the cost model (coordinate descent over
 its symbols per num_tokens bucket) as it comes. A search that ranks (not `all_designs`) also
 applies the ``cost`` rule (`bound.py`): a design of more kernels whose lower bound on modeled
-time exceeds the best design of fewer kernels is dropped (whole depths at once where two
+time exceeds the best verified design of fewer kernels is dropped (whole depths at once where two
 launches already cost more than the best one-kernel design).
 
 Stage 2, fastest modeled first: the egglog proof that the sGraph computes the Program for every
@@ -138,6 +138,8 @@ class _Costed:
     def __init__(self, prog: Program, gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats):
         self.prog, self.gpu, self.buckets, self.stats = prog, gpu, buckets, stats
         self.designs: list[Design] = []  # every design handed in, in order
+        self.verdicts: dict[Design, tuple] = {}  # `verify_design`'s answers given while generating
+        self.deadline = math.inf  # the last moment `best_us` may verify
         self.items: list[tuple[float, Design, SGraph]] = []  # (modeled us, design, sGraph) of those kept
         self._seen: set[str] = set()
         self._handed: set[Design] = set()
@@ -175,8 +177,23 @@ class _Costed:
         self.items.append((sum(b.modeled_us for b in best), d, g))
 
     def best_us(self, depth: int) -> float:
-        """The best modeled time of the designs so far with fewer than `depth` kernels."""
-        return min((c for c, d, _ in self.items if len(d.kernels) < depth), default=math.inf)
+        """The cost rule's threshold before `depth`: the best modeled time of the designs so far
+        with fewer than `depth` kernels that verify. They are verified here, fastest first, until
+        one passes (`verdicts` keeps every answer for stage 2); unverified designs set no bar,
+        since a cheap design that fails the proof or the numeric check (fp16 rmsnorm_linear's
+        11.61 us one-kernel designs overflow) would drop the safe designs of more kernels. Past
+        `deadline` nothing more is verified, and without a verified design nothing is cut."""
+        for us, d, _ in self.ranked():
+            if len(d.kernels) >= depth:
+                continue
+            if d not in self.verdicts:
+                if time.perf_counter() > self.deadline:
+                    return math.inf
+                self.verdicts[d] = verify_design(self.prog, d, self.gpu)
+            proof, verdict, _ = self.verdicts[d]
+            if proof.ok and verdict.ok:
+                return us
+        return math.inf
 
     def ranked(self) -> list[tuple[float, Design, SGraph]]:
         return sorted(self.items, key=lambda t: (t[0], t[1].describe()))
@@ -206,8 +223,8 @@ def verify_design(prog: Program, design: Design, gpu: GpuSpec) -> tuple[ProofRes
 # Symbol assignments up to which a verified design's instances are ranked exhaustively. Past it,
 # enumerating and ranking them takes longer than the search's budget leaves (a two-kernel
 # rmsnorm_linear design with a split: 85,184 assignments, 11,868 valid, 25 s), and the descent
-# ranks instead: it can stop at a local optimum (rmsnorm_linear's oracle at hidden 1024, one of
-# its buckets: 2.43 against 1.94 us), the price of a verified design that comes within budget.
+# ranks instead: it can stop at a local optimum (joint moves of two symbols cross the ridges
+# one-symbol moves stalled on; `tune.descend`), the price of a verified design within budget.
 EXHAUSTIVE_ASSIGNMENTS = 20_000
 
 
@@ -330,12 +347,13 @@ def _generate_parallel(pool: Pool, gen: KernelGenerator, choices: list, costed: 
                 progress(f"generated {len(costed.designs)} designs", stats)
 
 
-def _verify_parallel(pool: Pool, costed, deadline: float, take: Callable[..., bool],
+def _verify_parallel(pool: Pool, costed, verdicts: dict, deadline: float, take: Callable[..., bool],
                      in_time: Callable[[], bool]) -> bool:
     """Stage 2 in the workers: verifications in cost order, at most one in flight per worker,
     read back in cost order and handed to `take` until it returns False, so the designs verified
-    are those of the serial loop. None starts unless `in_time()` (before `deadline`, with room for
-    the longest verification so far); as in the serial loop, one that started may finish, but only
+    are those of the serial loop; a design in `verdicts` (verified while generating) takes its
+    answer from there. None starts unless `in_time()` (before `deadline`, with room for the
+    longest verification so far); as in the serial loop, one that started may finish, but only
     within GRACE_S of the deadline. Returns whether the deadline stopped it."""
     it = iter(costed)
     flight: list = []
@@ -345,11 +363,11 @@ def _verify_parallel(pool: Pool, costed, deadline: float, take: Callable[..., bo
             item = next(it, None)
             if item is None:
                 break
-            flight.append((pool.submit("verify", item[1]), item))
+            flight.append((None if item[1] in verdicts else pool.submit("verify", item[1]), item))
         if not flight:
             return not in_time() and next(it, None) is not None
         tid, (_, design, g) = flight.pop(0)
-        ok, answer = pool.get(tid, until)
+        ok, answer = (True, verdicts[design]) if tid is None else pool.get(tid, until)
         if not ok:
             return True
         if not take(design, g, *answer):
@@ -411,7 +429,7 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
             # half the budget for generating; a round that found nothing to verify goes on, resuming
             # where it paused, into the time that verification would have had (but VERIFY_RESERVE)
             for share in GENERATE_SHARES:
-                gen.deadline = start + budget_s * share
+                gen.deadline = costing.deadline = start + budget_s * share
                 if pool:
                     _generate_parallel(pool, gen, choices, costing, bound, progress)
                 else:
@@ -438,14 +456,15 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
             return all_designs or len(found) < top
 
         if pool:
-            stats.stopped_by_budget |= _verify_parallel(pool, costed if all_designs or top > 0 else [], deadline, take,
-                                                        in_time)
+            stats.stopped_by_budget |= _verify_parallel(pool, costed if all_designs or top > 0 else [],
+                                                        costing.verdicts, deadline, take, in_time)
         else:
             for _, design, g in costed if all_designs or top > 0 else []:
-                if not in_time():
+                answer = costing.verdicts.get(design)
+                if answer is None and not in_time():
                     stats.stopped_by_budget = True
                     break
-                if not take(design, g, *verify_design(prog, design, spec)):
+                if not take(design, g, *(answer or verify_design(prog, design, spec))):
                     break
     finally:
         if pool:
