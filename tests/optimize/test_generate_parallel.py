@@ -43,7 +43,7 @@ def test_the_workers_generate_the_serial_designs_in_the_serial_order(cost_rule):
         return KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=3, max_grid=MAX_GRID,
                                deadline=time.perf_counter() + 600, bound=bound)
     _generate(gen(), serial, bound, None)
-    with Pool(2, Config(prog, H100, 2, 3, MAX_GRID, True, bound)) as pool:
+    with Pool(2, Config(prog, H100, (4, 64), 2, 3, MAX_GRID, True, bound)) as pool:
         driver = gen()
         _generate_parallel(pool, driver, driver.choices(), parallel, bound, None)
     assert parallel.designs == serial.designs
@@ -82,7 +82,7 @@ def test_a_failing_or_dead_worker_raises_instead_of_hanging_the_driver():
     prog = WORKLOADS["rmsnorm_linear"].program()
     ctx = make_context(prog)
     first = KernelGenerator(ctx, max_kernels=2, max_block_ops=8, max_grid=MAX_GRID, deadline=0).choices()[0]
-    with Pool(2, Config(prog, H100, 2, 8, MAX_GRID, True, None)) as pool:
+    with Pool(2, Config(prog, H100, (4,), 2, 8, MAX_GRID, True, None)) as pool:
         tid = pool.submit("verify", Design((LibrarySpec("y", "exp", ("no_such_tensor",)),)))
         with pytest.raises(SGraphError, match="worker \\d failed on verify task 0: SGraphError: .*'no_such_tensor'$"):
             pool.get(tid, time.time() + 120)
@@ -101,4 +101,4 @@ def test_workers_default_to_the_cores_and_must_be_positive():
     with pytest.raises(SGraphError, match="workers must be a positive int"):
         optimize(_silu_and_mul(), "h100", (4,), workers=0)
     with pytest.raises(SGraphError, match="at least 2 workers"):
-        Pool(1, Config(_silu_and_mul(), H100, 1, 2, MAX_GRID, True, None))
+        Pool(1, Config(_silu_and_mul(), H100, (4,), 1, 2, MAX_GRID, True, None))

@@ -131,50 +131,92 @@ def design_key(g: SGraph) -> str:
     return canonical_hash(g)
 
 
+@dataclass(frozen=True)
+class Appraisal:
+    """What costing a design found: its canonical key (None: it does not build), the sGraph-level
+    rule that drops it (``shape`` or ``hardware``), else its modeled time summed over the buckets
+    and the symbol assignments it stands for. Worker processes appraise their own subtrees'
+    designs (`appraise`); the driver keeps the order and drops canonical duplicates."""
+
+    design: Design
+    key: str | None
+    rule: str | None = None
+    us: float = math.inf
+    concrete: int = 0
+
+
+def appraise(prog: Program, gpu: GpuSpec, buckets: tuple[int, ...], d: Design, g: SGraph, key: str) -> Appraisal:
+    """A built design through the shape and hardware rules, modeled at its best instance per bucket."""
+    why = prune.shape(g)
+    rule = "shape" if why else None
+    if not why:
+        why, rule = prune.hardware(g, gpu), "hardware"
+    if why:
+        return Appraisal(d, key, rule)
+    best = [best_modeled(g, gpu, nt) for nt in buckets]
+    if any(b is None for b in best):
+        return Appraisal(d, key, "hardware")
+    return Appraisal(d, key, None, sum(b.modeled_us for b in best),
+                     math.prod(len(c) for c in symbol_choices(g).values()))
+
+
+def built(prog: Program, d: Design) -> tuple[SGraph, str] | None:
+    """The design's sGraph and canonical key, or None when it does not build."""
+    try:
+        g = build(prog, d)
+    except SGraphError as exc:
+        log.debug("design does not build: %s", exc)
+        return None
+    return g, design_key(g)
+
+
 class _Costed:
     """The designs built so far (in generation order: fewer kernels first), each through the
-    sGraph-level shape and hardware rules and modeled at its best instance per bucket."""
+    sGraph-level shape and hardware rules and modeled at its best instance per bucket, here
+    (`add`) or in a worker (`add_appraised`: its sGraph is rebuilt only if stage 2 needs it)."""
 
     def __init__(self, prog: Program, gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats):
         self.prog, self.gpu, self.buckets, self.stats = prog, gpu, buckets, stats
         self.designs: list[Design] = []  # every design handed in, in order
         self.verdicts: dict[Design, tuple] = {}  # `verify_design`'s answers given while generating
         self.deadline = math.inf  # the last moment `best_us` may verify
-        self.items: list[tuple[float, Design, SGraph]] = []  # (modeled us, design, sGraph) of those kept
+        self.items: list[tuple[float, Design, SGraph | None]] = []  # (modeled us, design, sGraph) of those kept
         self._seen: set[str] = set()
         self._handed: set[Design] = set()
 
     def add(self, d: Design) -> None:
         """Cost a design (one handed in again by a later generation round is ignored)."""
+        if self._hand(d):
+            b = built(self.prog, d)
+            if self._fresh(b and b[1]):
+                self._keep(appraise(self.prog, self.gpu, self.buckets, d, *b), b[0])
+
+    def add_appraised(self, a: Appraisal) -> None:
+        """Keep a design a worker costed, as `add` would."""
+        if self._hand(a.design) and self._fresh(a.key):
+            self._keep(a, None)
+
+    def _hand(self, d: Design) -> bool:
         if d in self._handed:
-            return
+            return False
         self._handed.add(d)
-        stats = self.stats
         self.designs.append(d)
-        try:
-            g = build(self.prog, d)
-        except SGraphError as exc:
-            stats.pruned["shape"] += 1
-            log.debug("design does not build: %s", exc)
-            return
-        key = design_key(g)
-        if key in self._seen:
-            stats.pruned["canonical"] += 1
-            return
+        return True
+
+    def _fresh(self, key: str | None) -> bool:
+        """Whether a design with this key is new (None: it does not build, counted as ``shape``)."""
+        if key is None or key in self._seen:
+            self.stats.pruned["shape" if key is None else "canonical"] += 1
+            return False
         self._seen.add(key)
-        why = prune.shape(g)
-        rule = "shape" if why else None
-        if not why:
-            why, rule = prune.hardware(g, self.gpu), "hardware"
-        if why:
-            stats.pruned[rule] += 1
+        return True
+
+    def _keep(self, a: Appraisal, g: SGraph | None) -> None:
+        if a.rule:
+            self.stats.pruned[a.rule] += 1
             return
-        best = [best_modeled(g, self.gpu, nt) for nt in self.buckets]
-        if any(b is None for b in best):
-            stats.pruned["hardware"] += 1
-            return
-        stats.concrete_graphs += math.prod(len(c) for c in symbol_choices(g).values())
-        self.items.append((sum(b.modeled_us for b in best), d, g))
+        self.stats.concrete_graphs += a.concrete
+        self.items.append((a.us, a.design, g))
 
     def best_us(self, depth: int) -> float:
         """The cost rule's threshold before `depth`: the best modeled time of the designs so far
@@ -335,8 +377,8 @@ def _generate_parallel(pool: Pool, gen: KernelGenerator, choices: list, costed: 
                 log.warning("a generator worker outlived the budget by %.0f s; its subtree is dropped", GRACE_S)
                 stats.stopped_by_budget = True
                 return
-            for d in sub.designs:
-                costed.add(d)
+            for a in sub.appraised:
+                costed.add_appraised(a)
             stats.generated += sub.generated
             for rule, k in sub.pruned.items():
                 stats.pruned[rule] += k
@@ -410,7 +452,7 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     bound = None if all_designs else DesignBound(spec, buckets)
     pool = None
     if workers > 1 and (not known or len(known) > 1):
-        pool = Pool(workers, Config(prog, spec, max_kernels, max_block_ops, MAX_GRID, abstract_rule, bound))
+        pool = Pool(workers, Config(prog, spec, buckets, max_kernels, max_block_ops, MAX_GRID, abstract_rule, bound))
     try:
         costing = _Costed(prog, spec, buckets, stats)
         if known:
@@ -444,10 +486,11 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
         def in_time() -> bool:
             return time.perf_counter() + longest <= deadline
 
-        def take(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdict | None,
+        def take(design: Design, g: SGraph | None, proof: ProofResult, verdict: NumericVerdict | None,
                  seconds: float) -> bool:
             nonlocal longest
             longest = max(longest, seconds)
+            g = g or build(prog, design)  # a design a worker costed comes without its sGraph
             f = _judge(design, g, proof, verdict, seconds, spec, buckets, stats, timer, measure_top)
             if f:
                 found.append(f)

@@ -22,7 +22,7 @@ import os
 import queue
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prism_serve.errors import SGraphError
@@ -48,6 +48,7 @@ class Config:
 
     prog: Program
     gpu: GpuSpec
+    buckets: tuple[int, ...]  # the num_tokens buckets designs are costed at
     max_kernels: int
     max_block_ops: int
     max_grid: int
@@ -57,9 +58,10 @@ class Config:
 
 @dataclass(frozen=True)
 class Subtree:
-    """One generation task's answer: the designs in `run` order and what the walk counted."""
+    """One generation task's answer: the designs in `run` order, each costed (`search.Appraisal`:
+    costing, not the walk, is most of a search's time), and what the walk counted."""
 
-    designs: tuple
+    appraised: tuple
     generated: int
     pruned: dict[str, int]
     kernel_graphs: int
@@ -72,6 +74,7 @@ class _Worker:
         self.config = config
         self.gen = None
         self.choices = None
+        self.appraised: dict[str, Any] = {}  # canonical key -> Appraisal: a design seen again costs nothing
 
     def generate(self, depth: int, first, pending: int, deadline_wall: float, best_us: float) -> Subtree:
         from prism_serve.optimize.generate.context import make_context
@@ -90,11 +93,22 @@ class _Worker:
         gen.deadline = time.perf_counter() + (deadline_wall - time.time())
         gen.pending = pending
         gen.best_us = best_us  # the driver's best design of fewer kernels (the cost rule)
-        designs = tuple(gen.subtree(depth, first, self.choices))
+        appraised = tuple(self._appraise(d) for d in gen.subtree(depth, first, self.choices))
         after = gen.counts
         pruned = {rule: n - before.pruned.get(rule, 0) for rule, n in after.pruned.items()}
-        return Subtree(designs, after.generated - before.generated, pruned, gen.kernel_graphs, gen.block_graphs,
+        return Subtree(appraised, after.generated - before.generated, pruned, gen.kernel_graphs, gen.block_graphs,
                        gen.stopped or gen.truncated > 0)
+
+    def _appraise(self, d) -> Any:
+        from prism_serve.optimize.generate.search import Appraisal, appraise, built
+
+        c = self.config
+        b = built(c.prog, d)
+        if b is None:
+            return Appraisal(d, None)
+        if b[1] not in self.appraised:
+            self.appraised[b[1]] = appraise(c.prog, c.gpu, c.buckets, d, *b)
+        return replace(self.appraised[b[1]], design=d)
 
     def verify(self, design) -> Any:
         from prism_serve.optimize.generate.search import verify_design
