@@ -152,3 +152,26 @@ def test_the_cost_rules_threshold_is_the_best_design_of_fewer_kernels_that_verif
     fresh = _Costed(prog, get_gpu("h100"), BUCKETS, SearchStats())
     fresh.items, fresh.deadline = costed.items, time.perf_counter() - 1
     assert fresh.best_us(2) == float("inf") and not fresh.verdicts
+
+
+def test_a_depth_keeps_to_its_share_of_the_time_when_costing_is_slow(monkeypatch):
+    """Costing the designs a depth's block graphs complete is most of a search's time: the kernel
+    walk stops at its depth's deadline (`DEPTH_SHARE` of the time), so the next depth still gets
+    the rest. Here costing is slowed to 0.2 s a design; before, depth 1 took all the time."""
+    from prism_serve.optimize.generate import search
+
+    real = search.best_modeled
+
+    def slow(*args):
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(search, "best_modeled", slow)
+    prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32, dtype="float32")
+    costed = _Costed(prog, get_gpu("h100"), (4,), SearchStats())
+    start = time.perf_counter()
+    gen = KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=6, max_grid=MAX_GRID, deadline=start + 8)
+    _generate(gen, costed, None, None)
+    kernels = [len(d.kernels) for d in costed.designs]
+    assert 1 in kernels and 2 in kernels, kernels
+    assert time.perf_counter() - start < 8 + 2
