@@ -214,23 +214,28 @@ def descend(g: SGraph, gpu: GpuSpec, num_tokens: int, start: dict[str, int],
         return None
     best = times.candidate(values, us)
     while True:
-        for moves in (singles, None):
-            moves = singles if moves is not None else _pair_moves(best.assignment, choices, times)
-            improved = False
-            for m in moves:
-                values = best.assignment | m
-                if values == best.assignment:
-                    continue
-                us = times(values)
-                if us is None:
-                    continue
-                cand = times.candidate(values, us)
-                if _better(cand, best, gpu):
-                    best, improved = cand, True
-            if improved:
-                break
-        else:
+        moved = _sweep(best, singles, times, gpu)
+        if moved is None:
+            moved = _sweep(best, _pair_moves(best.assignment, choices, times), times, gpu)
+        if moved is None:
             return Candidate(instantiate(g, best.assignment, gpu), num_tokens, best.modeled_us)
+        best = moved
+
+
+def _sweep(best: Candidate, moves: list[dict[str, int]], times: KernelTimes, gpu: GpuSpec) -> Candidate | None:
+    """One pass over `moves`, each from the best so far: the better candidate, or None if none was."""
+    start = best
+    for m in moves:
+        values = best.assignment | m
+        if values == best.assignment:
+            continue
+        us = times(values)
+        if us is None:
+            continue
+        cand = times.candidate(values, us)
+        if _better(cand, best, gpu):
+            best = cand
+    return None if best is start else best
 
 
 def enumerate_instances(g: SGraph, gpu: GpuSpec) -> list[Instance]:

@@ -7,8 +7,8 @@ adds, through a max). A split kernel also launches its combine kernel. The kerne
 come launch each, and together they write the outputs not written yet. Summed over the
 num_tokens buckets, this is never more than the modeled time of any completion, so the
 generator may drop a partial design whose bound exceeds the best complete design already
-modeled and verified (`search._Costed.best_us`) without losing the fastest design (it loses slower ones: only a search that ranks, not
-one that lists every design, uses it).
+modeled and verified (`search._Costed.best_us`) without losing the fastest design (it loses
+slower ones: only a search that ranks, not one that lists every design, uses it).
 """
 
 from __future__ import annotations
