@@ -169,13 +169,15 @@ def test_a_warmup_that_fails_on_a_bad_model_leaves_no_registry_behind(tmp_path, 
 def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, monkeypatch):
     """`prism-serve warmup` with no --dtype warms what `vllm serve` runs by default: vLLM's
     dtype="auto", which runs the float32 tiny Llama in bfloat16 (kernels for float32 would serve
-    nothing there). vLLM then runs the stored kernels, in its default dtype and compiled mode."""
+    nothing there). vLLM then runs the stored kernels, in its default dtype and compiled mode,
+    its projections on its CPU GEMMs' packed weights (AMX on this kind of machine, else oneDNN)."""
     monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
     url = f"sqlite:///{tmp_path / 'registry.db'}"
     report = warmup(None, registry=url)
     assert report.dtype == "bfloat16"
     stored = {r.kind for r in report.regions if r.status in ("verified", "enabled")}
-    assert stored >= {"fused_add_rms_norm"}  # the final norm, whichever GEMM this CPU's vLLM runs
+    # the final norm, and the regions on vLLM's CPU GEMMs (oneDNN, or AMX for small bf16 weights)
+    assert stored >= {"fused_add_rms_norm", "rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu"}
     reg = open_registry(url, readonly=True)
     with reg.read() as s:
         assert {k.dtype for k in list_kernels(s)} == {"bfloat16"}
@@ -183,6 +185,7 @@ def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, mo
     model = ROOT / "prism_serve" / "capture" / "models" / "tiny-llama"
     runs = run_vllm(model, tmp_path, [config("stock", url, "compiled", dtype="auto", PRISM_SERVE_DISABLE="1"),
                                       config("prism", url, "compiled", dtype="auto")])
-    ran = runs["prism"]["runs"]["compiled"]["kernel"]
-    assert all(ran[k] > 0 for k in stored), (stored, ran)
-    assert runs["prism"]["runs"]["compiled"]["tokens"] == runs["stock"]["runs"]["compiled"]["tokens"]
+    prism = runs["prism"]["runs"]["compiled"]
+    assert all(prism["kernel"][k] > 0 for k in stored) and not any(prism["fallback"].values()), prism
+    assert prism["compile"]["packed"]  # the plain weights of what vLLM packed, recorded for the kernels
+    assert prism["tokens"] == runs["stock"]["runs"]["compiled"]["tokens"]

