@@ -236,12 +236,17 @@ def modeled_us(inst: Instance, num_tokens: int, gpu: GpuSpec, *, graphs: bool = 
     return sum(c.time_us for c in instance_cost(inst, num_tokens, gpu, graphs=graphs))
 
 
-def tie_key(inst: Instance, gpu: GpuSpec) -> tuple:
-    """How equal modeled times are ordered: fewer registers per thread, then more resident
-    blocks per SM, then fewer warps, then less shared memory (summed over block kernels); only
-    instances equal in all of these fall back to their assignment, for determinism."""
+def tie_key(inst: Instance, gpu: GpuSpec, num_tokens: int) -> tuple:
+    """How equal modeled times at `num_tokens` are ordered: fewer bytes requested in all (DRAM and
+    L2 together, so a tiling whose blocks re-read what other blocks also read, the normed row of
+    each of 256 one-column blocks, say, goes after one that reads it once: equal in time while
+    latency bound, not in the work and L2 traffic it adds beside other kernels), then fewer
+    registers per thread, more resident blocks per SM, fewer warps, less shared memory (summed
+    over block kernels); only instances equal in all of these fall back to their assignment, for
+    determinism."""
+    requested = sum(c.dram_bytes + c.l2_bytes for c in instance_cost(inst, num_tokens, gpu))
     res = [inst.resources(k) for k in inst.sgraph.kernels if isinstance(k, BlockKernel)]
-    return (sum(r.regs_per_thread for r in res), -sum(blocks_per_sm(r, gpu) for r in res),
+    return (round(requested), sum(r.regs_per_thread for r in res), -sum(blocks_per_sm(r, gpu) for r in res),
             sum(r.warps for r in res), sum(r.smem for r in res), tuple(sorted(inst.values.items())))
 
 

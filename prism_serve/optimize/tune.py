@@ -101,15 +101,26 @@ def balanced_assignment(g: SGraph, tile: int = 64, block_tokens: int = 16) -> di
 
 
 def order(c: Candidate, gpu: GpuSpec) -> tuple:
-    """How candidates are ranked: modeled time (to 1e-6 us), equal times by `cost.tie_key`
-    (fewer registers, more occupancy, fewer warps, less shared memory), never by symbol names."""
-    return round(c.modeled_us, 6), tie_key(c.instance, gpu)
+    """How candidates are ranked: modeled time (to 1e-6 us), equal times by `cost.tie_key` (fewer
+    bytes requested, fewer registers, more occupancy, fewer warps, less shared memory), never by
+    symbol names."""
+    return round(c.modeled_us, 6), tie_key(c.instance, gpu, c.num_tokens)
 
 
 def _better(a: Candidate, b: Candidate, gpu: GpuSpec) -> bool:
     """Whether `a` ranks before `b` (`order`; the tie key is computed only on equal times)."""
     ta, tb = round(a.modeled_us, 6), round(b.modeled_us, 6)
-    return ta < tb or (ta == tb and tie_key(a.instance, gpu) < tie_key(b.instance, gpu))
+    return ta < tb or (ta == tb and tie_key(a.instance, gpu, a.num_tokens) < tie_key(b.instance, gpu, b.num_tokens))
+
+
+def _ranked(candidates: list[Candidate], gpu: GpuSpec) -> list[Candidate]:
+    """`candidates` sorted by `order`, the tie key computed only where modeled times are equal."""
+    time = lambda c: round(c.modeled_us, 6)  # noqa: E731
+    out: list[Candidate] = []
+    for _, group in itertools.groupby(sorted(candidates, key=time), key=time):
+        group = list(group)
+        out += sorted(group, key=lambda c: order(c, gpu)) if len(group) > 1 else group
+    return out
 
 
 def best_modeled(g: SGraph, gpu: GpuSpec, num_tokens: int) -> Candidate | None:
@@ -253,12 +264,11 @@ def enumerate_instances(g: SGraph, gpu: GpuSpec) -> list[Instance]:
 
 def rank(g: SGraph, gpu: GpuSpec, num_tokens: int, instances: Sequence[Instance] | None = None) -> list[Candidate]:
     """Valid instances ranked by modeled time at `num_tokens`, fastest first; equal times by
-    `cost.tie_key` (fewer registers, more occupancy), never by symbol names."""
+    `cost.tie_key` (fewer bytes requested, fewer registers, more occupancy), never by symbol names."""
     instances = enumerate_instances(g, gpu) if instances is None else instances
     if not instances:
         raise SGraphError(f"sGraph '{g.name}': no power-of-two assignment divides its shapes and fits {gpu.name}")
-    ranked = [Candidate(i, num_tokens, modeled_us(i, num_tokens, gpu)) for i in instances]
-    return sorted(ranked, key=lambda c: order(c, gpu))
+    return _ranked([Candidate(i, num_tokens, modeled_us(i, num_tokens, gpu)) for i in instances], gpu)
 
 
 # The last num_tokens bucket's kernel also serves every larger size (warmup.bucket_ranges). Near

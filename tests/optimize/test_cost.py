@@ -6,7 +6,7 @@ import pytest
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.codegen import render
-from prism_serve.optimize.cost import block_kernel_cost, modeled_us
+from prism_serve.optimize.cost import block_kernel_cost, instance_cost, modeled_us
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.sgraph import instantiate
 from prism_serve.optimize.tune import rank
@@ -95,13 +95,30 @@ def test_a_design_that_would_spill_is_infeasible():
     assert r.regs_per_thread <= 255 // 8 * 8 and not r.spills
 
 
-def test_ties_prefer_fewer_registers_and_more_occupancy():
+def test_ties_prefer_fewer_bytes_then_fewer_registers():
     ranked = rank(oracle(WORKLOADS["rmsnorm_linear"].program()), H100, 16)
+    ties = 0
     for a, b in zip(ranked, ranked[1:]):
         if round(a.modeled_us, 6) == round(b.modeled_us, 6):
-            ra = [a.instance.resources(k) for k in a.instance.sgraph.kernels]
-            rb = [b.instance.resources(k) for k in b.instance.sgraph.kernels]
-            assert sum(r.regs_per_thread for r in ra) <= sum(r.regs_per_thread for r in rb)
+            ties += 1
+            ba, bb = (sum(c.dram_bytes + c.l2_bytes for c in instance_cost(x.instance, 16, H100)) for x in (a, b))
+            assert round(ba) <= round(bb)
+            if round(ba) == round(bb):
+                ra = [a.instance.resources(k) for k in a.instance.sgraph.kernels]
+                rb = [b.instance.resources(k) for k in b.instance.sgraph.kernels]
+                assert sum(r.regs_per_thread for r in ra) <= sum(r.regs_per_thread for r in rb)
+    assert ties
+
+
+def test_a_decode_tie_goes_to_the_tiling_that_reads_the_row_once():
+    """rmsnorm_linear at tiny-llama's sizes and 8 tokens: dozens of tilings tie at one DRAM
+    latency plus a launch. Before, the fewest registers won: 256 one-column blocks per token
+    block, each re-reading and normalising the whole row (25x the bytes of the least)."""
+    prog = WORKLOADS["rmsnorm_linear"].program(hidden=128, out=256, dtype="bfloat16")
+    ranked = rank(oracle(prog), H100, 8)
+    ties = [c for c in ranked if round(c.modeled_us, 6) == round(ranked[0].modeled_us, 6)]
+    moved = [sum(c.dram_bytes + c.l2_bytes for c in instance_cost(x.instance, 8, H100)) for x in ties]
+    assert len(ties) > 10 and moved[0] == min(moved) and max(moved) > 10 * moved[0]
 
 
 def test_graph_replay_is_cheaper_than_eager_launches():

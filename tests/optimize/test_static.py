@@ -12,25 +12,32 @@ from prism_serve.optimize.workloads.oracles import oracle
 from scripts.bench_static import REG_TOLERANCE, TARGETS, embedded_programs
 
 
+# chosen kernels whose register estimate is known to miss ptxas's by more than REG_TOLERANCE, and
+# why; each is checked to still miss, so this shrinks as the model improves (issue 13's target is none)
+KNOWN_OFF = {(80, "rmsnorm_swiglu", 256): "8 warps, a 64-row tile and all of K (128) in one step, no loop: the "
+             "model counts the normed chain and the row sums as live (108), ptxas keeps 80"}
+
+
 @pytest.mark.parametrize("capability", sorted(TARGETS))
 def test_embedded_gemm_kernels_do_not_spill_and_use_tensor_cores(capability):
     gpu = get_gpu(TARGETS[capability])
     programs = embedded_programs("tiny-llama")
     jobs = []
-    # at 1-64 tokens every tiny-llama design waits one DRAM latency, and the tie goes to the fewest
-    # registers (no tl.dot); at 256 the dot designs win
+    # at 1-16 tokens the tiny-llama designs tie at one DRAM latency and the tie goes to the fewest bytes
+    # requested, whole-row tiles with tl.dot; at 256 tokens too
     cases = (("rmsnorm_linear", 1), ("rmsnorm_linear", 16), ("rmsnorm_swiglu", 16), ("rmsnorm_swiglu", 256))
     for kind, num_tokens in cases:
         g = oracle(programs[kind])
         jobs.append((rank(g, gpu, num_tokens, enumerate_instances(g, gpu))[0].instance, capability))
     assert any(inst.resources(inst.sgraph.kernels[0]).dots for inst, _ in jobs)  # tensor cores are exercised
-    for (inst, _), facts, (_, num_tokens) in zip(jobs, compile_facts(jobs), cases):
+    for (inst, _), facts, (kind, num_tokens) in zip(jobs, compile_facts(jobs), cases):
         (k,) = inst.sgraph.kernels
         (f,) = facts
         assert num_tokens > 16 or not f.spills, f"{inst.sgraph.name} {inst.values}: {f.stack_bytes} stack bytes per thread"
         assert f.num_warps == inst.warps(k)
         estimate = inst.resources(k).regs_per_thread
-        assert abs(estimate - f.registers) <= REG_TOLERANCE * f.registers, \
+        within = abs(estimate - f.registers) <= REG_TOLERANCE * f.registers
+        assert within != ((capability, kind, num_tokens) in KNOWN_OFF), \
             f"{inst.values}: {estimate} vs ptxas {f.registers}"
         if inst.resources(k).dots:
             assert f.tensor_core_instructions > 0, f"{inst.sgraph.name} {inst.values}: tl.dot without HMMA/HGMMA"
