@@ -34,10 +34,16 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF
 
 
 def _one_line(exc: BaseException) -> str:
-    """The informative line of an exception: pydantic's 'Value error, ...' line, else the last line."""
+    """The informative line of an exception: pydantic's 'Value error, ...' line; for an error that
+    torch.fx's interpreter re-raised under torch.compile, its own first line and the node it ran
+    (the rest is the graph's traceback and a pointer to tlparse); else the last line."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    lines = [ln for ln in lines if not ln.startswith("For further information")] or [""]
-    line = next((ln for ln in lines if ln.startswith("Value error,")), lines[-1])
+    lines = [ln for ln in lines if not ln.startswith(("For further information", "Use tlparse"))] or [""]
+    executing = next((ln for ln in lines if ln.startswith("While executing")), None)
+    if executing is not None and lines[0] != executing:
+        line = f"{lines[0]} ({executing[0].lower()}{executing[1:]})"
+    else:
+        line = next((ln for ln in lines if ln.startswith("Value error,")), lines[-1])
     line = re.sub(r"\s*\[type=.*$", "", line.removeprefix("Value error,").strip())
     if len(line) > 300:
         line = line[:297] + "..."

@@ -35,3 +35,23 @@ def test_attention_shapes_follow_the_generation(llama_capture):
     attn = next(r for r in llama_capture.regions if r.kind == "attention")
     assert attn.shapes == llama_capture.attention_shapes
     assert sum(s["count"] for s in attn.shapes) == sum(llama_capture.num_tokens.values())
+
+
+def test_a_failure_inside_the_compiled_graph_is_reported_by_its_own_line_and_node():
+    """torch.fx's interpreter re-raises an op's error with the node, the graph's traceback and a
+    pointer to tlparse appended; the capture's one-line report used to keep only that pointer
+    ("RuntimeError: Use tlparse to see full graph. ...")."""
+    import pytest
+    import torch
+    import torch.fx as fx
+
+    from prism_serve.capture.child import _one_line
+
+    def broken(x):
+        return x.reshape(-1, 7)
+
+    gm = fx.symbolic_trace(broken)
+    with pytest.raises(Exception) as info:
+        fx.Interpreter(gm).run(torch.zeros(2, 3))
+    line = _one_line(info.value)
+    assert "tlparse" not in line and "shape '[-1, 7]' is invalid" in line and "while executing %reshape" in line
