@@ -169,7 +169,7 @@ def test_a_warmup_that_fails_on_a_bad_model_leaves_no_registry_behind(tmp_path, 
 def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, monkeypatch):
     """`prism-serve warmup` with no --dtype warms what `vllm serve` runs by default: vLLM's
     dtype="auto", which runs the float32 tiny Llama in bfloat16 (kernels for float32 would serve
-    nothing there). vLLM then runs the stored kernels, in its default dtype and compiled mode,
+    nothing there). vLLM then runs the stored kernels, in its default dtype, eager and compiled,
     its projections on its CPU GEMMs' packed weights (AMX on this kind of machine, else oneDNN)."""
     monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
     url = f"sqlite:///{tmp_path / 'registry.db'}"
@@ -183,9 +183,11 @@ def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, mo
         assert {k.dtype for k in list_kernels(s)} == {"bfloat16"}
     reg.close()
     model = ROOT / "prism_serve" / "capture" / "models" / "tiny-llama"
-    runs = run_vllm(model, tmp_path, [config("stock", url, "compiled", dtype="auto", PRISM_SERVE_DISABLE="1"),
-                                      config("prism", url, "compiled", dtype="auto")])
-    prism = runs["prism"]["runs"]["compiled"]
-    assert all(prism["kernel"][k] > 0 for k in stored) and not any(prism["fallback"].values()), prism
-    assert prism["compile"]["packed"]  # the plain weights of what vLLM packed, recorded for the kernels
-    assert prism["tokens"] == runs["stock"]["runs"]["compiled"]["tokens"]
+    modes = ("eager", "compiled")
+    runs = run_vllm(model, tmp_path, [config("stock", url, *modes, dtype="auto", PRISM_SERVE_DISABLE="1"),
+                                      config("prism", url, *modes, dtype="auto")])
+    for mode in modes:
+        prism = runs["prism"]["runs"][mode]
+        assert all(prism["kernel"][k] > 0 for k in stored) and not any(prism["fallback"].values()), (mode, prism)
+        assert prism["compile"]["packed"]  # the plain weights of what vLLM packed, recorded for the kernels
+        assert prism["tokens"] == runs["stock"]["runs"][mode]["tokens"], mode
