@@ -212,9 +212,9 @@ def descend(g: SGraph, gpu: GpuSpec, num_tokens: int, start: dict[str, int],
     """Coordinate descent on modeled time from a valid `start`, over `symbol_choices` one symbol
     at a time and coupled (split, loop) pairs jointly, and where those stall, over any two
     symbols of one kernel jointly: a cheap stand-in for `rank` while searching. A move is taken
-    when it ranks before the current best by `order`, so equal times move to fewer registers and
-    more occupancy as `rank` would. `times` (shared by the starts of one search) memoises the
-    kernels' times."""
+    when it ranks before the current best by `order`, so equal times move to fewer bytes
+    requested, fewer registers and more occupancy as `rank` would. `times` (shared by the starts
+    of one search) memoises the kernels' times."""
     times = times or KernelTimes(g, gpu, num_tokens)
     choices = symbol_choices(g)
     singles = [{s: v} for s in g.symbols for v in choices[s]] + [

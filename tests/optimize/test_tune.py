@@ -80,7 +80,7 @@ def test_measure_keeps_the_measured_winner_and_drops_failures():
 def test_descent_breaks_ties_as_rank_does(name, num_tokens):
     """Several assignments tie on modeled time here (a memory-bound row op, decode GEMMs whose
     weight traffic does not depend on the tiling). The generator stores what descent finds, so
-    descent must take the tie rule too (fewer registers, then more occupancy): before, it kept
+    descent must take the tie rule too (`cost.tie_key`): before, it kept
     the first equal-time assignment it met (rmsnorm_mlp at 1 token: BT=16, not rank's BT=1)."""
     g = oracle(WORKLOADS[name].program())
     ranked = rank(g, H100, num_tokens)
