@@ -112,15 +112,15 @@ KINDS: dict[str, RegionKind] = {k.name: k for k in (
                "the post-attention residual add + RMSNorm + gate_up projection + SiLU*mul; the add runs "
                "as one elementwise kernel before it (vLLM folds it into its norm), the rest as one kernel", _LAYERS),
     # Gemma (GemmaRMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w) in float32; GeluAndMul(approximate="tanh")),
+    RegionKind("gelu_tanh_and_mul", programs.gelu_tanh_and_mul, (Dim("intermediate", "gate", -1),), False,
+               ("gelu_tanh_and_mul",), "custom_op",
+               doc="GeluAndMul(approximate='tanh') on the two halves of gate_up's output"),
     # served by the compiled-mode fusion pass only
     RegionKind("gemma_rms_norm", programs.gemma_rms_norm, (_H,), True, ("gemma_rms_norm",), "pattern",
                doc="Gemma's RMSNorm scaling by (1 + w), without residual"),
     RegionKind("gemma_fused_add_rms_norm", programs.gemma_fused_add_rms_norm, (_H,), True,
                ("gemma_fused_add_rms_norm",), "pattern",
                doc="residual add + Gemma's RMSNorm scaling by (1 + w), writing the sum as the next residual"),
-    RegionKind("gelu_tanh_and_mul", programs.gelu_tanh_and_mul, (Dim("intermediate", "gate", -1),), False,
-               ("gelu_tanh_and_mul",), "pattern",
-               doc="GeluAndMul(approximate='tanh') on the two halves of gate_up's output"),
     RegionKind("geglu", programs.geglu, (_H, _I), False, ("linear", "gelu_tanh_and_mul"), "pattern",
                ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + tanh-GELU*mul (Gemma's GeGLU)"),
     # the norm before it is post_attention_layernorm (Gemma) or pre_feedforward_layernorm (Gemma 2):

@@ -177,8 +177,8 @@ def _eager(all_sites: list[Site], rows: list[dict], own: list[tuple[bool, str | 
     """Eager mode (`enforce_eager`, no fusion pass): each row's `eager` (served then) and either
     `eager_kernel` (the kind whose own kernel runs it) or `eager_why` (the larger region's kernel that
     runs it, or why eager mode does not serve it). The single ops are served wherever vLLM
-    runs them; a whole region only in instances of the classes the eager hooks patch, Gemma's kinds
-    and the biased projections (hook "pattern") never."""
+    runs them; a whole region only in instances of the classes the eager hooks patch, Gemma's norm
+    and region kinds and the biased projections (hook "pattern") never."""
     taken: list[Site] = []
     kernel_of: dict[Site, str] = {}
     for s, r, (has, why, kernel) in zip(all_sites, rows, own):

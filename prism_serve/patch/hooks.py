@@ -4,7 +4,8 @@
   platform's default IR op priority (a priority the user set explicitly still comes first);
   under torch.compile vLLM's IR lowering pass traces the provider into the graph as the opaque
   `prism::` op.
-- `CustomOp.register_oot` replacement of `SiluAndMul`, whose every forward runs `prism::silu_and_mul`.
+- `CustomOp.register_oot` replacement of `SiluAndMul`, whose every forward runs `prism::silu_and_mul`,
+  and of `GeluAndMul`, whose tanh form (Gemma's GeGLU) runs `prism::gelu_tanh_and_mul`.
 - In compiled mode, the fusion pass (`fusion.py`), which vLLM's config carries into Inductor:
   every region kind matched by FX pattern on the model's graph and replaced by its `prism::` op
   where the table has a kernel, whatever the architecture. On the CPU build vLLM packs projection
@@ -25,6 +26,8 @@ epsilon, device); inside the op a num_tokens miss runs the next provider in vLLM
 """
 
 
+import functools
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,23 +183,78 @@ def _install_silu(table: Table, done: Installed) -> None:
         forward_cuda = forward_cpu = forward_xpu = forward_hip = forward_oot = forward_native
 
     SiluAndMul.register_oot(PrismSiluAndMul, name="SiluAndMul")
-    _forget_built_silu()
-    done.undo.append(lambda: (op_registry_oot.pop("SiluAndMul", None), _forget_built_silu()))
+    _forget_built_activations("SiluAndMul")
+    done.undo.append(lambda: (op_registry_oot.pop("SiluAndMul", None), _forget_built_activations("SiluAndMul")))
     done.names.append("SiluAndMul")
     done.kinds.add("silu_and_mul")
 
 
-def _forget_built_silu() -> None:
-    """Drop the SiluAndMul instances vLLM built before the switch (to or from prism's). vLLM builds
-    each named activation once and keeps it (`activation.get_act_and_mul_fn`, which its Transformers
-    backend uses, OLMo 2's among others): without this, a model built after the switch would get
-    the instance built before it."""
+def _forget_built_activations(cls_name: str) -> None:
+    """Drop the instances of activation class `cls_name` vLLM built before the switch (to or from
+    prism's). vLLM builds each named activation once and keeps it (`activation.get_act_and_mul_fn`,
+    which its Transformers backend uses, OLMo 2's among others), and some models cache the one they
+    build (Gemma's `_get_gemma_act_fn`): without this, a model built after the switch would get the
+    instance built before it."""
+    import sys
+
     from vllm.model_executor.layers import activation
 
     built = getattr(getattr(activation, "_ACTIVATION_AND_MUL_REGISTRY", None), "_dict", None)
     if isinstance(built, dict):
-        for name in [n for n, op in built.items() if isinstance(op, activation.SiluAndMul)]:
+        for name in [n for n, op in built.items() if isinstance(op, getattr(activation, cls_name))]:
             del built[name]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.model_executor.models.") and module is not None:
+            for attr, fn in list(vars(module).items()):
+                if attr.endswith("act_fn") and callable(getattr(fn, "cache_clear", None)):
+                    fn.cache_clear()
+
+
+def _install_gelu(table: Table, done: Installed) -> None:
+    """`GeluAndMul` replaced as `SiluAndMul` is: an instance with approximate="tanh" (Gemma's
+    GeGLU) runs `prism::gelu_tanh_and_mul`, whose miss runs vLLM's own path; one with exact GELU
+    keeps vLLM's path (no kind serves it)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.activation import GeluAndMul
+    from vllm.platforms import current_platform
+
+    if not table.ops.get("gelu_tanh_and_mul"):
+        return
+    if "GeluAndMul" in op_registry_oot:
+        if getattr(op_registry_oot["GeluAndMul"], "_prism", False):
+            done.names.append("GeluAndMul")
+            done.kinds.add("gelu_tanh_and_mul")
+        return  # another plugin replaced it first: leave theirs in place
+
+    def vllm_path(op: GeluAndMul, x: Tensor) -> Tensor:
+        """What vLLM's GeluAndMul runs here: its kernel where it built one (CUDA, XPU, POWER), else torch."""
+        return GeluAndMul.forward_cuda(op, x) if hasattr(op, "op") else GeluAndMul.forward_native(op, x)
+
+    class PrismGeluAndMul(GeluAndMul):
+        """vLLM's GeluAndMul whose tanh form runs `prism::gelu_tanh_and_mul` on every path."""
+
+        _prism = True
+
+        def forward_native(self, x: Tensor) -> Tensor:
+            return torch.ops.prism.gelu_tanh_and_mul(x) if self.approximate == "tanh" else vllm_path(self, x)
+
+        forward_cuda = forward_cpu = forward_xpu = forward_hip = forward_oot = forward_native
+
+    if (current_platform.is_cuda_alike() or current_platform.is_xpu()) and hasattr(torch.ops._C, "gelu_tanh_and_mul"):
+        def vllm_gelu_tanh_and_mul(x: Tensor) -> Tensor:
+            out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+            torch.ops._C.gelu_tanh_and_mul(out, x)
+            return out
+        ops.FALLBACKS["gelu_tanh_and_mul"] = vllm_gelu_tanh_and_mul
+    else:  # vLLM's own torch path, which its GeluAndMul(approximate="tanh") runs on this platform
+        ops.FALLBACKS["gelu_tanh_and_mul"] = functools.partial(GeluAndMul.forward_native,
+                                                               types.SimpleNamespace(approximate="tanh"))
+    GeluAndMul.register_oot(PrismGeluAndMul, name="GeluAndMul")
+    _forget_built_activations("GeluAndMul")
+    done.undo.append(lambda: (op_registry_oot.pop("GeluAndMul", None), _forget_built_activations("GeluAndMul"),
+                              ops.FALLBACKS.__setitem__("gelu_tanh_and_mul", ops.ref_gelu_tanh_and_mul)))
+    done.names.append("GeluAndMul")
+    done.kinds.add("gelu_tanh_and_mul")
 
 
 # --- whole region: a SwiGLU MLP's gate_up projection + SiLU*mul as one prism::swiglu ----------
@@ -542,7 +600,7 @@ def _install_amx_packed(shapes: set[tuple], done: Installed) -> None:
     done.undo.append(lambda: setattr(namespace, "convert_weight_packed", inner))
 
 
-HOOKS = (_install_ir, _install_silu, _install_regions, _install_decoder_layers, _install_packed, fusion.install)
+HOOKS = (_install_ir, _install_silu, _install_gelu, _install_regions, _install_decoder_layers, _install_packed, fusion.install)
 
 
 def install(table: Table) -> Installed:

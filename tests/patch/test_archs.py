@@ -17,7 +17,7 @@ Granite serve every stored kind too (Granite's rmsnorm_linear and rmsnorm_swiglu
 2026-12-03; Qwen2's input norm + biased qkv as the `_bias` kinds since 2026-12-04). OLMo 2 runs
 through vLLM's Transformers backend, whose SiLU*mul is the SiluAndMul vLLM built once and kept:
 this process's stock config had built it, so the plugin's replacement got no call
-(`hooks._forget_built_silu` now drops it). Its run then passed the child's 1200 s limit: the
+(`hooks._forget_built_activations` now drops it). Its run then passed the child's 1200 s limit: the
 stored silu_and_mul kernel, tuned at 8 tokens, had 1 x 1 tiles and ran vLLM's profile pass as
 millions of interpreted blocks (the last bucket now takes the near tie that scales,
 `tune.rank_open`). Since 2026-12-04 its run takes under two minutes and it stores swiglu: its MLP's
@@ -34,7 +34,7 @@ computes; fp32 only), rmsnorm_geglu (the norm before the MLP + gate_up + tanh GE
 since 2026-12-04, where geglu and a Gemma norm ran before), gemma_fused_add_rms_norm (the final
 norm) and, Gemma 2 only, gemma_rms_norm (its post-attention and post-feedforward norms), and serve
 every one of them in compiled mode with no fallback (2026-12-04, 7 forwards: rmsnorm_geglu 14 calls
-in each, gemma_rms_norm 28 in Gemma 2); nothing runs in eager mode (no class hook for Gemma). Gemma in float16 (tiny-gemma-fp16, run in
+in each, gemma_rms_norm 28 in Gemma 2); in eager mode their tanh-GELU*mul runs as prism's op (12 calls in 6 forwards, since 2026-12-05: Gemma caches the activation it builds, which `hooks._forget_built_activations` clears), the norms and regions stay vLLM's. Gemma in float16 (tiny-gemma-fp16, run in
 its own dtype: its norm weight w + 1 is float32, so the plain kinds cannot take it) stores and serves
 the `gemma_` kinds in compiled mode (2026-12-04, 7 forwards: gemma_rmsnorm_linear 7,
 gemma_fused_add_rmsnorm_linear 7, gemma_rmsnorm_geglu 14, gemma_fused_add_rms_norm 7 calls, no

@@ -289,6 +289,50 @@ def test_a_silu_miss_off_cuda_runs_vllms_own_silu_and_mul(live):
     assert ops.FALLBACKS["silu_and_mul"] is ops.ref_silu_and_mul
 
 
+def test_geluandmul_tanh_runs_prism_in_eager_mode_and_exact_gelu_stays_vllms():
+    """Gemma's GeGLU in eager mode: vLLM builds GeluAndMul(approximate="tanh") in its MLP (and Gemma
+    caches it); with a table holding a gelu_tanh_and_mul kernel the plugin's class runs prism's op (a
+    miss here: no launcher for the key, so vLLM's torch path), exact GELU keeps vLLM's path, and the
+    switch undoes."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import GeluAndMul
+
+    from prism_serve.patch import hooks
+    from prism_serve.patch.table import Buckets, Table
+
+    from vllm.model_executor.models.gemma import _get_gemma_act_fn
+
+    ops.define_ops()
+    tab = Table("cpu")
+    tab.ops["gelu_tanh_and_mul"] = {(torch.float32, 96, None): Buckets()}
+    previous, ops.STATE.table = ops.STATE.table, tab
+    done = hooks.Installed([], [])
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            # Gemma caches the activation it builds: one built before the switch is not handed out after
+            assert not getattr(_get_gemma_act_fn(None, "gelu_pytorch_tanh"), "_prism", False)
+            hooks._install_gelu(tab, done)
+            assert getattr(_get_gemma_act_fn(None, "gelu_pytorch_tanh"), "_prism", False)
+            assert done.names == ["GeluAndMul"] and done.kinds == {"gelu_tanh_and_mul"}
+            tanh, exact = GeluAndMul(approximate="tanh"), GeluAndMul()
+            assert getattr(tanh, "_prism", False) and getattr(exact, "_prism", False)
+            x = torch.randn(5, 2 * 96)
+            before = ops.MISSES["gelu_tanh_and_mul"]
+            want = torch.nn.functional.gelu(x[:, :96], approximate="tanh") * x[:, 96:]
+            torch.testing.assert_close(tanh(x), want)
+            assert ops.MISSES["gelu_tanh_and_mul"] == before + 1  # prism's op ran, and missed
+            torch.testing.assert_close(exact(x), torch.nn.functional.gelu(x[:, :96]) * x[:, 96:])
+            assert ops.MISSES["gelu_tanh_and_mul"] == before + 1  # exact GELU never reaches it
+        done.revert()
+        with set_current_vllm_config(VllmConfig()):
+            assert not getattr(GeluAndMul(approximate="tanh"), "_prism", False)
+            assert not getattr(_get_gemma_act_fn(None, "gelu_pytorch_tanh"), "_prism", False)
+        assert ops.FALLBACKS["gelu_tanh_and_mul"] is ops.ref_gelu_tanh_and_mul
+    finally:
+        done.revert()
+        ops.STATE.table = previous
+
+
 def test_an_activation_vllm_built_before_the_switch_is_built_again(live):
     """vLLM keeps each named activation it built (`get_act_and_mul_fn`, its Transformers backend's
     path): one built before the plugin switched SiluAndMul, or before it switched back, must not be
