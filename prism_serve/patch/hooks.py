@@ -147,46 +147,70 @@ def _install_ir(table: Table, done: Installed) -> None:
     done.kinds.update(served)
 
 
-# --- SiluAndMul through CustomOp.register_oot ----------------------------------------------
+# --- SiluAndMul and GeluAndMul through CustomOp.register_oot ---------------------------------
 
-def _install_silu(table: Table, done: Installed) -> None:
+def _install_activation(table: Table, done: Installed, cls, kind: str, native: Callable[[Tensor], Tensor],
+                        forward: Callable) -> None:
+    """Replace vLLM's activation class `cls` by a subclass whose every path runs `forward(self, x)`,
+    where the table has kernels for `kind` (`prism::<kind>` inside; its miss runs vLLM's own path:
+    its `_C.<kind>` kernel on CUDA / XPU, else `native`, its torch path). Left alone where another
+    plugin replaced `cls` first."""
     from vllm.model_executor.custom_op import op_registry_oot
-    from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.platforms import current_platform
 
-    if not table.ops.get("silu_and_mul"):
+    name = cls.__name__
+    if not table.ops.get(kind):
         return
-    if "SiluAndMul" in op_registry_oot:
-        if getattr(op_registry_oot["SiluAndMul"], "_prism", False):
-            done.names.append("SiluAndMul")
-            done.kinds.add("silu_and_mul")
+    if name in op_registry_oot:
+        if getattr(op_registry_oot[name], "_prism", False):
+            done.names.append(name)
+            done.kinds.add(kind)
         return  # another plugin replaced it first: leave theirs in place
 
-    if (current_platform.is_cuda_alike() or current_platform.is_xpu()) and hasattr(torch.ops._C, "silu_and_mul"):
-        def vllm_silu_and_mul(x: Tensor) -> Tensor:
+    if (current_platform.is_cuda_alike() or current_platform.is_xpu()) and hasattr(torch.ops._C, kind):
+        def vllm_kernel(x: Tensor) -> Tensor:
             out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
-            torch.ops._C.silu_and_mul(out, x)
+            getattr(torch.ops._C, kind)(out, x)
             return out
-        ops.FALLBACKS["silu_and_mul"] = vllm_silu_and_mul
-    else:  # vLLM's own torch path, which its SiluAndMul runs on this platform
-        ops.FALLBACKS["silu_and_mul"] = SiluAndMul.forward_native
-    done.undo.append(lambda: ops.FALLBACKS.__setitem__("silu_and_mul", ops.ref_silu_and_mul))
+        ops.FALLBACKS[kind] = vllm_kernel
+    else:
+        ops.FALLBACKS[kind] = native
 
-    class PrismSiluAndMul(SiluAndMul):
-        """vLLM's SiluAndMul whose every path runs `prism::silu_and_mul` (misses fall back inside)."""
-
+    class Prism(cls):
         _prism = True
+        forward_native = forward_cuda = forward_cpu = forward_xpu = forward_hip = forward_oot = forward
 
-        def forward_native(self, x: Tensor) -> Tensor:
-            return torch.ops.prism.silu_and_mul(x)
+    Prism.__name__ = Prism.__qualname__ = f"Prism{name}"
+    cls.register_oot(Prism, name=name)
+    _forget_built_activations(name)
+    reference = getattr(ops, f"ref_{kind}")
+    done.undo.append(lambda: (op_registry_oot.pop(name, None), _forget_built_activations(name),
+                              ops.FALLBACKS.__setitem__(kind, reference)))
+    done.names.append(name)
+    done.kinds.add(kind)
 
-        forward_cuda = forward_cpu = forward_xpu = forward_hip = forward_oot = forward_native
 
-    SiluAndMul.register_oot(PrismSiluAndMul, name="SiluAndMul")
-    _forget_built_activations("SiluAndMul")
-    done.undo.append(lambda: (op_registry_oot.pop("SiluAndMul", None), _forget_built_activations("SiluAndMul")))
-    done.names.append("SiluAndMul")
-    done.kinds.add("silu_and_mul")
+def _install_silu(table: Table, done: Installed) -> None:
+    """`SiluAndMul`: every instance runs `prism::silu_and_mul`."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.prism.silu_and_mul(x)
+    _install_activation(table, done, SiluAndMul, "silu_and_mul", SiluAndMul.forward_native, forward)
+
+
+def _install_gelu(table: Table, done: Installed) -> None:
+    """`GeluAndMul`: an instance with approximate="tanh" (Gemma's GeGLU) runs
+    `prism::gelu_tanh_and_mul`; one with exact GELU keeps vLLM's path (no kind serves it)."""
+    from vllm.model_executor.layers.activation import GeluAndMul
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.approximate == "tanh":
+            return torch.ops.prism.gelu_tanh_and_mul(x)
+        # vLLM's path: its kernel where it built one (CUDA, XPU, POWER), else torch
+        return GeluAndMul.forward_cuda(self, x) if hasattr(self, "op") else GeluAndMul.forward_native(self, x)
+    tanh = functools.partial(GeluAndMul.forward_native, types.SimpleNamespace(approximate="tanh"))
+    _install_activation(table, done, GeluAndMul, "gelu_tanh_and_mul", tanh, forward)
 
 
 def _forget_built_activations(cls_name: str) -> None:
@@ -208,53 +232,6 @@ def _forget_built_activations(cls_name: str) -> None:
             for attr, fn in list(vars(module).items()):
                 if attr.endswith("act_fn") and callable(getattr(fn, "cache_clear", None)):
                     fn.cache_clear()
-
-
-def _install_gelu(table: Table, done: Installed) -> None:
-    """`GeluAndMul` replaced as `SiluAndMul` is: an instance with approximate="tanh" (Gemma's
-    GeGLU) runs `prism::gelu_tanh_and_mul`, whose miss runs vLLM's own path; one with exact GELU
-    keeps vLLM's path (no kind serves it)."""
-    from vllm.model_executor.custom_op import op_registry_oot
-    from vllm.model_executor.layers.activation import GeluAndMul
-    from vllm.platforms import current_platform
-
-    if not table.ops.get("gelu_tanh_and_mul"):
-        return
-    if "GeluAndMul" in op_registry_oot:
-        if getattr(op_registry_oot["GeluAndMul"], "_prism", False):
-            done.names.append("GeluAndMul")
-            done.kinds.add("gelu_tanh_and_mul")
-        return  # another plugin replaced it first: leave theirs in place
-
-    def vllm_path(op: GeluAndMul, x: Tensor) -> Tensor:
-        """What vLLM's GeluAndMul runs here: its kernel where it built one (CUDA, XPU, POWER), else torch."""
-        return GeluAndMul.forward_cuda(op, x) if hasattr(op, "op") else GeluAndMul.forward_native(op, x)
-
-    class PrismGeluAndMul(GeluAndMul):
-        """vLLM's GeluAndMul whose tanh form runs `prism::gelu_tanh_and_mul` on every path."""
-
-        _prism = True
-
-        def forward_native(self, x: Tensor) -> Tensor:
-            return torch.ops.prism.gelu_tanh_and_mul(x) if self.approximate == "tanh" else vllm_path(self, x)
-
-        forward_cuda = forward_cpu = forward_xpu = forward_hip = forward_oot = forward_native
-
-    if (current_platform.is_cuda_alike() or current_platform.is_xpu()) and hasattr(torch.ops._C, "gelu_tanh_and_mul"):
-        def vllm_gelu_tanh_and_mul(x: Tensor) -> Tensor:
-            out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
-            torch.ops._C.gelu_tanh_and_mul(out, x)
-            return out
-        ops.FALLBACKS["gelu_tanh_and_mul"] = vllm_gelu_tanh_and_mul
-    else:  # vLLM's own torch path, which its GeluAndMul(approximate="tanh") runs on this platform
-        ops.FALLBACKS["gelu_tanh_and_mul"] = functools.partial(GeluAndMul.forward_native,
-                                                               types.SimpleNamespace(approximate="tanh"))
-    GeluAndMul.register_oot(PrismGeluAndMul, name="GeluAndMul")
-    _forget_built_activations("GeluAndMul")
-    done.undo.append(lambda: (op_registry_oot.pop("GeluAndMul", None), _forget_built_activations("GeluAndMul"),
-                              ops.FALLBACKS.__setitem__("gelu_tanh_and_mul", ops.ref_gelu_tanh_and_mul)))
-    done.names.append("GeluAndMul")
-    done.kinds.add("gelu_tanh_and_mul")
 
 
 # --- whole region: a SwiGLU MLP's gate_up projection + SiLU*mul as one prism::swiglu ----------
@@ -539,7 +516,7 @@ def _install_decoder_layers(table: Table, done: Installed) -> None:
         done.kinds.update(served)
 
 
-# --- plain weights of the projections vLLM's CPU build packs for oneDNN ---------------------
+# --- plain weights of the projections vLLM's CPU build packs (oneDNN, AMX) ------------------
 
 def _projection_shapes(table: Table) -> set[tuple]:
     """(dtype, out, in) of every projection weight some region kernel of the table multiplies with."""
