@@ -110,7 +110,7 @@ def order(c: Candidate, gpu: GpuSpec) -> tuple:
 def _better(a: Candidate, b: Candidate, gpu: GpuSpec) -> bool:
     """Whether `a` ranks before `b` (`order`; the tie key is computed only on equal times)."""
     ta, tb = round(a.modeled_us, 6), round(b.modeled_us, 6)
-    return ta < tb or (ta == tb and tie_key(a.instance, gpu, a.num_tokens) < tie_key(b.instance, gpu, b.num_tokens))
+    return ta < tb or (ta == tb and order(a, gpu) < order(b, gpu))
 
 
 def _ranked(candidates: list[Candidate], gpu: GpuSpec) -> list[Candidate]:

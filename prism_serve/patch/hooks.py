@@ -559,7 +559,7 @@ def _install_amx_packed(shapes: set[tuple], done: Installed) -> None:
     """Mark every weight vLLM packs for `_C.weight_packed_linear` (vLLM calls
     `torch.ops._C.convert_weight_packed` itself), with the plain weight where `shapes` has it."""
     namespace = torch.ops._C
-    inner = getattr(namespace, "convert_weight_packed", None) if hasattr(torch.ops, "_C") else None
+    inner = getattr(namespace, "convert_weight_packed", None)
     if not shapes or inner is None or getattr(inner, "_prism", False):
         return
 

@@ -546,8 +546,10 @@ def _out_gemm(u: fx.Node) -> Linear | None:
     result its item 1) or called in place; in Dynamo's graph called in place on `out.reshape(-1, n)`
     of a fresh buffer `out`, which is what later ops read."""
     functional = u.target is torch.ops.higher_order.auto_functionalized and bool(u.args)
-    name = next((n for n in OUT_GEMMS if (_op(n) is not None and u.args[0] == _op(n) if functional else _is(u, n))),
-                None)
+    if functional:
+        name = next((n for n in OUT_GEMMS if _op(n) is not None and u.args[0] == _op(n)), None)
+    else:
+        name = next((n for n in OUT_GEMMS if _is(u, n)), None)
     if name is None:
         return None
     out_name, x_name, w_name, bias_name = OUT_GEMMS[name]
