@@ -1,11 +1,13 @@
 """Benchmark the superoptimizer (Prism's operator-by-operator generator, `optimize/generate/`) on
 the five Prism workloads at their default shapes.
 
-    python scripts/bench_search.py --json FILE [--device h100] [--budget 60] [--workers N] [--workload NAME ...]
+    python scripts/bench_search.py --json FILE [--device h100] [--budget 60] [--work STEPS] [--workers N]
+        [--workload NAME ...]
 
 For each workload: the time from the Program to verified, instantiated kernels
-(search_s, of which verify_s is proofs and numeric checks), the kernel graphs and block
-graphs the generator produced, the candidates each pruning rule removed, the worker
+(search_s, of which verify_s is proofs and numeric checks), the generation work granted and
+spent (steps: the budget the results depend on, rather than seconds) and the subtrees it left
+open, the kernel graphs and block graphs the generator produced, the candidates each pruning rule removed, the worker
 processes (`--workers`, default this machine's cores), the concrete graphs (symbol
 assignments) the costed symbolic designs stand for, how many designs were verified, and
 the modeled time of the best one (as the search instantiated it, and ranked exhaustively as the
@@ -33,18 +35,20 @@ from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, get_workload  # noqa: E402
 
 
-def bench(name: str, device: str, budget: float, workers: int | None, max_block_ops: int) -> dict:
+def bench(name: str, device: str, budget: float, work: int | None, workers: int | None, max_block_ops: int) -> dict:
     w = get_workload(name)
     prog = w.program()
     num_tokens = (w.default_num_tokens or (1,))[-1]
     start = time.perf_counter()
-    result = optimize(prog, device, (num_tokens,), budget_s=budget, workers=workers, max_block_ops=max_block_ops)
+    result = optimize(prog, device, (num_tokens,), budget_s=budget, work=work, workers=workers,
+                      max_block_ops=max_block_ops)
     elapsed = time.perf_counter() - start
     s = result.stats
     best = result.found[0].kernels[0] if result.found else None
     return {"num_tokens": num_tokens, "search_s": elapsed, "verify_s": s.verify_s,
             "kernel_graphs": s.kernel_graphs, "block_graphs": s.block_graphs, "generated": s.generated,
             "designs": s.designs, "concrete_graphs": s.concrete_graphs, "workers": s.workers,
+            "work": s.work, "steps": s.steps, "open_subtrees": s.open_subtrees,
             "pruned": dict(s.pruned), "rejected": dict(s.rejected), "verified": s.verified,
             "stopped_by_budget": s.stopped_by_budget,
             "best_design": result.found[0].design.describe() if result.found else None,
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, required=True, help="write the results here")
     parser.add_argument("--device", default="h100")
     parser.add_argument("--budget", type=float, default=60.0, help="search budget per workload, seconds")
+    parser.add_argument("--work", type=int, help="generation steps per workload (default: per second of --budget)")
     parser.add_argument("--workers", type=int, help="worker processes (default: this machine's cores)")
     parser.add_argument("--max-block-ops", type=int, default=8, help="most block ops per graph-defined kernel")
     parser.add_argument("--workload", action="append", help="only these workloads (default: the five Prism ones)")
@@ -71,18 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     names = args.workload or list(PRISM_WORKLOADS)
     results = {}
     head = (f"{'workload':<18} {'tokens':>6} {'search s':>9} {'verify s':>9} {'kernels':>7} {'blocks':>7} "
-            f"{'pruned':>8} {'abs %':>5} {'workers':>7} {'verified':>8} {'best us':>8} {'ranked us':>9} {'oracle us':>9} "
+            f"{'steps':>9} {'open':>4} {'pruned':>8} {'abs %':>5} {'workers':>7} {'verified':>8} {'best us':>8} {'ranked us':>9} {'oracle us':>9} "
             f"{'unfused us':>10}  best design")
     print(head, flush=True)
     print("-" * len(head))
     for name in names:
-        r = results[name] = bench(name, args.device, args.budget, args.workers, args.max_block_ops)
+        r = results[name] = bench(name, args.device, args.budget, args.work, args.workers, args.max_block_ops)
         best = f"{r['best_modeled_us']:.2f}" if r["best_modeled_us"] is not None else "-"
         ranked = f"{r['best_ranked_us']:.2f}" if r["best_ranked_us"] is not None else "-"
         pruned = sum(r["pruned"].values())
         share = 100.0 * r["pruned"]["abstract_expression"] / pruned if pruned else 0.0
         print(f"{name:<18} {r['num_tokens']:>6} {r['search_s']:>9.1f} {r['verify_s']:>9.1f} {r['kernel_graphs']:>7} "
-              f"{r['block_graphs']:>7} {pruned:>8} {share:>5.1f} {r['workers']:>7} {r['verified']:>8} {best:>8} {ranked:>9} "
+              f"{r['block_graphs']:>7} {r['steps']:>9} {r['open_subtrees']:>4} {pruned:>8} {share:>5.1f} {r['workers']:>7} {r['verified']:>8} {best:>8} {ranked:>9} "
               f"{r['oracle_modeled_us']:>9.2f} {r['unfused_modeled_us']:>10.2f}  {r['best_design']}", flush=True)
     print("pruned by rule: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in r["pruned"].items())
                                          for n, r in results.items()))

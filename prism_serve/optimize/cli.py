@@ -101,6 +101,8 @@ def optimize_command(
     emit: Optional[Path] = typer.Option(None, "--emit", help="write each verified kernel's Triton source here"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the result (designs, sGraphs, stats) here"),
     budget: float = typer.Option(60.0, "--budget", help="seconds the search may take"),
+    work: Optional[int] = typer.Option(None, "--work", help="steps of generation work (default: 50,000 per second "
+                                                            "of --budget); the result depends on it, not on time"),
     top: int = typer.Option(3, "--top", help="how many verified designs to return"),
     max_kernels: int = typer.Option(2, "--max-kernels", help="most kernels per design"),
     all_designs: bool = typer.Option(False, "--all", help="verify and list every generated design (no cost rule, "
@@ -121,7 +123,7 @@ def optimize_command(
             def progress(message: str, stats) -> None:
                 status.update(f"{message}: {sum(stats.pruned.values())} pruned, {stats.verified} verified")
             from prism_serve.optimize.generate.search import optimize
-            result = optimize(prog, device, buckets, budget_s=budget, top=top, max_kernels=max_kernels,
+            result = optimize(prog, device, buckets, budget_s=budget, work=work, top=top, max_kernels=max_kernels,
                               max_block_ops=max_block_ops, all_designs=all_designs, workers=workers,
                               progress=progress)
     except PrismError as exc:
@@ -130,9 +132,11 @@ def optimize_command(
     stdout_console().print(_table(result))
     s = result.stats
     size = f"{s.designs} designs, {s.kernel_graphs} kernel graphs, {s.block_graphs} block graphs, {s.workers} workers"
-    typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s), {size}, pruned "
-               + ", ".join(f"{k} {v}" for k, v in s.pruned.items())
-               + ("; stopped by the time budget" if s.stopped_by_budget else ""))
+    cut = f"; the work ran out with {s.open_subtrees} subtrees left open" if s.open_subtrees else ""
+    typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s), {size}, {s.steps} of {s.work} steps, "
+               "pruned " + ", ".join(f"{k} {v}" for k, v in s.pruned.items()) + cut
+               + ("; stopped by the time budget (the result may depend on this machine's speed)"
+                  if s.stopped_by_budget else ""))
     if emit is not None:
         for path in _emit(result, emit):
             typer.echo(f"wrote {path}")

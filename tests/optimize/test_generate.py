@@ -124,11 +124,18 @@ def test_no_verification_starts_without_room_for_the_longest_so_far(monkeypatch)
 
 
 def test_search_stops_cleanly_at_its_budget():
+    """No seconds: by default no work either (the work scales with the budget), and with work
+    to do the wall clock stops it; either way nothing is found, and `best` says so."""
     prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32)
     result = optimize(prog, "h100", (8,), budget_s=0.0)
-    assert result.stats.stopped_by_budget and result.found == ()
+    assert result.stats.work == result.stats.steps == 0 and result.stats.open_subtrees > 0
+    assert result.found == () and not result.stats.stopped_by_budget
     with pytest.raises(SGraphError, match="no verified kernel"):
         result.best
+    result = optimize(prog, "h100", (8,), budget_s=0.0, work=10**9)
+    assert result.stats.stopped_by_budget and result.found == ()
+    with pytest.raises(SGraphError, match="work must be a non-negative int"):
+        optimize(prog, "h100", (8,), work=-1)
 
 
 def test_stored_designs_are_rebuilt_for_other_shapes_without_searching():

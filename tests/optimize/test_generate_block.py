@@ -160,13 +160,13 @@ def test_a_paused_walk_resumes_where_it_stopped_and_finds_what_an_uninterrupted_
                              outputs_only=True)
         found, paused = [], 0
         for c in gen.run():
-            if c is None:  # paused at its deadline: resume with more time
+            if c is None:  # paused with its steps spent: resume with more
                 paused += 1
-                gen.deadline = float("inf")
+                gen.allowance = float("inf")
                 continue
             found.append(c.ops)
             if pauses:
-                gen.deadline = 0.0  # pause at the next state, in the middle of the walk
+                gen.allowance = 0  # pause at the next state, in the middle of the walk
         return found, paused, gen.stopped
 
     uninterrupted, none, _ = walk(False)

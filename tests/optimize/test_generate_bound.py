@@ -5,6 +5,7 @@ that is a program output) and completes designs whose last kernel is a library o
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -14,20 +15,17 @@ from prism_serve.optimize.generate.bound import DesignBound, touched
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import LibrarySpec, build
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _Costed, _generate, optimize
+from prism_serve.optimize.generate.search import DEPTH_SHARE, MAX_GRID, SearchStats, _Costed, optimize
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.tune import best_modeled
 from prism_serve.optimize.workloads.programs import WORKLOADS
+from .generation import generate
 
 BUCKETS = (1, 16)
 
 
 def _listing(prog, gpu, max_kernels: int, max_block_ops: int) -> _Costed:
-    costed = _Costed(prog, gpu, BUCKETS, SearchStats())
-    gen = KernelGenerator(make_context(prog), max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
-                          deadline=time.perf_counter() + 600)
-    _generate(gen, costed, None, None)
-    return costed
+    return generate(prog, gpu, BUCKETS, max_kernels=max_kernels, max_block_ops=max_block_ops)
 
 
 @pytest.mark.parametrize("gpu", ["h100", "l4"])
@@ -101,27 +99,28 @@ def test_no_design_keeps_a_dead_kernel():
     assert costed.stats.pruned["canonical"] > 0
 
 
-def test_a_generation_stopped_by_its_deadline_resumes_where_it_paused():
-    """The driver gives generation more time when the first round costed nothing: the round after
-    resumes the paused walks, and the two rounds hand in exactly the designs of one long round."""
+def test_a_subtree_granted_its_steps_in_parts_finds_what_one_grant_finds():
+    """`explore` resumes where the last grant of steps ran out: granted a few steps at a time
+    until it is no longer open, a subtree yields every design of one unlimited walk, once each;
+    a walk stopped short is open and says so."""
     prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
     ctx = make_context(prog)
 
-    def gen(deadline):
-        return KernelGenerator(ctx, max_kernels=2, max_block_ops=3, max_grid=MAX_GRID, deadline=deadline)
-    whole = _Costed(prog, get_gpu("h100"), BUCKETS, SearchStats())
-    _generate(gen(time.perf_counter() + 600), whole, None, None)
-    rounds = _Costed(prog, get_gpu("h100"), BUCKETS, SearchStats())
-    g = gen(time.perf_counter() + 0.05)
-    _generate(g, rounds, None, None)
-    assert rounds.stats.stopped_by_budget and len(rounds.designs) < len(whole.designs)
-    g.deadline = time.perf_counter() + 600
-    _generate(g, rounds, None, None)
-    assert not rounds.stats.stopped_by_budget
-    assert set(rounds.designs) == set(whole.designs) and len(rounds.designs) == len(whole.designs)
-    # the second round walks the kernel level again (block walks resume from their caches), so the
-    # library ops it judges again are counted again
-    assert rounds.stats.pruned["abstract_expression"] >= whole.stats.pruned["abstract_expression"]
+    def gen():
+        return KernelGenerator(ctx, max_kernels=2, max_block_ops=3, max_grid=MAX_GRID)
+    choices = gen().choices()
+    first = gen().groups(choices, False)[0]
+    whole = gen()
+    everything = list(whole.explore(2, first, choices, math.inf))
+    assert not whole.open and len(everything) >= 2
+    parts, g, grants = [], gen(), 0
+    while grants == 0 or g.open:
+        before = g.steps
+        parts += g.explore(2, first, choices, 200)
+        assert g.steps > before or not g.open  # every grant makes progress or finds nothing is left
+        grants += 1
+    assert grants > 2 and sorted(map(str, parts)) == sorted(map(str, everything)) and len(set(parts)) == len(parts)
+    assert g.steps >= whole.steps  # the kernel level was walked again in the resumption passes
 
 
 def test_the_cost_rules_threshold_is_the_best_design_of_fewer_kernels_that_verifies(monkeypatch):
@@ -154,24 +153,15 @@ def test_the_cost_rules_threshold_is_the_best_design_of_fewer_kernels_that_verif
     assert fresh.best_us(2) == float("inf") and not fresh.verdicts
 
 
-def test_a_depth_keeps_to_its_share_of_the_time_when_costing_is_slow(monkeypatch):
-    """Costing the designs a depth's block graphs complete is most of a search's time: the kernel
-    walk stops at its depth's deadline (`DEPTH_SHARE` of the time), so the next depth still gets
-    the rest. Here costing is slowed to 0.2 s a design; before, depth 1 took all the time."""
-    from prism_serve.optimize.generate import search
-
-    real = search.best_modeled
-
-    def slow(*args):
-        time.sleep(0.2)
-        return real(*args)
-
-    monkeypatch.setattr(search, "best_modeled", slow)
+def test_a_depth_keeps_to_its_share_of_the_work():
+    """Depth 1 gets DEPTH_SHARE of the work (and uses it: its subtrees are open when it runs
+    out), so depth 2 still gets the rest and yields designs; the whole search spends its work,
+    each subtree past its grant by at most one state's candidates and one design."""
     prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32, dtype="float32")
-    costed = _Costed(prog, get_gpu("h100"), (4,), SearchStats())
-    start = time.perf_counter()
-    gen = KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=6, max_grid=MAX_GRID, deadline=start + 8)
-    _generate(gen, costed, None, None)
+    work = 400_000
+    costed = generate(prog, get_gpu("h100"), (4,), max_kernels=2, max_block_ops=6, work=work)
     kernels = [len(d.kernels) for d in costed.designs]
     assert 1 in kernels and 2 in kernels, kernels
-    assert time.perf_counter() - start < 8 + 2
+    assert costed.stats.open_subtrees > 0
+    assert work * DEPTH_SHARE <= costed.stats.steps <= work * 1.2
+

@@ -1,6 +1,7 @@
 """The generator's worker processes (#11 item 5): what the search finds does not depend on the
-number of workers, the budget still holds, and a worker that fails or dies raises a clear error
-in the driver instead of hanging it."""
+number of workers, whether it walks every subtree or the work budget cuts it; the wall-clock
+budget still holds; and a worker that fails or dies raises a clear error in the driver instead
+of hanging it."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, LibrarySpec
 from prism_serve.optimize.generate.kernel import KernelGenerator
 from prism_serve.optimize.generate.bound import DesignBound
-from prism_serve.optimize.generate.search import (GRACE_S, MAX_GRID, SearchStats, _Costed, _generate,
-                                                  _generate_parallel, optimize)
+from prism_serve.optimize.generate.search import GRACE_S, MAX_GRID, optimize
 from prism_serve.optimize.generate.workers import Config, Pool, default_workers
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.workloads.programs import WORKLOADS
+from .generation import generate
 
 H100 = get_gpu("h100")
 
@@ -32,29 +33,41 @@ def _silu_and_mul():
 
 @pytest.mark.parametrize("cost_rule", [False, True], ids=["listing", "ranking"])
 def test_the_workers_generate_the_serial_designs_in_the_serial_order(cost_rule):
-    """Every subtree (depth, first-kernel group) in a worker, merged by task index: the same
-    designs in the same order as one process, over two depths and library and block kernels;
-    with the cost rule too (its threshold is the same in both: the designs of fewer kernels)."""
+    """Every subtree (depth, first-kernel group) in a worker, merged in round and group order:
+    the same designs in the same order as one process, over two depths and library and block
+    kernels, and the same counts; with the cost rule too (its threshold is the same in both:
+    the designs of fewer kernels)."""
     prog = _silu_and_mul()
     bound = DesignBound(H100, (4, 64)) if cost_rule else None
-    serial = _Costed(prog, H100, (4, 64), SearchStats())
-    parallel = _Costed(prog, H100, (4, 64), SearchStats(workers=2))
-    def gen():
-        return KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=3, max_grid=MAX_GRID,
-                               deadline=time.perf_counter() + 600, bound=bound)
-    _generate(gen(), serial, bound, None)
-    with Pool(2, Config(prog, H100, (4, 64), 2, 3, MAX_GRID, True, bound)) as pool:
-        driver = gen()
-        _generate_parallel(pool, driver, driver.choices(), parallel, bound, None)
+    serial, parallel = (generate(prog, H100, (4, 64), max_kernels=2, max_block_ops=3, bound=bound, workers=w)
+                        for w in (1, 2))
     assert parallel.designs == serial.designs
     assert not serial.stats.stopped_by_budget and not parallel.stats.stopped_by_budget
+    assert serial.stats.open_subtrees == parallel.stats.open_subtrees == 0
     assert parallel.stats.pruned["abstract_expression"] > 0
-    assert parallel.stats.pruned["cost"] == serial.stats.pruned["cost"]
+    assert parallel.stats.pruned == serial.stats.pruned and parallel.stats.steps == serial.stats.steps
     if cost_rule:  # two kernels never beat silu_and_mul's one-kernel designs: depth 2 is cut whole
         assert {len(d.kernels) for d in serial.designs} == {1} and serial.stats.pruned["cost"] > 0
     else:
         assert len({d.kernels[0].__class__ for d in serial.designs}) == 2
         assert {len(d.kernels) for d in serial.designs} == {1, 2}
+
+
+def test_a_search_cut_by_its_work_budget_finds_the_same_with_one_and_two_workers():
+    """The work budget (steps) cuts the search short, yet one and two workers generate, cost and
+    verify the same designs with the same counts: the budget is not time (#11 item 5)."""
+    prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32)
+    runs = {w: optimize(prog, "h100", (1, 8), work=150_000, budget_s=600, top=2, workers=w) for w in (1, 2)}
+    one, two = runs[1].stats.to_json(), runs[2].stats.to_json()
+    assert one["open_subtrees"] > 0 and not one["stopped_by_budget"] and not two["stopped_by_budget"]
+    for volatile in ("workers", "search_s", "verify_s"):
+        del one[volatile], two[volatile]
+    assert one == two
+    assert [f.design for f in runs[1].found] == [f.design for f in runs[2].found] and runs[1].found
+    assert [[c.assignment for c in f.kernels] for f in runs[1].found] == \
+        [[c.assignment for c in f.kernels] for f in runs[2].found]
+    more = optimize(prog, "h100", (1, 8), work=600_000, budget_s=600, top=0, workers=1).stats
+    assert more.block_graphs > runs[1].stats.block_graphs  # the budget did cut it
 
 
 def test_one_and_two_workers_verify_the_same_designs_and_the_same_best():
@@ -73,7 +86,7 @@ def test_one_and_two_workers_verify_the_same_designs_and_the_same_best():
 def test_the_budget_holds_with_workers():
     prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32)
     start = time.perf_counter()
-    result = optimize(prog, "h100", (8,), budget_s=4.0, workers=2)
+    result = optimize(prog, "h100", (8,), budget_s=4.0, work=10**9, workers=2)
     assert result.stats.stopped_by_budget
     assert time.perf_counter() - start < 4.0 + GRACE_S + 5  # pool start and stop included
 
@@ -81,12 +94,12 @@ def test_the_budget_holds_with_workers():
 def test_a_failing_or_dead_worker_raises_instead_of_hanging_the_driver():
     prog = WORKLOADS["rmsnorm_linear"].program()
     ctx = make_context(prog)
-    first = KernelGenerator(ctx, max_kernels=2, max_block_ops=8, max_grid=MAX_GRID, deadline=0).choices()[0]
+    first = KernelGenerator(ctx, max_kernels=2, max_block_ops=8, max_grid=MAX_GRID).choices()[0]
     with Pool(2, Config(prog, H100, (4,), 2, 8, MAX_GRID, True, None)) as pool:
         tid = pool.submit("verify", Design((LibrarySpec("y", "exp", ("no_such_tensor",)),)))
         with pytest.raises(SGraphError, match="worker \\d failed on verify task 0: SGraphError: .*'no_such_tensor'$"):
             pool.get(tid, time.time() + 120)
-        tid = pool.submit("generate", 2, first, 1, time.time() + 600, math.inf)  # minutes of block walks
+        tid = pool.submit("generate", 2, first, math.inf, math.inf, time.time() + 600)  # minutes of block walks
         assert pool.get(tid, time.time()) == (False, None)  # not answered yet: the driver does not wait
         for p in pool.procs:
             os.kill(p.pid, signal.SIGKILL)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import pytest
 
@@ -17,8 +16,8 @@ from prism_serve.optimize.generate.abstract import Term
 from prism_serve.optimize.generate.context import Context, make_context
 from prism_serve.optimize.generate.block import Value
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, op_labels, program_context
-from prism_serve.optimize.generate.kernel import LIBRARY, KernelGenerator
-from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _check_numerics, _Costed, _generate, optimize
+from prism_serve.optimize.generate.kernel import DEEP_PENDING, LIBRARY, KernelGenerator
+from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _check_numerics, optimize
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Program, node
 from prism_serve.optimize.codegen import compile_instance
@@ -30,6 +29,7 @@ from prism_serve.optimize.workloads.oracles import ORACLES, load, oracle, store
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
 from . import test_designs as T
+from .generation import generate
 
 H100 = get_gpu("h100")
 N = NUM_TOKENS
@@ -200,11 +200,7 @@ def _scaled_linear() -> Program:
 
 
 def _designs(prog: Program, abstract_rule: bool) -> tuple[set[str], SearchStats]:
-    ctx = make_context(prog)
-    ctx.oracle.enabled = abstract_rule
-    costed = _Costed(prog, H100, (4,), SearchStats())
-    _generate(KernelGenerator(ctx, max_kernels=1, max_block_ops=2, max_grid=MAX_GRID, deadline=time.perf_counter() + 600),
-              costed, None, None)
+    costed = generate(prog, H100, (4,), max_kernels=1, max_block_ops=2, abstract_rule=abstract_rule)
     return {canonical_hash(g) for _, _, g in costed.items}, costed.stats
 
 
@@ -263,12 +259,11 @@ def test_the_generator_reaches_a_row_statistic_over_split_columns(workload):
     passing the fp16 numeric check with outlier channels."""
     prog = _norm(workload)
     want = canonical_hash(D.rms_over_split_columns(prog))
-    gen = KernelGenerator(make_context(prog), max_kernels=1, max_block_ops=10, max_grid=MAX_GRID,
-                          deadline=time.perf_counter() + 600)
+    gen = KernelGenerator(make_context(prog), max_kernels=1, max_block_ops=10, max_grid=MAX_GRID)
     choices = gen.choices()
     first = ((N, "x1"), None)
     assert first in choices
-    reached = [d for d in gen.subtree(1, first, choices) if canonical_hash(build(prog, d)) == want]
+    reached = [d for d in gen.explore(1, first, choices, math.inf) if canonical_hash(build(prog, d)) == want]
     assert not gen.stopped and reached
     assert any(i.endswith(":row") for o in reached[0].kernels[0].ops for i in o.inputs)
     proof = prove_equivalent(build(prog, reached[0]))
@@ -284,13 +279,12 @@ def test_the_generator_reaches_both_softmax_divisions_of_whole_row_attention():
     numerically). Batch 2: a grid axis is an index label, and a size-1 dim has none."""
     prog = WORKLOADS["attention"].program(batch=2, heads=6, kv_heads=2, kv_len=24, head_dim=24, dtype="float16")
     want = {canonical_hash(D.attention_whole_row(prog, divide_first=f)): f for f in (True, False)}
-    gen = KernelGenerator(make_context(prog), max_kernels=1, max_block_ops=8, max_grid=MAX_GRID,
-                          deadline=time.perf_counter() + 600)
+    gen = KernelGenerator(make_context(prog), max_kernels=1, max_block_ops=8, max_grid=MAX_GRID)
     choices = gen.choices()
     first = (("q0", "q1"), None)
     assert first in choices
     reached = {}
-    for design in gen.subtree(1, first, choices):
+    for design in gen.explore(1, first, choices, math.inf):
         h = canonical_hash(build(prog, design))
         if h in want:
             reached[want[h]] = design
@@ -377,7 +371,7 @@ def test_the_generator_reaches_the_rms_kernel_feeding_a_normalised_projection(dt
     in fp32 and in fp16 (the generator stores intermediates in float32, as (b) keeps 1/rms)."""
     prog = WORKLOADS["rmsnorm_mlp"].program(hidden=48, intermediate=40, dtype=dtype)
     ctx = make_context(prog)
-    gen = KernelGenerator(ctx, max_kernels=2, max_block_ops=5, max_grid=MAX_GRID, deadline=time.perf_counter() + 600)
+    gen = KernelGenerator(ctx, max_kernels=2, max_block_ops=5, max_grid=MAX_GRID)
     rms_ops = ["square", "sum", "accum", "mul", "add", "rsqrt"]
     rms = [c for c in gen._blocks(dict(ctx.inputs), frozenset(), (N,), "x1", False, False)
            if [o.op for o in c.ops] == rms_ops and c.outputs == (None,)]
@@ -479,7 +473,7 @@ def test_a_kernel_feeding_later_ones_tries_small_grids_without_a_loop_first():
     order (more grid axes first); a kernel that feeds later ones tries (tokens) without a loop
     first, library ops last."""
     gen = KernelGenerator(make_context(_norm("rmsnorm_linear", out=40)), max_kernels=2, max_block_ops=8,
-                          max_grid=MAX_GRID, deadline=time.perf_counter() + 60)
+                          max_grid=MAX_GRID)
     choices = gen.choices()
     assert gen.groups(choices, True) == [LIBRARY, *choices]
     feeders = gen.groups(choices, False)
@@ -494,7 +488,7 @@ def test_a_later_kernel_reads_what_an_earlier_one_stored_before_it_rebuilds_it()
     design the proof accepts."""
     prog = _norm("rmsnorm_linear", out=40)
     ctx = make_context(prog)
-    gen = KernelGenerator(ctx, max_kernels=2, max_block_ops=8, max_grid=MAX_GRID, deadline=time.perf_counter() + 120)
+    gen = KernelGenerator(ctx, max_kernels=2, max_block_ops=8, max_grid=MAX_GRID)
     feeders = gen._blocks(dict(ctx.inputs), frozenset(), (N,), None, False, False)
     rms = next(c for c in feeders[:8] if [o.op for o in c.ops] == ["square", "mean", "add", "rsqrt"])
     r = rms.sinks[0]
@@ -507,25 +501,23 @@ def test_a_later_kernel_reads_what_an_earlier_one_stored_before_it_rebuilds_it()
     assert proof.ok, proof.reason
 
 
-def test_deeper_walks_share_the_time_among_more_enumerations_than_they_expected():
+def test_deeper_walks_share_the_steps_among_more_enumerations_than_they_expected():
     """At depth 2 each kernel before the last opens enumerations of the next: more than the
-    `pending` the walk expected. In the first pass each still gets a quarter of the time left
-    (`pending` stays at 4; counted down to 1, the enumeration that reached 1 took all the time
-    left and no later first kernel got a turn); resumption passes share what is left among the
-    enumerations that paused."""
+    `pending` the walk expected. In the first pass each still gets 1/DEEP_PENDING of the steps
+    left (`pending` stays there; counted down to 1, the enumeration that reached 1 took all the
+    steps left and no later first kernel got a turn); resumption passes share what is left among
+    the enumerations that paused."""
     prog = _norm("rmsnorm_linear", out=40)
-    gen = KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=8, max_grid=MAX_GRID,
-                          deadline=time.perf_counter() + 8)
+    gen = KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=8, max_grid=MAX_GRID)
     choices = gen.choices()
-    gen.pending = 4
     divisors = []
     advance = gen._advance
 
-    def recorded(entry):  # what the time left is divided by, for each enumeration of the first pass
+    def recorded(key, entry):  # what the steps left are divided by, for each enumeration of the first pass
         if gen._resumed is None:
             divisors.append(gen.pending)
-        advance(entry)
+        advance(key, entry)
     gen._advance = recorded
-    for _ in gen.subtree(2, ((N,), None), choices):
+    for _ in gen.explore(2, ((N,), None), choices, 400_000):
         pass
-    assert len(divisors) > 8 and min(divisors) == 4
+    assert len(divisors) > 8 and min(divisors) == DEEP_PENDING

@@ -2,6 +2,7 @@
 
 import json
 
+from prism_serve.optimize.generate.search import WORK_PER_S
 from scripts.bench_search import main
 
 
@@ -12,5 +13,6 @@ def test_bench_search_reports_every_field(tmp_path, capsys):
     assert set(r["pruned"]) == {"canonical", "shape", "schedule", "hardware", "abstract_expression", "cost"}
     assert r["verified"] >= 1 and r["kernel_graphs"] >= r["block_graphs"] > 0 and r["search_s"] >= r["verify_s"] > 0
     assert r["concrete_graphs"] >= r["designs"] > 0 and r["workers"] == 1
+    assert r["work"] == 60 * WORK_PER_S and 0 < r["steps"] and r["open_subtrees"] >= 0
     assert r["best_modeled_us"] <= r["oracle_modeled_us"] + 1e-9 < r["unfused_modeled_us"]
     assert "swiglu" in capsys.readouterr().out

@@ -55,12 +55,18 @@ a chain the canonical rule could no longer interleave (10,000+ states, not done 
 A state whose unused tensors can all be stored (program outputs where the abstract expression
 equals an output's, intermediates otherwise; never a loop partial) is a complete kernel. A
 consumed value that equals a program output is stored as well (fused_add_rms_norm's residual sum
-feeds the norm and is an output), unless it lives inside the loop. At its
-deadline the walk pauses (yields None) and may be resumed with a later one (`run`)."""
+feeds the norm and is an output), unless it lives inside the loop.
+
+The walk is metered in steps (`steps`): one per candidate op it judges (on its operand facts,
+once per generator, and in each state that offers it), and QUERY_STEPS more per candidate
+whose abstract expression goes to the e-graph, most of the walk's time. With its `allowance`
+spent it pauses at the next state (yields None) and resumes where it stopped once the consumer grants more. A walk given the
+same steps reaches the same graphs whichever process runs it and however busy the machine is:
+the search's budget is counted in these steps, not in seconds (see `kernel.py`)."""
 
 from __future__ import annotations
 
-import time
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Iterator
@@ -70,6 +76,9 @@ from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_p
 from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, row_ref, whole_ref
 from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
 
+# Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
+# answer it, but which queries that cache holds depends on what else the process walked).
+QUERY_STEPS = 10
 RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression", "cost")
 
 
@@ -140,10 +149,11 @@ class Completion:
 class BlockGenerator:
     def __init__(self, oracle: Oracle, outputs: dict[str, TensorType], tensors: dict[str, Value],
                  consts: dict[str, Value], grid: tuple[str, ...], loop: str | None, max_ops: int,
-                 written: frozenset[str], deadline: float = float("inf"), outputs_only: bool = False,
+                 written: frozenset[str], allowance: float = math.inf, outputs_only: bool = False,
                  rows: bool = True):
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
-        self.written, self.deadline, self.outputs_only = written, deadline, outputs_only
+        self.written, self.allowance, self.outputs_only = written, allowance, outputs_only
+        self.steps = 0  # states expanded so far
         self.stopped = False
         self._counts = Counts()  # this walk's own verdicts; see `counts`
         # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
@@ -193,9 +203,13 @@ class BlockGenerator:
 
     # --- the walk --------------------------------------------------------
     def run(self) -> Iterator[Completion | None]:
-        """The complete kernels, depth first. At the deadline the walk yields None and waits: the
-        consumer may set a later `deadline` and resume it where it stopped, or drop it."""
+        """The complete kernels, depth first. With its `allowance` spent the walk yields None and
+        waits: the consumer may grant more and resume it where it stopped, or drop it."""
         yield from self._walk((), (), {}, None)
+
+    def _charge(self, steps: int) -> None:
+        self.steps += steps
+        self.allowance -= steps
 
     def _walk(self, ops: tuple, values: tuple, uses: dict, last: tuple | None) -> Iterator[Completion]:
         done = self._complete(ops, values, uses)
@@ -210,7 +224,7 @@ class BlockGenerator:
         if self.outputs_only:  # the bounds on ops left (see `_ops_needed`)
             if self._ops_needed(values, uses) > left:
                 return
-        while time.perf_counter() > self.deadline:  # paused: the consumer may set a later deadline and resume
+        while self.allowance <= 0:  # paused: the consumer may grant more steps and resume
             self.stopped = True
             yield None
         self.stopped = False
@@ -218,6 +232,7 @@ class BlockGenerator:
         held = {(v.eid, v.stage, v.partial, v.whole) for v in values}
         for op, ins, attrs in cands:  # accumulators are not counted against max_ops
             self._counts.generated += 1
+            self._charge(1)
             new, rule, bop = self._apply(op, ins, attrs, len(ops))
             if rule is None and (new.eid, new.stage, new.partial, new.whole) in held:
                 rule = "canonical"  # the block already holds this value: reuse it
@@ -309,7 +324,9 @@ class BlockGenerator:
             key = (op, attrs, tuple(v.facts for v in ins))
             if key not in self.memo and key not in built:
                 built[key] = self._build(op, ins, attrs, "b0")
-        self.oracle.prefetch(new.expr for new, rule in built.values() if rule is None)  # one e-graph run for all
+        asked = [new.expr for new, rule in built.values() if rule is None]
+        self._charge(len(cands) + QUERY_STEPS * len(asked))
+        self.oracle.prefetch(asked)  # one e-graph run for all
         for key, (new, rule) in built.items():
             self.memo[key] = self._query(new, rule)
         out, pruned = [], Counts()

@@ -11,18 +11,29 @@ applies the ``cost`` rule (`bound.py`): a design of more kernels whose lower bou
 time exceeds the best verified design of fewer kernels is dropped (whole depths at once where two
 launches already cost more than the best one-kernel design).
 
+The budget of stage 1 is work, counted in steps (`kernel.py`): `work` steps in all, each depth
+but the last DEPTH_SHARE of what is left. A depth's subtrees (one per first-kernel group) take
+equal shares in rounds: what a subtree leaves unspent is shared, in the next round, among those
+that spent theirs and would walk further (each resumed where it paused). The designs come in
+round order, then group order, so what is generated is a function of the Program and `work`
+alone: not of the machine's speed or load, nor of the number of workers.
+
 Stage 2, fastest modeled first: the egglog proof that the sGraph computes the Program for every
 instantiation, then the numeric check of the same design rebuilt at small dims through Triton
 (`check.check_numerics`, adversarial inputs included, seeded by the design's canonical hash).
 Verified designs are instantiated per bucket; on a device the top candidates are timed and the
-measured winner kept. A verification starts only while the budget has room for the longest one so
-far, so the search ends near its budget rather than one verification past it.
+measured winner kept. The designs are verified in cost order until `top` pass, so this stage too
+is the same for any number of workers.
 
-Both stages use `workers` processes (`workers.py`, spawned: egglog and torch are not fork-safe):
-stage 1 one task per (depth, first-kernel group), stage 2 one design per worker at a time in
-cost order; answers are merged in the serial order, so the designs found and the best do not
-depend on the number of workers unless the budget cuts the search. Counters may differ: each
-worker caches its own block enumerations, so one enumerated twice is counted twice.
+`budget_s` is a wall-clock safety net over both: generation stops at GENERATE_WALL_SHARE of it,
+and a verification starts only while the budget has room for the longest one so far. A search
+cut by it says so (`stopped_by_budget`); only then may its result depend on the machine and
+the workers. `WORK_PER_S` sets the default work so that one worker on this project's 2-core CPU
+machine generates in well under half the budget (`scripts/bench_search.py`).
+
+Both stages use `workers` processes (`workers.py`, spawned: egglog and torch are not fork-safe),
+or with one worker this process. Each subtree keeps its own block enumerations, so the counters
+too are the same for any number of workers.
 """
 
 from __future__ import annotations
@@ -43,8 +54,8 @@ from prism_serve.optimize.generate.block import RULES
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, build
-from prism_serve.optimize.generate.kernel import DEPTH_SHARE, KernelGenerator
-from prism_serve.optimize.generate.workers import Config, Pool, default_workers
+from prism_serve.optimize.generate.kernel import KernelGenerator
+from prism_serve.optimize.generate.workers import Config, InlinePool, Pool, default_workers
 from prism_serve.optimize.gpus import GpuSpec, get_gpu
 from prism_serve.optimize.ir import Program
 from prism_serve.optimize.sgraph import SGraph
@@ -55,8 +66,14 @@ from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
 MAX_GRID = 4  # logical grid axes per generated kernel (the sGraph allows up to MAX_GRID_AXES)
-GENERATE_SHARES = (0.5, 0.75)  # of the budget: generation's deadline, and its extension when nothing was costed
-# (the quarter left is for verifying: the numeric check of a 20-op kernel takes 9 s through the interpreter)
+DEPTH_SHARE = 0.6  # of the work left, for each depth but the last
+MIN_ALLOWANCE = 50  # steps: a round that could grant a subtree fewer is not run
+# Default steps of work per second of `budget_s`. Calibrated on this project's 2-core CPU machine
+# (`scripts/bench_search.py`, 60 s: 3,000,000 steps): one worker takes 17 to 55 s per Prism
+# workload, search and verification together, two workers 14 to 37 s; steps cost 7 to 13 us each.
+WORK_PER_S = 50_000
+GENERATE_WALL_SHARE = 0.75  # of `budget_s`: the wall-clock safety net for generation (the rest is for
+# verifying: the numeric check of a 20-op kernel takes 9 s through the interpreter)
 GRACE_S = 10.0  # how long past a deadline the driver waits for a worker's answer (a subtree, a verification)
 Progress = Callable[[str, "SearchStats"], None]
 
@@ -72,14 +89,18 @@ class SearchStats:
     rejected: dict[str, int] = field(default_factory=lambda: {"proof": 0, "numeric": 0})
     verified: int = 0
     workers: int = 1
+    work: int = 0  # steps granted to generation
+    steps: int = 0  # steps spent
+    open_subtrees: int = 0  # subtrees the work ran out on (more steps would have walked them further)
     search_s: float = 0.0
     verify_s: float = 0.0
-    stopped_by_budget: bool = False
+    stopped_by_budget: bool = False  # the wall-clock budget cut the search short
 
     def to_json(self) -> dict:
         return {"kernel_graphs": self.kernel_graphs, "block_graphs": self.block_graphs, "generated": self.generated,
                 "designs": self.designs, "concrete_graphs": self.concrete_graphs, "pruned": dict(self.pruned),
                 "rejected": dict(self.rejected), "verified": self.verified, "workers": self.workers,
+                "work": self.work, "steps": self.steps, "open_subtrees": self.open_subtrees,
                 "search_s": self.search_s, "verify_s": self.verify_s, "stopped_by_budget": self.stopped_by_budget}
 
 
@@ -324,84 +345,87 @@ def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdic
     return Found(design, g, proof, verdict.worst_error, _instances(g, gpu, buckets, timer, measure_top))
 
 
-def _generate(gen: KernelGenerator, costed: _Costed, bound: DesignBound | None, progress: Progress | None) -> None:
-    """Stage 1 in this process: every design, fewer kernels first, until `gen.deadline`, each
-    handed to `costed` as it comes (with a `bound`, the cost rule cuts a depth by the designs of
-    fewer kernels). A second call with a later deadline resumes the block enumerations the first
-    one paused (`KernelGenerator.run`)."""
+def _generate(pool, gen: KernelGenerator, choices: list, costed: _Costed, work: float, deadline: float,
+              bound: DesignBound | None, progress: Progress | None) -> None:
+    """Stage 1: every depth's subtrees in rounds (see the module's docstring), their designs handed
+    to `costed` in round order, then group order (`KernelGenerator.groups`). A depth starts once
+    the designs of fewer kernels are costed: the cost rule's threshold (`_Costed.best_us`).
+    `gen` is the driver's own generator, for the groups and the cut of whole depths; `choices`
+    its `choices()`. Past `deadline` (the safety net) generation stops."""
     stats = costed.stats
-    before = gen.counts
-    n = 0
-    for d in gen.run(costed.best_us if bound else None):
-        n += 1
-        costed.add(d)
-        if progress and n % 10 == 0:
-            progress(f"generated {len(costed.designs)} designs", stats)
-    after = gen.counts
-    stats.kernel_graphs, stats.block_graphs, stats.generated = gen.kernel_graphs, gen.block_graphs, after.generated
-    for rule, k in after.pruned.items():
-        stats.pruned[rule] += k - before.pruned[rule]
-    stats.stopped_by_budget = gen.stopped or gen.truncated > 0
-
-
-def _generate_parallel(pool: Pool, gen: KernelGenerator, choices: list, costed: _Costed, bound: DesignBound | None,
-                       progress: Progress | None) -> None:
-    """Stage 1 in the workers: one task per (depth, first-kernel group), merged in `run`'s order
-    (depth, then the first kernel's groups in `KernelGenerator.groups` order), so the designs and their
-    order are those of `_generate` whenever neither stops at its deadline. A depth's tasks start
-    once the designs of fewer kernels are costed (the cost rule's threshold, as in `_generate`),
-    and share the depth's time as `KernelGenerator.run` does (`DEPTH_SHARE`).
-    Each task's block enumerations get a share of the time as if the groups still to run were
-    split over the workers (`choices`: the driver's `gen.choices()`, counted there once). A later
-    call with a later `gen.deadline` resumes the workers' paused block enumerations."""
-    stats = costed.stats
-    deadline, max_kernels = gen.deadline, gen.max_kernels
-    if time.perf_counter() > deadline:
-        stats.stopped_by_budget = True
-        return
-    stats.stopped_by_budget = False
-    for depth in range(1, max_kernels + 1):
-        groups = gen.groups(choices, depth == 1)
-        factor = 1 if depth == 1 else 4
-        left = max(0.0, deadline - time.perf_counter())  # each depth but the last gets DEPTH_SHARE of it, as in `run`
-        until = time.time() + (DEPTH_SHARE * left if depth < max_kernels else left)
+    until = time.time() + (deadline - time.perf_counter())
+    for depth in range(1, gen.max_kernels + 1):
+        share = (work - stats.steps) * (DEPTH_SHARE if depth < gen.max_kernels else 1.0)
         gen.best_us = costed.best_us(depth) if bound else math.inf
         if gen.depth_cut(depth):
             stats.pruned["cost"] += 1
             continue
-        tids = [pool.submit("generate", depth, first, max(1, math.ceil((len(groups) - k) * factor / len(pool.procs))),
-                            until, gen.best_us) for k, first in enumerate(groups)]
-        for tid in tids:
-            ok, sub = pool.get(tid, until + GRACE_S)
-            if not ok:
+        groups = gen.groups(choices, depth == 1)
+        weight = [1.0 if depth == 1 else 1.0 / (k + 1) for k in range(len(groups))]
+        alive, home, spent = list(range(len(groups))), {}, 0
+        while alive and share - spent >= MIN_ALLOWANCE * len(alive):
+            unit = (share - spent) / sum(weight[k] for k in alive)
+            answers = _round(pool, [(k, ("generate", depth, groups[k], unit * weight[k], gen.best_us, until))
+                                    for k in alive], home, until + GRACE_S)
+            if answers is None:
                 log.warning("a generator worker outlived the budget by %.0f s; its subtree is dropped", GRACE_S)
                 stats.stopped_by_budget = True
                 return
-            for a in sub.appraised:
-                costed.add_appraised(a)
-            stats.generated += sub.generated
-            for rule, k in sub.pruned.items():
-                stats.pruned[rule] += k
-            stats.kernel_graphs += sub.kernel_graphs
-            stats.block_graphs += sub.block_graphs
-            stats.stopped_by_budget |= sub.stopped
+            for sub in answers:
+                for a in sub.appraised:
+                    costed.add_appraised(a)
+                stats.generated += sub.generated
+                for rule, k in sub.pruned.items():
+                    stats.pruned[rule] += k
+                stats.kernel_graphs += sub.kernel_graphs
+                stats.block_graphs += sub.block_graphs
+                stats.stopped_by_budget |= sub.stopped
+                spent += sub.steps
             if progress:
                 progress(f"generated {len(costed.designs)} designs", stats)
+            if stats.stopped_by_budget:
+                stats.steps += spent
+                return
+            alive = [k for k, sub in zip(alive, answers) if sub.open]
+            if not any(sub.steps for sub in answers):
+                break
+        stats.steps += spent
+        stats.open_subtrees += len(alive)
 
 
-def _verify_parallel(pool: Pool, costed, verdicts: dict, deadline: float, take: Callable[..., bool],
-                     in_time: Callable[[], bool]) -> bool:
-    """Stage 2 in the workers: verifications in cost order, at most one in flight per worker,
-    read back in cost order and handed to `take` until it returns False, so the designs verified
-    are those of the serial loop; a design in `verdicts` (verified while generating) takes its
-    answer from there. None starts unless `in_time()` (before `deadline`, with room for the
-    longest verification so far); as in the serial loop, one that started may finish, but only
-    within GRACE_S of the deadline. Returns whether the deadline stopped it."""
+def _round(pool, tasks: list[tuple[int, tuple]], home: dict[int, int], until_wall: float) -> list | None:
+    """One round of generation tasks, (group, task), at most one running per worker; a group walked
+    before goes to the worker that holds its walk (`home`, which this fills in). The answers in
+    task order, or None when they are not all in by `until_wall`."""
+    todo, tids = list(tasks), {}
+    while True:
+        for w in range(pool.size):
+            while pool.idle(w):
+                j = next((j for j, (k, _) in enumerate(todo) if home.get(k, w) == w), None)
+                if j is None:
+                    break
+                k, task = todo.pop(j)
+                tids[k] = pool.submit(*task, worker=w)
+                home[k] = w
+        if not todo and all(t in pool.done for t in tids.values()):
+            return [pool.get(tids[k], until_wall)[1] for k, _ in tasks]
+        if not pool.receive(until_wall):
+            return None
+
+
+def _verify(pool, costed, verdicts: dict, deadline: float, take: Callable[..., bool],
+            in_time: Callable[[], bool]) -> bool:
+    """Stage 2: verifications in cost order, at most one running per worker, read back in cost
+    order and handed to `take` until it returns False, so the designs verified do not depend on
+    the number of workers; a design in `verdicts` (verified while generating) takes its answer
+    from there. None starts unless `in_time()` (before `deadline`, with room for the longest
+    verification so far); one that started may finish, but only within GRACE_S of the deadline.
+    Returns whether the deadline stopped it."""
     it = iter(costed)
     flight: list = []
     until = time.time() + (deadline - time.perf_counter()) + GRACE_S
     while True:
-        while len(flight) < len(pool.procs) and in_time():
+        while len(flight) < pool.size and in_time():
             item = next(it, None)
             if item is None:
                 break
@@ -417,21 +441,22 @@ def _verify_parallel(pool: Pool, costed, verdicts: dict, deadline: float, take: 
 
 
 def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[int] = (16,), *,
-             max_kernels: int = 2, max_block_ops: int = 8, budget_s: float = 60.0, top: int = 3,
-             known: Sequence[Design] = (), progress: Progress | None = None, timer: Timer | None = None,
+             max_kernels: int = 2, max_block_ops: int = 8, budget_s: float = 60.0, work: int | None = None,
+             top: int = 3, known: Sequence[Design] = (), progress: Progress | None = None, timer: Timer | None = None,
              measure_top: int = 5, all_designs: bool = False, abstract_rule: bool = True,
              workers: int | None = None) -> OptimizeResult:
     """Find verified fused kernels for `prog` on `gpu`, fastest first, each instantiated per
     num_tokens bucket. `known` designs (stored by an earlier search, possibly for another Program
-    of the same family) are rebuilt and verified instead of searching. The search stops cleanly
-    at `budget_s` with the best found so far; `all_designs` verifies every generated design
-    instead of stopping after `top`; `abstract_rule=False` turns the abstract-expression rule off
-    (to check that it is sound). A graph-defined kernel has at most `max_block_ops` ops, the
-    kernel of a one-kernel design at least as many as the Program (`KernelGenerator.alone_ops`).
+    of the same family) are rebuilt and verified instead of searching. Generation spends `work`
+    steps (default: WORK_PER_S per second of `budget_s`); the search stops cleanly at `budget_s`
+    with the best found so far; `all_designs` verifies every generated design instead of stopping
+    after `top`; `abstract_rule=False` turns the abstract-expression rule off (to check that it is
+    sound). A graph-defined kernel has at most `max_block_ops` ops, the kernel of a one-kernel
+    design at least as many as the Program (`KernelGenerator.alone_ops`).
 
     `workers` processes (default: this machine's cores) generate independent subtrees and verify
     designs in parallel (`workers.py`); what is found does not depend on their number unless the
-    budget cuts the search. With 1, everything runs in this process.
+    wall-clock budget cuts the search (`stopped_by_budget`). With 1, everything runs in this process.
 
     `timer(instance, num_tokens) -> us` times candidates on a device; on a CUDA machine it
     defaults to CUDA-event timing of the generated kernel. Without a device kernels are modeled
@@ -440,6 +465,9 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise SGraphError(f"workers must be a positive int, got {workers!r}")
+    work = round(WORK_PER_S * budget_s) if work is None else work
+    if not isinstance(work, int) or work < 0:
+        raise SGraphError(f"work must be a non-negative int of steps, got {work!r}")
     if timer is None and torch.cuda.is_available():
         timer = cuda_timer(prog, spec)
     buckets = tuple(sorted(set(num_tokens))) or (1,)
@@ -447,37 +475,29 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
         raise SGraphError(f"num_tokens buckets must be positive ints, got {list(num_tokens)}")
     start = time.perf_counter()
     deadline = start + budget_s
-    stats = SearchStats(workers=workers)
+    stats = SearchStats(workers=workers, work=0 if known else work)
     # a search that ranks may drop designs that cannot beat one of fewer kernels; one that lists does not
     bound = None if all_designs else DesignBound(spec, buckets)
-    pool = None
-    if workers > 1 and (not known or len(known) > 1):
-        pool = Pool(workers, Config(prog, spec, buckets, max_kernels, max_block_ops, MAX_GRID, abstract_rule, bound))
+    config = Config(prog, spec, buckets, max_kernels, max_block_ops, MAX_GRID, abstract_rule, bound)
+    ctx = None
+    if not known:
+        ctx = make_context(prog)
+        ctx.oracle.enabled = abstract_rule
+    pool = Pool(workers, config) if workers > 1 and (not known or len(known) > 1) else InlinePool(config, ctx)
     try:
         costing = _Costed(prog, spec, buckets, stats)
         if known:
             for d in known:
                 costing.add(d)
         else:
-            ctx = make_context(prog)
-            ctx.oracle.enabled = abstract_rule
             gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
-                                  deadline=0.0, bound=bound)
-            choices = gen.choices() if pool else []  # the serial walk counts its own
-            if pool:
-                stats.generated += gen.counts.generated
-                for rule, k in gen.counts.pruned.items():
-                    stats.pruned[rule] += k
-            # half the budget for generating; a round that found nothing to verify goes on, resuming
-            # where it paused, into the time that verification would have had (but VERIFY_RESERVE)
-            for share in GENERATE_SHARES:
-                gen.deadline = costing.deadline = start + budget_s * share
-                if pool:
-                    _generate_parallel(pool, gen, choices, costing, bound, progress)
-                else:
-                    _generate(gen, costing, bound, progress)
-                if costing.items or not stats.stopped_by_budget:
-                    break
+                                  bound=bound)
+            choices = gen.choices()  # counted here once
+            stats.generated += gen.counts.generated
+            for rule, k in gen.counts.pruned.items():
+                stats.pruned[rule] += k
+            costing.deadline = start + budget_s * GENERATE_WALL_SHARE
+            _generate(pool, gen, choices, costing, work, costing.deadline, bound, progress)
         stats.designs = len(costing.designs)
         costed = costing.ranked()
         found: list[Found] = []
@@ -498,20 +518,10 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
                 progress(f"verified {len(found)}", stats)
             return all_designs or len(found) < top
 
-        if pool:
-            stats.stopped_by_budget |= _verify_parallel(pool, costed if all_designs or top > 0 else [],
-                                                        costing.verdicts, deadline, take, in_time)
-        else:
-            for _, design, g in costed if all_designs or top > 0 else []:
-                answer = costing.verdicts.get(design)
-                if answer is None and not in_time():
-                    stats.stopped_by_budget = True
-                    break
-                if not take(design, g, *(answer or verify_design(prog, design, spec))):
-                    break
+        stats.stopped_by_budget |= _verify(pool, costed if all_designs or top > 0 else [], costing.verdicts,
+                                           deadline, take, in_time)
     finally:
-        if pool:
-            pool.close()
+        pool.close()
     stats.search_s = time.perf_counter() - start
     found.sort(key=lambda f: sum(c.measured_us if c.measured_us is not None else c.modeled_us for c in f.kernels))
     return OptimizeResult(prog, spec.name, buckets, tuple(found), {nt: unfused_us(prog, nt, spec) for nt in buckets},
