@@ -302,8 +302,7 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
         out.status, out.reason = "failed", f"optimizer: {exc}"
         return out
     if not result.found:
-        out.status, out.reason = "failed", "no verified kernel" + (" within the time budget"
-                                                                  if result.stats.stopped_by_budget else "")
+        out.status, out.reason = "failed", " ".join(filter(None, ["no verified kernel", result.stats.limit()]))
         return out
     best = result.best
     out.reused, out.design, out.verified = bool(designs), best.design.describe(), True

@@ -144,8 +144,7 @@ def optimize_command(
         json_file.write_text(json.dumps(result.to_json(), indent=1))
         typer.echo(f"wrote {json_file}")
     if not result.found:
-        typer.echo("error: no verified kernel found" + (" within the time budget" if s.stopped_by_budget else ""),
-                   err=True)
+        typer.echo(" ".join(filter(None, ["error: no verified kernel found", s.limit()])), err=True)
         raise typer.Exit(1)
 
 

@@ -130,10 +130,12 @@ def test_search_stops_cleanly_at_its_budget():
     result = optimize(prog, "h100", (8,), budget_s=0.0)
     assert result.stats.work == result.stats.steps == 0 and result.stats.open_subtrees > 0
     assert result.found == () and not result.stats.stopped_by_budget
+    assert result.stats.limit() == f"within the work budget ({result.stats.open_subtrees} subtrees left open)"
     with pytest.raises(SGraphError, match="no verified kernel"):
         result.best
     result = optimize(prog, "h100", (8,), budget_s=0.0, work=10**9)
     assert result.stats.stopped_by_budget and result.found == ()
+    assert result.stats.limit() == "within the time budget"
     with pytest.raises(SGraphError, match="work must be a non-negative int"):
         optimize(prog, "h100", (8,), work=-1)
 

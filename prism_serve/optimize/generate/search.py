@@ -96,6 +96,12 @@ class SearchStats:
     verify_s: float = 0.0
     stopped_by_budget: bool = False  # the wall-clock budget cut the search short
 
+    def limit(self) -> str:
+        """What cut the search short, as a phrase ("" if nothing did)."""
+        if self.stopped_by_budget:
+            return "within the time budget"
+        return f"within the work budget ({self.open_subtrees} subtrees left open)" if self.open_subtrees else ""
+
     def to_json(self) -> dict:
         return {"kernel_graphs": self.kernel_graphs, "block_graphs": self.block_graphs, "generated": self.generated,
                 "designs": self.designs, "concrete_graphs": self.concrete_graphs, "pruned": dict(self.pruned),
