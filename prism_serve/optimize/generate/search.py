@@ -13,8 +13,10 @@ launches already cost more than the best one-kernel design).
 
 The budget of stage 1 is work, counted in steps (`kernel.py`): `work` steps in all, each depth
 but the last DEPTH_SHARE of what is left. A depth's subtrees (one per first-kernel group) take
-equal shares in rounds: what a subtree leaves unspent is shared, in the next round, among those
-that spent theirs and would walk further (each resumed where it paused). The designs come in
+shares in rounds, equal at depth 1 and deeper weighted 1/(k+1) by the group's place k in
+`KernelGenerator.groups` (whose order puts the likelier feeding kernels first): what a subtree
+leaves unspent is shared, in the next round, among those that spent theirs and would walk
+further (each resumed where it paused). The designs come in
 round order, then group order, so what is generated is a function of the Program and `work`
 alone: not of the machine's speed or load, nor of the number of workers.
 
