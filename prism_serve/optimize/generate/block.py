@@ -60,9 +60,10 @@ feeds the norm and is an output), unless it lives inside the loop.
 The walk is metered in steps (`steps`): one per candidate op it judges (on its operand facts,
 once per generator, and in each state that offers it), and QUERY_STEPS more per candidate
 whose abstract expression goes to the e-graph, most of the walk's time. With its `allowance`
-spent it pauses at the next state (yields None) and resumes where it stopped once the consumer grants more. A walk given the
-same steps reaches the same graphs whichever process runs it and however busy the machine is:
-the search's budget is counted in these steps, not in seconds (see `kernel.py`)."""
+spent it pauses at the next state (yields None) and resumes where it stopped once the consumer
+grants more. A walk given the same steps reaches the same graphs whichever process runs it and
+however busy the machine is: the search's budget is counted in these steps, not in seconds
+(see `kernel.py`)."""
 
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ class BlockGenerator:
                  rows: bool = True):
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
         self.written, self.allowance, self.outputs_only = written, allowance, outputs_only
-        self.steps = 0  # states expanded so far
+        self.steps = 0  # spent so far (see the module's docstring)
         self.stopped = False
         self._counts = Counts()  # this walk's own verdicts; see `counts`
         # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a

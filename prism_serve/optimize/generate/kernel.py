@@ -17,8 +17,8 @@ kernel is of one group (library ops, or one (grid, loop) choice; `groups`). Subt
 independent, so worker processes take one each; a `KernelGenerator` walks one subtree
 (`explore`) and caches its block enumerations per (tensors, grid, loop).
 
-The budget is work, not time: steps, one per block-walk state expanded plus DESIGN_STEPS per
-design handed out (costing a design is most of a search's time). `explore` gets an allowance of
+The budget is work, not time: steps, those the block walks spend (`block.py`) plus DESIGN_STEPS
+per design handed out (costing a design is most of a search's time). `explore` gets an allowance of
 steps; its first pass shares it among the block enumerations it opens (each gets the pass's
 steps left divided by `pending`), one that spends its share pauses, and resumption passes
 continue the paused ones and walk the kernel level again for the designs their new block graphs
@@ -73,7 +73,7 @@ class KernelGenerator:
         self._own = Counts()  # the kernel level's own verdicts (choices, library ops, recomputed stores)
         self.block_graphs = 0
         self.kernel_graphs = 0
-        self.steps = 0  # spent so far: block-walk states of the cached enumerations, and designs handed out
+        self.steps = 0  # spent so far: by the cached block enumerations, and per design handed out
         self.stopped = False  # the wall-clock deadline passed
         self._cache: dict = {}  # per (tensors, grid, loop): [completions so far, generator, its walk or None]
         self.pending = 1  # block enumerations still to run in this pass: each gets an equal share of the steps

@@ -154,9 +154,6 @@ class InlinePool:
     def idle(self, worker: int) -> bool:
         return True
 
-    def worker_of(self, tid: int) -> int:
-        return 0
-
     def receive(self, until_wall: float) -> bool:
         return False
 
@@ -217,9 +214,6 @@ class Pool:
 
     def idle(self, worker: int) -> bool:
         return self.running[worker] == 0
-
-    def worker_of(self, tid: int) -> int:
-        return self.where[tid]
 
     def receive(self, until_wall: float) -> bool:
         """Wait for the next answer of any task until `until_wall`; whether one came. Raises
