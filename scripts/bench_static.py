@@ -43,6 +43,8 @@ DECODE_MAX = 16  # the no-spill target covers instances chosen for 1-16 tokens
 REG_TOLERANCE = 0.25
 CHOSEN_WEIGHT = 3.0  # the kernels the tuner stores matter most
 PHYSICAL = {"dot_accumulators": 1.0, "accumulators": 1.0, "addresses": 2.0}  # registers per unit, not fitted
+# fitted apart, on pairs of the same kernel compiled with half and TF32 operands (resources.py)
+APART = ("tf32_operands",)
 
 
 def embedded_programs(name: str, dtype: str = "bfloat16") -> dict[str, object]:
@@ -120,13 +122,14 @@ def fit(sample: Path) -> int:
         g = graphs.setdefault(r["source"], oracle(programs[r["source"]]))
         k = next(k for k in g.kernels if isinstance(k, BlockKernel) and k.name == r["kernel"])
         terms.append(_resources(g, k, r["assignment"], r["mma_padded"]).demand.terms(r["warps"]))
-    free = [n for n in REG_WEIGHTS if n not in PHYSICAL]
+    kept = PHYSICAL | {n: REG_WEIGHTS[n] for n in APART}
+    free = [n for n in REG_WEIGHTS if n not in kept]
     x = np.array([[t[n] for n in free] for t in terms])
-    fixed = np.array([sum(w * t[n] for n, w in PHYSICAL.items()) for t in terms])
+    fixed = np.array([sum(w * t[n] for n, w in kept.items()) for t in terms])
     y = np.array([r["ptxas_regs"] for r in rows], float)
     scale = np.where([r["chosen"] for r in rows], CHOSEN_WEIGHT, 1.0) / y
     chosen = np.array([r["chosen"] for r in rows])
-    weights = dict(zip(free, _nnls(x * scale[:, None], (y - fixed) * scale))) | PHYSICAL
+    weights = dict(zip(free, _nnls(x * scale[:, None], (y - fixed) * scale))) | kept
     print("fitted:", {n: round(float(weights[n]), 2) for n in REG_WEIGHTS})
     for label, w in (("fitted", weights), ("in use", REG_WEIGHTS)):
         est = np.ceil([sum(w[n] * t[n] for n in REG_WEIGHTS) for t in terms])

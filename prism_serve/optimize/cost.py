@@ -13,8 +13,8 @@ Per block kernel:
   steps is never as fast as one whole-row load, though both move few bytes).
 - compute: half-precision matmuls codegen emits as `tl.dot` (see `resources.kernel_resources`,
   which pads small token tiles to the MMA minimum where that is cheaper) run on tensor cores
-  at their padded size; fp32 dots (IEEE), broadcast-and-sum products and everything else on
-  the fp32 units.
+  at their padded size, those on TF32 operands (`ir.TF32`) at the TF32 rate; fp32 dots (IEEE),
+  broadcast-and-sum products and everything else on the fp32 units.
 - waves: a grid that leaves resident-block slots idle in its last wave wastes them.
 - launch: one kernel launch, eager or as one node of a replayed CUDA graph (vLLM decodes
   under CUDA graphs), from the GPU spec (measured on a device, cited constants offline).
@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from prism_serve.optimize.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, Program
+from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, TF32, Program
 from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.resources import KernelResources, blocks_per_sm
 from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance, Kernel, sym
@@ -54,6 +54,10 @@ L1_BYTES_PER_CLOCK = 128
 # Triton's num_stages 3 (`resources.py`), which issues the loads of two iterations ahead of the one
 # being computed (Triton's "Software pipelining" in its loop pipeliner docs).
 PIPELINED_STEPS = 2
+# Dense TF32 tensor-core rate over the dense FP16 rate: one half on every data-center GPU from
+# Ampere to Blackwell (NVIDIA datasheets: A100 156 / 312 TFLOPS, H100 SXM 495 / 989, L40S 183 /
+# 362, L4 60 / 121, B200 1.1 / 2.25 PFLOPS).
+TF32_TENSOR_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class KernelCost:
     regs_per_thread: int = 0  # 0 for library kernels
     blocks_per_sm: int = 0
     bandwidth_gbs: float = 0.0  # the achieved DRAM bandwidth the model assumed
+    tf32_flops: float = 0.0  # tensor-core work on TF32 operands (`tensor_flops` is on half ones)
 
 
 def clock_ghz(gpu: GpuSpec) -> float:
@@ -120,7 +125,7 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
     # bytes in flight per stage and tensor: a second load of a tensor in one block (a row load
     # beside its column tile, say) re-reads what the first brings and adds no DRAM request
     in_flight: dict[tuple[str, str], float] = {}
-    tc = fp32 = 0.0
+    tc = tf32 = fp32 = 0.0
     types = g.block_types(k)
     token = next((sym(a.symbol) for a in k.grid if a.over_tokens), None)
     # fp32 programs get tl.dot(..., input_precision="ieee") from codegen: FMA units, not tensor cores
@@ -152,7 +157,10 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
             nn = _numel(tile) // max(a_dims, 1)
             if n.name in res.dots and half:  # tensor cores work on the padded tile
                 m = max(1 << (a_dims - 1).bit_length(), 16) if res.mma_padded else a_dims
-                tc += 2.0 * m * kk * nn * blocks * times
+                if dict(n.attrs).get("precision") == TF32:
+                    tf32 += 2.0 * m * kk * nn * blocks * times
+                else:
+                    tc += 2.0 * m * kk * nn * blocks * times
             else:
                 fp32 += 2.0 * a_dims * kk * nn * blocks * times
         else:
@@ -162,8 +170,8 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
     per_stage = {st: sum(b for (s, _), b in in_flight.items() if s == st) for st in ("pre", "loop")}
     bandwidth = achieved_bandwidth_gbs(gpu, blocks, resident, max(per_stage.values()))
     chain = math.ceil(steps / PIPELINED_STEPS) if per_stage["loop"] else 1
-    time = _time_us(gpu, blocks, resident, dram, l2, tc, fp32, bandwidth, chain) + launch_us(gpu, graphs)
-    return KernelCost(k.name, blocks, dram, l2, tc, fp32, time, res.regs_per_thread, resident, bandwidth)
+    time = _time_us(gpu, blocks, resident, dram, l2, tc, fp32, bandwidth, chain, tf32) + launch_us(gpu, graphs)
+    return KernelCost(k.name, blocks, dram, l2, tc, fp32, time, res.regs_per_thread, resident, bandwidth, tf32)
 
 
 def _split_l2(requested: dict[str, float], unique: dict[str, float], gpu: GpuSpec) -> tuple[float, float]:
@@ -181,7 +189,7 @@ def _split_l2(requested: dict[str, float], unique: dict[str, float], gpu: GpuSpe
 
 
 def _time_us(gpu: GpuSpec, blocks: int, resident_per_sm: int, dram: float, l2: float, tc: float, fp32: float,
-             bandwidth_gbs: float, latency_chain: int = 1) -> float:
+             bandwidth_gbs: float, latency_chain: int = 1, tf32: float = 0.0) -> float:
     """A kernel's time without its launch: the slower of memory and compute; `latency_chain`
     counts the DRAM latencies a block waits for in sequence (see the module docstring), once per
     wave of blocks."""
@@ -192,7 +200,9 @@ def _time_us(gpu: GpuSpec, blocks: int, resident_per_sm: int, dram: float, l2: f
     mem = dram / (bandwidth_gbs * 1e3) + l2 / (gpu.mem_bandwidth_gbs * 1e3 * L2_BANDWIDTH_FACTOR)
     if dram:  # however many blocks share the bytes, none finishes before its chain of loads returns
         mem = max(mem, waves * latency_chain * DRAM_LATENCY_NS / 1e3)
-    compute = (tc / (gpu.fp16_tensor_tflops * 1e6) + fp32 / (gpu.fp32_tflops * 1e6)) / max(busy, 1e-9)
+    tensor_tflops = gpu.fp16_tensor_tflops * 1e6
+    compute = (tc / tensor_tflops + tf32 / (tensor_tflops * TF32_TENSOR_SHARE) + fp32 / (gpu.fp32_tflops * 1e6)) \
+        / max(busy, 1e-9)
     return max(mem, compute)
 
 

@@ -37,6 +37,10 @@ ATTRS = {  # required attributes per op, with their Python types
     "rms_norm": {"eps": float},
 } | {op: {"dim": int, "keepdim": bool} for op in REDUCTIONS}
 DEFAULTS = {"matmul": {"transpose_b": False}} | {op: {"keepdim": False} for op in REDUCTIONS}
+# A block kernel's matmul may carry ("precision", TF32): its operands stay float32 and the tensor
+# cores round them to TF32 (10-bit mantissa like float16, float32's exponent range), where without
+# it they are cast to the Program's half dtype. Only sGraphs carry it, never a Program.
+TF32 = "tf32"
 
 
 @dataclass(frozen=True)

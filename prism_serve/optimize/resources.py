@@ -33,7 +33,13 @@ live at the peak (1.0: all of it):
     holds the a values of its (m, k) positions and the b values of its (k, n) positions (a term
     for the product elements themselves was fitted to 0);
   - inputs of a reduction along a row, in fp32, outside a pipelined loop (inside one, the input
-    is read piecewise from its shared-memory stage and folded into the sum: fitted to ~0).
+    is read piecewise from its shared-memory stage and folded into the sum: fitted to ~0);
+  - a dot on TF32 operands (`ir.TF32`) holds its operands in fp32, one value a register where
+    half values pack two: the rows of its left operand a warp holds, over `CHAIN_K_WINDOW` columns
+    at most, a 32nd per thread. Its weight is the median of (TF32 - half registers) / term over
+    94 non-spilling pairs of the fp16 rmsnorm_linear / rmsnorm_mlp oracles compiled both ways
+    (`bench/results/static-tf32-pairs-2026-12-05.jsonl`, sm_90 and sm_80: the increase is 0 to 76
+    registers, least squares gives 0.22); `--fit` keeps it.
 The weights are one non-negative least-squares fit (relative error) against ptxas 12.x under
 Triton 3.9, `scripts/bench_static.py --fit bench/results/static-fit-sample-2026-12-03.jsonl`:
 968 non-spilling kernels (a random share of the cases of bench_static at their 4 best-ranked and
@@ -58,6 +64,7 @@ from typing import Mapping
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.codegen import MIN_DOT as MMA_MIN
 from prism_serve.optimize.codegen import pow2
+from prism_serve.optimize.ir import TF32
 from prism_serve.optimize.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
 
 # Architectural limits of every NVIDIA GPU from compute capability 5.0 to 10.0 (CUDA C++
@@ -85,6 +92,7 @@ REG_WEIGHTS = {
     "operand_chains": 0.3,  # per fp32 element of a value computed in a left operand's layout
     "reduced": 0.5,  # per fp32 element of a reduction's input
     "product_operands": 0.6,  # per operand element held in a broadcast product's layout
+    "tf32_operands": 0.25,  # per fp32 value of a TF32 dot's left operand window (fitted apart, below)
 }
 # ptxas forms an operand chain k-step by k-step just ahead of the MMAs that read it: of a long K
 # it keeps about this many columns live (fitted with the weights: 64, 128, 256 and unbounded
@@ -111,6 +119,7 @@ class DotTile:
     chain_loads: tuple[int, ...]  # bytes of each tile loaded every loop step that feeds the chain
     first_use: bool  # the first dot of this left operand (later dots share its registers)
     accumulated: bool  # its result is a loop accumulator, kept in the MMA layout
+    tf32: bool = False  # on TF32 operands (`ir.TF32`): held in fp32, one value per register
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,8 @@ class RegisterDemand:
                 t["operand_chains"] += d.chain * rows * (d.k if narrow else min(d.k, CHAIN_K_WINDOW)) / 32
             elif d.first_use:
                 t["operand_loads"] += rows * d.k / 64  # two halves per register
+            if d.first_use and d.tf32:
+                t["tf32_operands"] += rows * min(d.k, CHAIN_K_WINDOW) / 32
         for m, k, n in self.products:
             rm, rk, rn = blocked_per_thread((m, k, n), warps)
             t["product_operands"] += rm * rk + rk * rn
@@ -305,7 +316,8 @@ def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
             feeds |= {c for c in chain if in_loop(c)}
             chain_loads = tuple(math.prod(padded_of[s]) * BYTES.get(types[s].dtype, 4) for s in sorted(feeds))
             accumulated = any(x.op == "accum" and x.inputs[0] == n.name for x in k.nodes)
-            tiles.append(DotTile(m, kk, nn, len(chain), chain_loads, a not in seen_operands, accumulated))
+            tiles.append(DotTile(m, kk, nn, len(chain), chain_loads, a not in seen_operands, accumulated,
+                                 dict(n.attrs).get("precision") == TF32))
             seen_operands.add(a)
     pipelined = bool(k.forloop) and values.get(k.forloop, 1) > 1
     return RegisterDemand(tuple(loads), tuple(accums), tuple(tiles), tuple(products), tuple(reduced), pipelined)

@@ -26,6 +26,7 @@ from prism_serve.optimize.ir import (
     NUM_TOKENS,
     OPS,
     REDUCTIONS,
+    TF32,
     Node,
     Program,
 )
@@ -203,7 +204,7 @@ _VALUE = lambda v, w, e: float_in(v, -1e30, 1e30, w, e)  # noqa: E731
 ATTR_SCHEMA: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
     "input": ({"shape": _shape, "dtype": _Enum(DTYPES)}, {}),
     "const": ({"value": _VALUE}, {}),
-    "matmul": ({}, {"transpose_b": boolean}),
+    "matmul": ({}, {"transpose_b": boolean, "precision": _Enum((TF32,))}),
     "rms_norm": ({"eps": _EPS}, {}),
     "load": ({"tensor": name, "imap": _map}, {"fmap": _opt_index}),
     "store": ({"tensor": name, "omap": _map}, {"fmap": _opt_index}),
@@ -338,7 +339,7 @@ def dim(value: Any, allowed: Collection[str], where: str):
 
 REF = re.compile(rf"(@{NAME.pattern}(:whole|:row)?|#{NAME.pattern}|{NAME.pattern})")
 _DESIGN_ATTRS: dict[str, Check] = {"dim": _DIM, "keepdim": boolean, "transpose_b": boolean,
-                                   "kind": _Enum(ACCUM_KINDS), "tensor": name}
+                                   "precision": _Enum((TF32,)), "kind": _Enum(ACCUM_KINDS), "tensor": name}
 MAX_BLOCK_OPS = 64
 
 

@@ -14,6 +14,8 @@ from prism_serve.optimize.workloads.designs import rms_then_projection
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
+from .kernel_check import on_tf32
+
 H100 = get_gpu("h100")
 DIMS = {"hidden": 48, "out": 40}  # not powers of two: padded, masked tiles
 ASSIGN = {"BT": 16, "G": 2, "F": 3}  # 16-row blocks of 16-wide hidden steps: the tl.dot path on a GPU
@@ -41,6 +43,15 @@ def test_the_same_design_passes_in_fp32():
     prog = WORKLOADS["rmsnorm_linear"].program(**DIMS, dtype="float16")
     verdict = check_numerics(instantiate(oracle(prog), ASSIGN, H100), "float32", seed=0)
     assert verdict.ok and verdict.dtype == "float32" and all(c.judged for c in verdict.cases)
+
+
+def test_the_same_design_on_tf32_operands_passes_in_fp16():
+    """x * g kept in fp32 for the dot (TF32: fp16's mantissa, fp32's range) survives the outliers
+    that overflow its fp16 twin, within the fp16 tolerance: the generator's safe one-kernel form."""
+    prog = WORKLOADS["rmsnorm_linear"].program(**DIMS, dtype="float16")
+    verdict = check_numerics(instantiate(on_tf32(oracle(prog)), ASSIGN, H100), seed=0)
+    assert verdict.ok, verdict.reasons
+    assert any(c.name.startswith("outlier 6.55e+04") for c in verdict.cases) and all(c.judged for c in verdict.cases)
 
 
 def test_normalised_operand_before_the_dot_passes_in_fp16():

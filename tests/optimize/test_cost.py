@@ -6,12 +6,14 @@ import pytest
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.codegen import render
-from prism_serve.optimize.cost import block_kernel_cost, instance_cost, modeled_us
+from prism_serve.optimize.cost import _time_us, block_kernel_cost, instance_cost, modeled_us
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.sgraph import instantiate
 from prism_serve.optimize.tune import rank
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
+
+from .kernel_check import on_tf32
 
 H100 = get_gpu("h100")
 MB_PER_US = 3350.0 * 1e3  # H100 DRAM bytes per us
@@ -64,6 +66,20 @@ def test_weight_streaming_gemm(num_tokens):
     assert dot == (num_tokens == 16 or inst.resources(k).mma_padded)
     mem = c.dram_bytes / MB_PER_US + c.l2_bytes / L2_PER_US
     assert c.time_us == pytest.approx(mem + 1.0)
+
+
+def test_tf32_operands_run_at_half_the_tensor_core_rate():
+    """The 16-token dot of test_weight_streaming_gemm on TF32 operands: the same bytes, its flops
+    billed as TF32 work, which the H100 runs at 494.7 TFLOPS (half of fp16): 537 MFLOP take 1.09 us,
+    under the memory time, so the kernel's time does not move; compute-bound, it doubles."""
+    inst, k = _linear({"BT": 16, "F": 16, "G": 128})
+    twin = instantiate(on_tf32(inst.sgraph), inst.values, H100)
+    half, tf32 = block_kernel_cost(inst, k, 16, H100), block_kernel_cost(twin, twin.sgraph.kernels[0], 16, H100)
+    flops = 2.0 * 16 * 4096 * 4096
+    assert (half.tensor_flops, half.tf32_flops) == (flops, 0.0) and (tf32.tensor_flops, tf32.tf32_flops) == (0.0, flops)
+    assert tf32.dram_bytes == half.dram_bytes and tf32.time_us == pytest.approx(half.time_us)
+    assert _time_us(H100, 132, 1, 0.0, 0.0, 0.0, 0.0, 3350.0, tf32=1e9) == pytest.approx(1e9 / 494.7e6)
+    assert _time_us(H100, 132, 1, 0.0, 0.0, 1e9, 0.0, 3350.0) == pytest.approx(1e9 / 989.4e6)
 
 
 def test_l2_overflow_sends_rereads_to_dram():

@@ -167,6 +167,7 @@ def test_malformed_design_json_is_rejected_with_a_reason():
     ("attrs", {"dim": "1"}, "must be int"),
     ("attrs", {"keepdim": 1}, "must be bool"),
     ("attrs", {"kind": "exec"}, "is not one of"),
+    ("attrs", {"precision": "tf32\"); import os; (\""}, "is not one of"),
     ("attrs", {"tensor": "y\nimport os"}, "must be a name"),
     ("name", "b0 = 1; import os", "must be a name"),
     ("extra", 1, "unknown fields")])

@@ -16,6 +16,7 @@ from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build
 from prism_serve.optimize.generate.search import _check_numerics
 from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.ir import TF32
 from prism_serve.optimize.verify import prove_equivalent
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
@@ -123,6 +124,40 @@ def test_the_fp16_safe_one_loop_rmsnorm_linear_is_generated_and_passes_where_the
     assert hoisted.reasons[0].startswith("overflow: inf in output 'y' at outlier"), hoisted.reasons
     assert hoisted.reasons[0].endswith("(fp16)")
     assert _check_numerics(_small_rmsnorm_linear("float32"), HOISTED, H100).ok  # fp32 has the range
+
+
+def test_the_hoisted_rms_on_tf32_operands_is_generated_and_passes_in_fp16():
+    """The same hoisted design with its dot on TF32 operands (x * g kept in fp32's range) is a
+    design of its own (its own canonical hash), generated beside the fp16 one, and passes where
+    that one overflows; bf16 (fp32's range already) and fp32 programs are not offered it."""
+    tf32 = Design(tuple(BlockSpec(k.grid, k.loop, tuple(
+        BlockOp(o.name, o.op, o.inputs, (("precision", TF32), *o.attrs)) if o.op == "matmul" else o for o in k.ops))
+        for k in HOISTED.kernels))
+    assert "matmul.tf32" in tf32.describe()
+    prog = _small_rmsnorm_linear()
+    assert canonical_hash(build(prog, tf32)) != canonical_hash(build(prog, HOISTED))
+    assert canonical_hash(build(prog, tf32)) in _one_loop_kernels(prog)
+    assert prove_equivalent(build(prog, tf32)).ok
+    verdict = _check_numerics(prog, tf32, H100)
+    assert verdict.ok, verdict.reasons
+    assert any(c.name.startswith("outlier") for c in verdict.cases)
+    for dtype in ("bfloat16", "float32"):
+        assert not any("matmul.tf32" in d for d in _one_loop_kernels(_small_rmsnorm_linear(dtype), describe=True))
+
+
+def _one_loop_kernels(prog, describe=False) -> set[str]:
+    """Every one-kernel design the walk completes on GRID and LOOP: canonical hashes, or descriptions."""
+    ctx = make_context(prog)
+    gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, GRID, LOOP, 7, frozenset(),
+                         outputs_only=True)
+    out = set()
+    for c in gen.run():
+        stores = tuple(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", o),)) for j, (v, o) in
+                       enumerate(zip(c.sinks, c.outputs)))
+        d = Design((BlockSpec(GRID, LOOP, c.ops + stores),))
+        out.add(d.describe() if describe else canonical_hash(build(prog, d)))
+    assert not gen.stopped
+    return out
 
 
 def test_subexpression_verdicts_are_shared_by_forms_equal_up_to_commutativity_and_associativity():

@@ -65,6 +65,8 @@ X = node("x", "input", shape=(NUM_TOKENS, 8), dtype="float32")
     ([X, node("y", "sum", "x", dim=2)], "node 'y': reduction dim 2 out of range"),
     ([node("x", "input", shape=(4,), dtype="int8"), node("y", "exp", "x")], "node 'x': dtype 'int8'"),
     ([X, node("y", "exp", "x", "x")], "node 'y': op exp takes 1 inputs"),
+    ([X, node("w", "input", shape=(8, 4), dtype="float32"), node("y", "matmul", "x", "w", precision="tf32")],
+     r"node 'y': unknown attributes \['precision'\]"),  # a design's choice, never a Program's
     ([X, node("x", "exp", "x")], "node 'x': defined twice"),
 ])
 def test_bad_programs_name_the_node(nodes, message):

@@ -9,7 +9,7 @@ from prism_serve.optimize.sgraph import instantiate
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
-from .kernel_check import check_instance
+from .kernel_check import check_instance, on_tf32
 
 H100 = get_gpu("h100")
 
@@ -61,8 +61,19 @@ def test_register_terms_of_the_two_dot_kernel():
     assert r.dots == ("u", "v") and not r.mma_padded
     assert r.demand.terms(8) == {"base": 1, "pipeline": 1, "addresses": 18, "loads": 1, "dot_accumulators": 16,
                                  "accumulators": 1, "operand_loads": 0, "operand_chains": 128, "reduced": 0,
-                                 "product_operands": 0}
+                                 "product_operands": 0, "tf32_operands": 0}
     assert r.demand.per_thread(8) == pytest.approx(sum(REG_WEIGHTS[t] * v for t, v in r.demand.terms(8).items()))
+
+
+def test_tf32_operands_add_their_fp32_window_once():
+    """The same kernel on TF32 operands: its terms are the half kernel's, plus the left operand's
+    16 rows a warp holds over 128 columns (all of K) in fp32, a 32nd per thread: 64, counted once
+    for the two dots that share it."""
+    g = oracle(WORKLOADS["rmsnorm_mlp"].program())
+    half = kernel_resources(g, g.kernels[0], {"BT": 16, "F": 32, "G": 32}).demand.terms(8)
+    tf32 = on_tf32(g)
+    terms = kernel_resources(tf32, tf32.kernels[0], {"BT": 16, "F": 32, "G": 32}).demand.terms(8)
+    assert terms == half | {"tf32_operands": 64}
 
 
 def test_a_plain_load_operand_streams_and_a_one_step_loop_is_not_pipelined():

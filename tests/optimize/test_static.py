@@ -41,3 +41,21 @@ def test_embedded_gemm_kernels_do_not_spill_and_use_tensor_cores(capability):
             f"{inst.values}: {estimate} vs ptxas {f.registers}"
         if inst.resources(k).dots:
             assert f.tensor_core_instructions > 0, f"{inst.sgraph.name} {inst.values}: tl.dot without HMMA/HGMMA"
+
+
+def test_a_dot_on_tf32_operands_compiles_to_tensor_core_instructions():
+    """fp16 rmsnorm_linear with x * g kept in fp32 for its dot (`ir.TF32`), at the tuner's 16-token
+    instance: Triton emits tf32 MMAs (HMMA on sm_80, and on sm_90 for a 16-row tile), no spill."""
+    from prism_serve.optimize.codegen import render
+    from prism_serve.optimize.workloads.programs import WORKLOADS
+
+    from .kernel_check import on_tf32
+
+    g = on_tf32(oracle(WORKLOADS["rmsnorm_linear"].program()))
+    jobs = [(rank(g, get_gpu(TARGETS[cc]), 16, enumerate_instances(g, get_gpu(TARGETS[cc])))[0].instance, cc)
+            for cc in sorted(TARGETS)]
+    for inst, _ in jobs:
+        source = render(inst, interpret=False)
+        assert 'input_precision="tf32"' in source and "_round_tf32" not in source
+    for (inst, cc), (f,) in zip(jobs, compile_facts(jobs)):
+        assert f.tensor_core_instructions > 0 and not f.spills, (cc, inst.values, f)

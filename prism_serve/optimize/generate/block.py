@@ -75,7 +75,7 @@ from typing import Iterator
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
 from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, row_ref, whole_ref
-from prism_serve.optimize.ir import NUM_TOKENS, Node, TensorType, infer_type
+from prism_serve.optimize.ir import NUM_TOKENS, TF32, Node, TensorType, infer_type
 
 # Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
 # answer it, but which queries that cache holds depends on what else the process walked).
@@ -107,6 +107,7 @@ class Value:
     partial: str | None = None  # sum | mean | max over the loop label, awaiting an accumulator
     rescale: str | None = None  # the max accumulator whose running value it uses
     running_max: bool = False  # a max accumulator (readable inside the loop)
+    tf32: bool = False  # a matmul on TF32 operands (`ir.TF32`): the same value, another design
 
     @cached_property
     def whole(self) -> tuple[bool, ...]:
@@ -154,6 +155,9 @@ class BlockGenerator:
                  rows: bool = True):
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
         self.written, self.allowance, self.outputs_only = written, allowance, outputs_only
+        # float16 operands of tl.dot overflow past 65504 where float32 does not: a matmul of a
+        # computed operand is offered on TF32 operands too (bfloat16 has float32's range)
+        self.tf32_dots = any(v.type.dtype == "float16" for v in tensors.values())
         self.steps = 0  # spent so far (see the module's docstring)
         self.stopped = False
         self._counts = Counts()  # this walk's own verdicts; see `counts`
@@ -244,7 +248,7 @@ class BlockGenerator:
                 nuses = dict(uses)
                 for i in ins:
                     nuses[i.ref] = nuses.get(i.ref, 0) + 1
-                state = (frozenset((v.eid, v.stage, v.partial, v.rescale, v.whole) for v in values + (new,)),
+                state = (frozenset((v.eid, v.stage, v.partial, v.rescale, v.whole, v.tf32) for v in values + (new,)),
                          frozenset(v.eid for v in values + (new,) if v.ref not in nuses))
                 if state in self.seen:
                     rule = "canonical"
@@ -393,6 +397,8 @@ class BlockGenerator:
                     for tb in (False, True):
                         if (y.labels[-1] if tb else y.labels[-2]) == x.labels[-1]:
                             yield "matmul", (x, y), (("transpose_b", tb),)
+                            if self.tf32_dots and (_may_leave_half(x) or _may_leave_half(y)):
+                                yield "matmul", (x, y), (("precision", TF32), ("transpose_b", tb))
 
     def _key(self, v: Value) -> tuple:
         """The canonical order of values (see ``canonical``): a node of the Program as written
@@ -470,7 +476,8 @@ class BlockGenerator:
                 if op == "mean":  # accumulate it as a sum, times the constant 1/size after the loop
                     return None, "schedule"
                 partial = "sum" if op == "matmul" else op
-        return Value(name, t, labels, expr, stage, partial, next(iter(rescales), None)), None
+        return Value(name, t, labels, expr, stage, partial, next(iter(rescales), None),
+                     tf32=a.get("precision") == TF32), None
 
     def _accum(self, v: Value, name: str):
         kind = v.partial
@@ -525,6 +532,12 @@ def _is_whole(lb: str | None) -> bool:
 def base_label(lb: str | None) -> str | None:
     """The index label a (possibly whole) dim label stands for."""
     return lb[:-len(WHOLE_LABEL)] if lb and lb.endswith(WHOLE_LABEL) else lb
+
+
+def _may_leave_half(v: Value) -> bool:
+    """Whether a matmul operand may hold values past float16's range: computed in the block, or a
+    float32 kernel tensor (an intermediate an earlier kernel stored)."""
+    return v.ref[0] not in "@#" or v.type.dtype == "float32"
 
 
 def _binary(a: Value, b: Value) -> Iterator[tuple[str, tuple, tuple]]:

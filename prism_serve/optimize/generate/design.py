@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_serve.errors import ProgramError, SGraphError
-from prism_serve.optimize.ir import NUM_TOKENS, REDUCTIONS, Node, Program, TensorType, infer_type, node
+from prism_serve.optimize.ir import NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType, infer_type, node
 from prism_serve.optimize.labels import Labels, index_labels
 from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.sgraph import BlockKernel, GridAxis, Kernel, LibraryKernel, SGraph, TensorDecl, to_expr
@@ -56,7 +56,7 @@ class BlockSpec:
     split: bool = False
 
     def describe(self) -> str:
-        body = " ".join(o.op if o.op != "store" else f"->{o.attr('tensor')}" for o in self.ops)
+        body = " ".join(_word(o) for o in self.ops)
         loop = f" {'split+' if self.split else ''}loop({self.loop})" if self.loop else ""
         return f"block grid({','.join(self.grid)}){loop}: {body}"
 
@@ -70,6 +70,14 @@ class LibrarySpec:
 
     def describe(self) -> str:
         return f"library {self.op}({','.join(self.inputs)})->{self.out}"
+
+
+def _word(o: BlockOp) -> str:
+    """A block op in a design's one-line description: its op, ``->tensor`` for a store,
+    ``matmul.tf32`` for a matmul on TF32 operands."""
+    if o.op == "store":
+        return f"->{o.attr('tensor')}"
+    return f"{o.op}.{TF32}" if dict(o.attrs).get("precision") == TF32 else o.op
 
 
 KernelSpec = BlockSpec | LibrarySpec
