@@ -103,15 +103,7 @@ HOISTED = _design(("mul", ("@g", "@x"), ()), ("square", ("@x:whole",), ()), ("me
 
 def test_the_fp16_safe_one_loop_rmsnorm_linear_is_generated_and_passes_where_the_hoisted_rms_overflows():
     prog = _small_rmsnorm_linear()
-    ctx = make_context(prog)
-    gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, GRID, LOOP, 7, frozenset(),
-                         outputs_only=True)
-    generated = set()
-    for c in gen.run():
-        stores = tuple(BlockOp(f"st{j}", "store", (v.ref,), (("tensor", o),)) for j, (v, o) in
-                       enumerate(zip(c.sinks, c.outputs)))
-        generated.add(canonical_hash(build(prog, Design((BlockSpec(GRID, LOOP, c.ops + stores),)))))
-    assert not gen.stopped
+    generated = _one_loop_kernels(prog)
     for design in (SAFE, HOISTED):
         g = build(prog, design)
         assert canonical_hash(g) in generated, design.describe()

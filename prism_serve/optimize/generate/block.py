@@ -22,7 +22,10 @@ be stored, so none is made.
 
 Only well-typed candidates are built: unary ops and reductions of each value, elementwise pairs
 whose broadcast dims carry one label each, matmuls whose operands' last dims carry the
-contracted label (`_typed`). Ill-typed pairs are never built; they are neither generated nor
+contracted label (`_typed`). In a float16 kernel a matmul with an operand computed in the block
+(or a float32 intermediate) is offered twice: on float16 operands, then on TF32 operands
+(`ir.TF32`: float32's range, so x * g of an outlier channel cannot overflow before 1/rms scales
+the product). The two are one value for the abstract expression and distinct designs. Ill-typed pairs are never built; they are neither generated nor
 pruned, and not counted anywhere. Each built candidate meets the rules in this order, the first
 failure counted in `Counts`:
 
