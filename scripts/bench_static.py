@@ -16,13 +16,20 @@ line: source, sm, kernel, assignment, warps, mma_padded, ptxas_regs, stack_bytes
 a bench run chose weighed CHOSEN_WEIGHT x, spilling kernels left out, accumulators and addresses at
 their physical weights; it prints the weights and the share within the tolerance.
 
-Usage: PYTHONPATH=. python scripts/bench_static.py [--json FILE] [--quick] [--fit SAMPLE]
+With --tf32-pairs FILE it compiles the fp16 rmsnorm_linear and rmsnorm_mlp oracles at their best and
+random instances per bucket, each as built and on TF32 operands (`designs.on_tf32`), and writes the
+pairs' ptxas registers (one JSON object a line); it prints the median of (TF32 - half registers) over
+the `tf32_operands` term, the weight that term carries (`resources.REG_WEIGHTS`).
+
+Usage: PYTHONPATH=. python scripts/bench_static.py [--json FILE] [--quick] [--fit SAMPLE] [--tf32-pairs FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,10 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from prism_serve.capture.embedded import EMBEDDED, embedded_path  # noqa: E402
+from prism_serve.errors import SGraphError  # noqa: E402
 from prism_serve.optimize.gpus import get_gpu  # noqa: E402
-from prism_serve.optimize.sgraph import BlockKernel  # noqa: E402
+from prism_serve.optimize.sgraph import BlockKernel, instantiate  # noqa: E402
 from prism_serve.optimize.static import compile_facts  # noqa: E402
 from prism_serve.optimize.tune import enumerate_instances, rank  # noqa: E402
+from prism_serve.optimize.workloads.designs import on_tf32  # noqa: E402
 from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, WORKLOADS  # noqa: E402
 
@@ -140,14 +149,60 @@ def fit(sample: Path) -> int:
     return 0
 
 
+def tf32_pairs(out: Path) -> int:
+    """Compile kernel pairs, as built and on TF32 operands, and write their registers (module doc)."""
+    from prism_serve.optimize.resources import kernel_resources
+    rng = random.Random(0)
+    jobs, meta = [], []
+    for name in ("rmsnorm_linear", "rmsnorm_mlp"):
+        g = oracle(WORKLOADS[name].program())
+        twin = on_tf32(g)
+        for cc, gpu_name in TARGETS.items():
+            gpu = get_gpu(gpu_name)
+            instances = enumerate_instances(g, gpu)
+            picked = {}
+            for nt in BUCKETS:
+                ranked = rank(g, gpu, nt, instances)
+                for c in ranked[:3] + rng.sample(ranked, min(3, len(ranked))):
+                    if c.instance.resources(g.kernels[0]).dots:
+                        picked[c.instance.assignment] = c.instance
+            for inst in picked.values():
+                try:
+                    other = instantiate(twin, inst.values, gpu)
+                except SGraphError:  # the model says the TF32 form would spill at any warps
+                    continue
+                if other.warps(twin.kernels[0]) == inst.warps(g.kernels[0]):  # compared at equal warps
+                    jobs += [(inst, cc), (other, cc)]
+                    meta.append((f"workload {name}", cc, other))
+    print(f"compiling {len(jobs)} kernels ...", file=sys.stderr, flush=True)
+    facts = compile_facts(jobs)
+    ratios = []
+    with out.open("w") as f:
+        for j, (source, cc, inst) in enumerate(meta):
+            (half,), (tf32,) = facts[2 * j], facts[2 * j + 1]
+            k = inst.sgraph.kernels[0]
+            term = kernel_resources(inst.sgraph, k, inst.values).demand.terms(tf32.num_warps)["tf32_operands"]
+            if not (half.spills or tf32.spills) and term:
+                ratios.append((tf32.registers - half.registers) / term)
+            f.write(json.dumps({"source": source, "sm": cc, "assignment": inst.values, "warps": tf32.num_warps,
+                                "half": [half.registers, half.stack_bytes], "tf32": [tf32.registers, tf32.stack_bytes],
+                                "term": term}) + "\n")
+    print(f"{len(meta)} pairs, {len(ratios)} without spills: (TF32 - half registers) / tf32_operands term, "
+          f"median {statistics.median(ratios):.3f}, range {min(ratios):.2f} to {max(ratios):.2f}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the rows and the checks here")
     ap.add_argument("--quick", action="store_true", help="buckets 1 and 16, one embedded model")
     ap.add_argument("--fit", type=Path, help="refit the register weights on this sample of ptxas facts")
+    ap.add_argument("--tf32-pairs", type=Path, help="write registers of kernels compiled half and TF32 here")
     args = ap.parse_args()
     if args.fit:
         return fit(args.fit)
+    if args.tf32_pairs:
+        return tf32_pairs(args.tf32_pairs)
     chosen = {}  # (cc, sgraph name, program hash, assignment) -> (instance, sources)
     for source, prog, buckets in cases(args.quick):
         g = oracle(prog)

@@ -37,9 +37,10 @@ live at the peak (1.0: all of it):
   - a dot on TF32 operands (`ir.TF32`) holds its operands in fp32, one value a register where
     half values pack two: the rows of its left operand a warp holds, over `CHAIN_K_WINDOW` columns
     at most, a 32nd per thread. Its weight is the median of (TF32 - half registers) / term over
-    94 non-spilling pairs of the fp16 rmsnorm_linear / rmsnorm_mlp oracles compiled both ways
-    (`bench/results/static-tf32-pairs-2026-12-05.jsonl`, sm_90 and sm_80: the increase is 0 to 76
-    registers, least squares gives 0.22); `--fit` keeps it.
+    60 non-spilling pairs of the fp16 rmsnorm_linear / rmsnorm_mlp oracles compiled both ways at
+    equal warps for sm_90 and sm_80 (`scripts/bench_static.py --tf32-pairs
+    bench/results/static-tf32-pairs-2026-12-05.jsonl`; single pairs range from -0.89 to 2.75: ptxas
+    allocates unevenly); `--fit` keeps it.
 The weights are one non-negative least-squares fit (relative error) against ptxas 12.x under
 Triton 3.9, `scripts/bench_static.py --fit bench/results/static-fit-sample-2026-12-03.jsonl`:
 968 non-spilling kernels (a random share of the cases of bench_static at their 4 best-ranked and

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from prism_serve.optimize.codegen import compile_instance
 from prism_serve.optimize.reference import TOLERANCE, TORCH_DTYPES, evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.ir import TF32, Node
-from prism_serve.optimize.sgraph import BlockKernel, Instance, SGraph
+from prism_serve.optimize.sgraph import Instance
 
 
 def check_instance(inst: Instance, num_tokens: int, dtype: str) -> list[float]:
@@ -28,14 +25,3 @@ def check_instance(inst: Instance, num_tokens: int, dtype: str) -> list[float]:
     assert max(errors) < TOLERANCE[dtype], f"errors {errors} over tolerance {TOLERANCE[dtype]}"
     return errors
 
-
-def on_tf32(g: SGraph) -> SGraph:
-    """`g` with every block matmul on TF32 operands (`ir.TF32`), as the generator offers it."""
-    kernels = []
-    for k in g.kernels:
-        if isinstance(k, BlockKernel):
-            k = dataclasses.replace(k, nodes=tuple(
-                Node(n.name, n.op, n.inputs, tuple(sorted(dict(n.attrs, precision=TF32).items())))
-                if n.op == "matmul" else n for n in k.nodes))
-        kernels.append(k)
-    return dataclasses.replace(g, kernels=tuple(kernels))

@@ -10,11 +10,10 @@ from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import node
 from prism_serve.optimize.reference import random_inputs
 from prism_serve.optimize.sgraph import BlockKernel, SGraph, instantiate
-from prism_serve.optimize.workloads.designs import rms_then_projection
+from prism_serve.optimize.workloads.designs import on_tf32, rms_then_projection
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
-from .kernel_check import on_tf32
 
 H100 = get_gpu("h100")
 DIMS = {"hidden": 48, "out": 40}  # not powers of two: padded, masked tiles

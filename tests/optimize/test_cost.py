@@ -10,10 +10,10 @@ from prism_serve.optimize.cost import _time_us, block_kernel_cost, instance_cost
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.sgraph import instantiate
 from prism_serve.optimize.tune import rank
+from prism_serve.optimize.workloads.designs import on_tf32
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
-from .kernel_check import on_tf32
 
 H100 = get_gpu("h100")
 MB_PER_US = 3350.0 * 1e3  # H100 DRAM bytes per us

@@ -6,10 +6,11 @@ from prism_serve.optimize.codegen import render
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.resources import REG_WEIGHTS, blocked_per_thread, kernel_resources, mma_warps
 from prism_serve.optimize.sgraph import instantiate
+from prism_serve.optimize.workloads.designs import on_tf32
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
-from .kernel_check import check_instance, on_tf32
+from .kernel_check import check_instance
 
 H100 = get_gpu("h100")
 

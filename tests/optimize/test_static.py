@@ -5,10 +5,13 @@ estimate is within 25 % of ptxas's count (issue 13's target, over all kernels in
 
 import pytest
 
+from prism_serve.optimize.codegen import render
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.static import compile_facts
 from prism_serve.optimize.tune import enumerate_instances, rank
+from prism_serve.optimize.workloads.designs import on_tf32
 from prism_serve.optimize.workloads.oracles import oracle
+from prism_serve.optimize.workloads.programs import WORKLOADS
 from scripts.bench_static import REG_TOLERANCE, TARGETS, embedded_programs
 
 
@@ -46,11 +49,6 @@ def test_embedded_gemm_kernels_do_not_spill_and_use_tensor_cores(capability):
 def test_a_dot_on_tf32_operands_compiles_to_tensor_core_instructions():
     """fp16 rmsnorm_linear with x * g kept in fp32 for its dot (`ir.TF32`), at the tuner's 16-token
     instance: Triton emits tf32 MMAs (HMMA on sm_80, and on sm_90 for a 16-row tile), no spill."""
-    from prism_serve.optimize.codegen import render
-    from prism_serve.optimize.workloads.programs import WORKLOADS
-
-    from .kernel_check import on_tf32
-
     g = on_tf32(oracle(WORKLOADS["rmsnorm_linear"].program()))
     jobs = [(rank(g, get_gpu(TARGETS[cc]), 16, enumerate_instances(g, get_gpu(TARGETS[cc])))[0].instance, cc)
             for cc in sorted(TARGETS)]

@@ -14,15 +14,18 @@ graph, kernel split or grid for a workload the oracles already cover.
 - `rms_over_split_columns`: rms_norm / fused_add_rms_norm with a grid over hidden as well as tokens:
   each block loads its rows whole, replicated over the hidden axis, for the rms, and normalises and
   writes its own column tile (the residual sum recomputed on that tile): more blocks for few tokens.
+- `on_tf32`: any sGraph with its block matmuls on TF32 operands (`ir.TF32`): the oracles' rms
+  pulled past the dot, made safe in fp16 (x * g keeps fp32's range).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Callable
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.ir import Node, Program, node
+from prism_serve.optimize.ir import TF32, Node, Program, node
 from prism_serve.optimize.sgraph import TOKENS, BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
 from prism_serve.optimize.workloads.oracles import _eps, _rms_nodes, _rstd_of_sum, accum, load, store
 
@@ -168,3 +171,15 @@ def rms_over_split_columns(prog: Program) -> SGraph:
               node("y", "mul", "xn", "w"), store("out", "y", "y", (0, 1))]
     k = BlockKernel(prog.name, (GridAxis("BT", True), GridAxis("G")), None, tuple(nodes))
     return SGraph(f"{prog.name}_over_split_columns", prog, (), (k,))
+
+
+def on_tf32(g: SGraph) -> SGraph:
+    """`g` with every block matmul on TF32 operands, as the generator offers it in fp16 programs."""
+    kernels = []
+    for k in g.kernels:
+        if isinstance(k, BlockKernel):
+            k = dataclasses.replace(k, nodes=tuple(
+                Node(n.name, n.op, n.inputs, tuple(sorted(dict(n.attrs, precision=TF32).items())))
+                if n.op == "matmul" else n for n in k.nodes))
+        kernels.append(k)
+    return dataclasses.replace(g, kernels=tuple(kernels))
