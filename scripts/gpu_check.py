@@ -60,6 +60,7 @@ from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import WORKLOADS  # noqa: E402
 from prism_serve.region_table import KINDS  # noqa: E402
 
+CHECK_SEED = 1 << 20  # correctness inputs' seeds start here, past any timing set's (`rotation`)
 GPU_PLAN = {  # workload -> (list of dims, num_tokens list); attention shapes carry their own sizes
     **{w: ([{}], [1, 16, 256, 4096]) for w in ("rms_norm", "fused_add_rms_norm", "silu_and_mul")},
     **{w: ([{}], [1, 16, 256, 4096]) for w in ("rmsnorm_linear", "swiglu", "rmsnorm_mlp", "fused_add_rmsnorm_linear",
@@ -175,9 +176,12 @@ def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, desi
     best = timed[0]
     row |= {"assignment": best.assignment, "modeled_us": best.modeled_us, "measured_us": best.measured_us,
             "rank_correlation": spearman([c.modeled_us for c in timed], [c.measured_us for c in timed])}
-    # correctness on fresh inputs, outputs poisoned so unwritten elements show as NaN
+    # correctness on fresh inputs (none of the timing sets), outputs poisoned so unwritten elements show
+    # as NaN; seeded by the Program, so that every run checks the same inputs: unseeded, they followed the
+    # global generator's state after timing, and a bf16 qk_norm_attention error of 0.008-0.018 (both the
+    # oracle and the searched design; tolerance 0.016) passed or failed from run to run
     run = compile_instance(best.instance)
-    inputs = random_inputs(prog, num_tokens, device=device)
+    inputs = random_inputs(prog, num_tokens, seed=CHECK_SEED + int(prog.canonical_hash[:6], 16), device=device)
     ref = evaluate(prog, [t.cpu() for t in inputs])
     outs = [torch.full(r.shape, float("nan"), dtype=TORCH_DTYPES[dtype], device=device) for r in ref]
     run(*inputs, out=outs)
