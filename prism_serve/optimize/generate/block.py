@@ -25,9 +25,10 @@ whose broadcast dims carry one label each, matmuls whose operands' last dims car
 contracted label (`_typed`). In a float16 kernel a matmul with an operand computed in the block
 (or a float32 intermediate) is offered twice: on float16 operands, then on TF32 operands
 (`ir.TF32`: float32's range, so x * g of an outlier channel cannot overflow before 1/rms scales
-the product). The two are one value for the abstract expression and distinct designs. Ill-typed pairs are never built; they are neither generated nor
-pruned, and not counted anywhere. Each built candidate meets the rules in this order, the first
-failure counted in `Counts`:
+the product). The two are one value for the abstract expression and distinct designs.
+Ill-typed pairs are never built; they are neither generated nor pruned, and not counted
+anywhere. Each built candidate meets the rules in this order, the first failure counted in
+`Counts`:
 
 - ``shape``: types agree (`infer_type`), no tile holds every token, block matmuls have batch
   dims on the grid;
@@ -251,7 +252,8 @@ class BlockGenerator:
                 nuses = dict(uses)
                 for i in ins:
                     nuses[i.ref] = nuses.get(i.ref, 0) + 1
-                state = (frozenset((v.eid, v.stage, v.partial, v.rescale, v.whole, v.tf32) for v in values + (new,)),
+                state = (frozenset((v.eid, v.stage, v.partial, v.rescale, v.whole, v.tf32)
+                                   for v in values + (new,)),
                          frozenset(v.eid for v in values + (new,) if v.ref not in nuses))
                 if state in self.seen:
                     rule = "canonical"
