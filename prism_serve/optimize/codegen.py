@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from prism_serve.errors import CodegenError
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, TF32, Node
+from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node, is_tf32
 from prism_serve.optimize.schema import NAME
 from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, launch_dims, sym, tile_shape
 
@@ -275,7 +275,7 @@ class _KernelWriter:
         if tb:
             b2 = f"tl.trans({b2})"
         nn = bk if tb else bn
-        tf32 = dict(n.attrs).get("precision") == TF32
+        tf32 = is_tf32(n.attrs)
         if min(m, kk, nn) >= MIN_DOT and tf32 and not self.interpret:
             expr = f'tl.dot({a2}.to(tl.float32), {b2}.to(tl.float32), input_precision="tf32")'
         elif min(m, kk, nn) >= MIN_DOT and not tf32 and self.dot_dtype != "tl.float32":

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from prism_serve.optimize.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, TF32, Program
+from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, Program, is_tf32
 from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.resources import KernelResources, blocks_per_sm
 from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance, Kernel, sym
@@ -157,7 +157,7 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
             nn = _numel(tile) // max(a_dims, 1)
             if n.name in res.dots and half:  # tensor cores work on the padded tile
                 m = max(1 << (a_dims - 1).bit_length(), 16) if res.mma_padded else a_dims
-                if dict(n.attrs).get("precision") == TF32:
+                if is_tf32(n.attrs):
                     tf32 += 2.0 * m * kk * nn * blocks * times
                 else:
                     tc += 2.0 * m * kk * nn * blocks * times

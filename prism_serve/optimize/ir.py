@@ -43,6 +43,11 @@ DEFAULTS = {"matmul": {"transpose_b": False}} | {op: {"keepdim": False} for op i
 TF32 = "tf32"
 
 
+def is_tf32(attrs: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether a matmul's (or block op's) attributes put it on TF32 operands."""
+    return dict(attrs).get("precision") == TF32
+
+
 @dataclass(frozen=True)
 class Node:
     """One operation. `inputs` name earlier nodes; `attrs` is a sorted tuple of (key, value)."""

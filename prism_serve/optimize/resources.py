@@ -65,7 +65,7 @@ from typing import Mapping
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.codegen import MIN_DOT as MMA_MIN
 from prism_serve.optimize.codegen import pow2
-from prism_serve.optimize.ir import TF32
+from prism_serve.optimize.ir import is_tf32
 from prism_serve.optimize.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
 
 # Architectural limits of every NVIDIA GPU from compute capability 5.0 to 10.0 (CUDA C++
@@ -318,7 +318,7 @@ def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
             chain_loads = tuple(math.prod(padded_of[s]) * BYTES.get(types[s].dtype, 4) for s in sorted(feeds))
             accumulated = any(x.op == "accum" and x.inputs[0] == n.name for x in k.nodes)
             tiles.append(DotTile(m, kk, nn, len(chain), chain_loads, a not in seen_operands, accumulated,
-                                 dict(n.attrs).get("precision") == TF32))
+                                 is_tf32(n.attrs)))
             seen_operands.add(a)
     pipelined = bool(k.forloop) and values.get(k.forloop, 1) > 1
     return RegisterDemand(tuple(loads), tuple(accums), tuple(tiles), tuple(products), tuple(reduced), pipelined)

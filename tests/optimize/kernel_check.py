@@ -24,4 +24,3 @@ def check_instance(inst: Instance, num_tokens: int, dtype: str) -> list[float]:
         errors.append(max_rel_error(g, r))
     assert max(errors) < TOLERANCE[dtype], f"errors {errors} over tolerance {TOLERANCE[dtype]}"
     return errors
-

@@ -14,7 +14,6 @@ from prism_serve.optimize.workloads.designs import on_tf32, rms_then_projection
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
-
 H100 = get_gpu("h100")
 DIMS = {"hidden": 48, "out": 40}  # not powers of two: padded, masked tiles
 ASSIGN = {"BT": 16, "G": 2, "F": 3}  # 16-row blocks of 16-wide hidden steps: the tl.dot path on a GPU

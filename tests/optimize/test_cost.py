@@ -14,7 +14,6 @@ from prism_serve.optimize.workloads.designs import on_tf32
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
-
 H100 = get_gpu("h100")
 MB_PER_US = 3350.0 * 1e3  # H100 DRAM bytes per us
 L2_PER_US = MB_PER_US * 2.5

@@ -79,7 +79,7 @@ from typing import Iterator
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
 from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, row_ref, whole_ref
-from prism_serve.optimize.ir import NUM_TOKENS, TF32, Node, TensorType, infer_type
+from prism_serve.optimize.ir import NUM_TOKENS, TF32, Node, TensorType, infer_type, is_tf32
 
 # Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
 # answer it, but which queries that cache holds depends on what else the process walked).
@@ -482,7 +482,7 @@ class BlockGenerator:
                     return None, "schedule"
                 partial = "sum" if op == "matmul" else op
         return Value(name, t, labels, expr, stage, partial, next(iter(rescales), None),
-                     tf32=a.get("precision") == TF32), None
+                     tf32=is_tf32(attrs)), None
 
     def _accum(self, v: Value, name: str):
         kind = v.partial

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_serve.errors import ProgramError, SGraphError
-from prism_serve.optimize.ir import NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType, infer_type, node
+from prism_serve.optimize.ir import NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType, infer_type, node, is_tf32
 from prism_serve.optimize.labels import Labels, index_labels
 from prism_serve.optimize.reference import expand_composites
 from prism_serve.optimize.sgraph import BlockKernel, GridAxis, Kernel, LibraryKernel, SGraph, TensorDecl, to_expr
@@ -77,7 +77,7 @@ def _word(o: BlockOp) -> str:
     ``matmul.tf32`` for a matmul on TF32 operands."""
     if o.op == "store":
         return f"->{o.attr('tensor')}"
-    return f"{o.op}.{TF32}" if dict(o.attrs).get("precision") == TF32 else o.op
+    return f"{o.op}.{TF32}" if is_tf32(o.attrs) else o.op
 
 
 KernelSpec = BlockSpec | LibrarySpec
