@@ -11,7 +11,7 @@ import pytest
 
 from prism_serve.optimize import canonical_hash
 from prism_serve.optimize.generate.abstract import Oracle, ac_form, fits, leaves
-from prism_serve.optimize.generate.block import BINARY, UNARY, BlockGenerator, _labels
+from prism_serve.optimize.generate.block import ALL, BINARY, ROWS, TILES, UNARY, BlockGenerator, _labels
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build
 from prism_serve.optimize.generate.search import _check_numerics
@@ -135,6 +135,28 @@ def test_the_hoisted_rms_on_tf32_operands_is_generated_and_passes_in_fp16():
     assert any(c.name.startswith("outlier") for c in verdict.cases)
     for dtype in ("bfloat16", "float32"):
         assert not any("matmul.tf32" in d for d in _one_loop_kernels(_small_rmsnorm_linear(dtype), describe=True))
+
+
+def test_the_walks_over_own_iterators_and_over_rows_split_the_block_graphs_of_one_walk():
+    """fused_add_rms_norm on grid (tokens, hidden): the walk over the tensors' own iterators
+    (TILES: the sum x + residual on its column tile, no rms) and the walk whose graphs read a row
+    iterator (ROWS: rows loaded whole for the rms) complete, between them, exactly the block graphs
+    of one walk over every iterator, none twice."""
+    ctx = make_context(WORKLOADS["fused_add_rms_norm"].program(hidden=48, dtype="float16"))
+
+    def graphs(iterators):
+        gen = BlockGenerator(ctx.oracle, ctx.outputs, dict(ctx.inputs), ctx.consts, ("num_tokens", "x1"), None, 8,
+                             frozenset(), outputs_only=True, iterators=iterators)
+        return {c.ops for c in gen.run()}
+    every, tiles, rows = graphs(ALL), graphs(TILES), graphs(ROWS)
+    assert tiles and rows and not tiles & rows and tiles | rows == every
+
+    def reads_rows(ops):
+        return any(i.endswith((":whole", ":row")) for o in ops for i in o.inputs)
+    assert not any(reads_rows(ops) for ops in tiles) and all(reads_rows(ops) for ops in rows)
+    with pytest.raises(ValueError, match="iterators must be one of"):
+        BlockGenerator(ctx.oracle, ctx.outputs, dict(ctx.inputs), ctx.consts, GRID, LOOP, 8, frozenset(),
+                       iterators="whole")
 
 
 def _one_loop_kernels(prog, describe=False) -> set[str]:

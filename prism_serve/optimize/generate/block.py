@@ -18,7 +18,9 @@ whole, replicated over their grid axes (``@x:row``): each block computes the sta
 rows (the rms) and applies it to its own column tile, so a row op's grid may split its columns.
 A reduction over such a whole dim is a full one; a value that still holds one is never stored
 (its grid axis partitions the tensor). A row over a label the Program never reduces could only
-be stored, so none is made.
+be stored, so none is made. A walk offers every iterator (`ALL`), or its graphs are split between
+two walks (`TILES`: the tensors' own iterators alone; `ROWS`: graphs that read a whole-row or row
+iterator), which the kernel-level generator meters one by one.
 
 Only well-typed candidates are built: unary ops and reductions of each value, elementwise pairs
 whose broadcast dims carry one label each, matmuls whose operands' last dims carry the
@@ -78,12 +80,19 @@ from typing import Iterator
 
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
-from prism_serve.optimize.generate.design import BINARY, COMMUTATIVE, UNARY, BlockOp, row_ref, whole_ref
+from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, row_ref,
+                                                  whole_ref)
 from prism_serve.optimize.ir import NUM_TOKENS, TF32, Node, TensorType, infer_type, is_tf32
 
 # Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
 # answer it, but which queries that cache holds depends on what else the process walked).
 QUERY_STEPS = 10
+# Which input iterators a walk offers (see the module's docstring): every one (`ALL`); the tensors'
+# own (loop tiles, or the whole tensor where no loop walks it), no whole-row or row iterator
+# (`TILES`); or every one, keeping only the block graphs that read a whole-row or row iterator
+# (`ROWS`). `TILES` and `ROWS` split `ALL`'s block graphs between two walks.
+ALL, TILES, ROWS = "all", "tiles", "rows"
+ITERATOR_SETS = (ALL, TILES, ROWS)
 RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression", "cost")
 
 
@@ -156,9 +165,12 @@ class BlockGenerator:
     def __init__(self, oracle: Oracle, outputs: dict[str, TensorType], tensors: dict[str, Value],
                  consts: dict[str, Value], grid: tuple[str, ...], loop: str | None, max_ops: int,
                  written: frozenset[str], allowance: float = math.inf, outputs_only: bool = False,
-                 rows: bool = True):
+                 iterators: str = ALL):
+        if iterators not in ITERATOR_SETS:
+            raise ValueError(f"iterators must be one of {ITERATOR_SETS}, got {iterators!r}")
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
         self.written, self.allowance, self.outputs_only = written, allowance, outputs_only
+        self.iterators = iterators
         # float16 operands of tl.dot overflow past 65504 where float32 does not: a matmul of a
         # computed operand is offered on TF32 operands too (bfloat16 has float32's range)
         self.tf32_dots = any(v.type.dtype == "float16" for v in tensors.values())
@@ -167,9 +179,7 @@ class BlockGenerator:
         self._counts = Counts()  # this walk's own verdicts; see `counts`
         # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
         # design that keeps the loop's operands normalised (the order only decides what comes sooner)
-        self.sources = [
-            self._whole(v) for v in tensors.values() if loop is not None and loop in v.labels and NUM_TOKENS in v.labels
-        ] + [self._row(v) for v in tensors.values() if rows and self._has_row(v)] + [
+        self.sources = (self.row_iterators(tensors) if iterators != TILES else []) + [
             self._source(v) for v in tensors.values()] + list(consts.values())
         # what the kernel tensors written by earlier kernels hold, term by term (as `_key` spells a
         # term): an op that rebuilds a part of one comes after those that use it (see `_candidates`)
@@ -193,6 +203,12 @@ class BlockGenerator:
         (`whole_label`), so that the shape rule never pairs it with a loop tile of that dim."""
         labels = tuple(whole_label(lb) if lb == self.loop else lb for lb in v.labels)
         return Value(whole_ref(v.ref), v.type, labels, v.expr, "pre")
+
+    def row_iterators(self, tensors: dict[str, Value]) -> list[Value]:
+        """The whole-row (``@x:whole``) and row (``@x:row``) iterators of `tensors`, whole rows first."""
+        return [self._whole(v) for v in tensors.values()
+                if self.loop is not None and self.loop in v.labels and NUM_TOKENS in v.labels
+                ] + [self._row(v) for v in tensors.values() if self._has_row(v)]
 
     def _has_row(self, v: Value) -> bool:
         """Whether an activation gets a row iterator: the grid splits some of its non-token dims,
@@ -504,6 +520,8 @@ class BlockGenerator:
             return None  # a row's whole dim that a grid axis splits: the block holds no tile of it to store
         if self.loop and not any(o.op == "accum" for o in ops):
             return None
+        if self.iterators == ROWS and not any(i.endswith((WHOLE, ROW)) for o in ops for i in o.inputs):
+            return None  # the enumeration over loop tiles alone (`TILES`) has it
         sinks: list[Value] = []
         outs: list[str | None] = []
         for v in values:  # in op order: every unused value, and a consumed one that is a program output

@@ -5,7 +5,8 @@ a library op (one IR op, its result a new kernel tensor) or a graph-defined kern
 `block.BlockGenerator` for one grid (an ordered set of index labels, in canonical label order,
 at most `max_grid` axes) and one for-loop label (None, or a label some op reduces), optionally
 split across one more grid axis; a graph-defined kernel has at most `max_block_ops` block ops,
-or, as the one kernel of a one-kernel design, at least as many as the Program (`alone_ops`). A
+or, as the one kernel of a one-kernel design, at least as many as the Program has and one per
+matmul, for a factor applied after it (`alone_ops`). A
 kernel may recompute what an earlier one computed (its block graph reads the inputs again). A
 kernel that writes a tensor whose abstract expression is already available is pruned as
 ``canonical``, and so is a complete design with a dead kernel (it writes no output and no later
@@ -22,9 +23,13 @@ per design handed out (costing a design is most of a search's time). `explore` g
 steps; its first pass shares it among the block enumerations it opens (each gets the pass's
 steps left divided by `pending`), one that spends its share pauses, and resumption passes
 continue the paused ones and walk the kernel level again for the designs their new block graphs
-complete (each design is handed out once). A later `explore` grants more steps and resumes
-where the last one stopped. So what a subtree yields is a function of the steps granted, never
-of the machine's speed or load or of the process that walks it. A wall-clock `deadline` remains
+complete (each design is handed out once). The kernel of a one-kernel design is walked as two
+enumerations, each with its own share: its block graphs over the tensors' own iterators, then
+those that read a whole-row or row iterator (`_blocks`); and its enumerations leave DESIGN_STEPS
+of their share per block graph they complete, for the pass to cost it (`_advance`). A later
+`explore` grants more steps and resumes where the last one stopped. So what a subtree yields is
+a function of the steps granted, never of the machine's speed or load or of the process that
+walks it. A wall-clock `deadline` remains
 as a safety net only (`stopped`).
 
 With a `DesignBound`, a search that ranks (rather than lists) designs drops a partial design
@@ -43,7 +48,7 @@ import math
 import time
 from typing import Iterator
 
-from prism_serve.optimize.generate.block import BlockGenerator, Counts, Value, base_label
+from prism_serve.optimize.generate.block import ALL, ROWS, TILES, BlockGenerator, Counts, Value, base_label
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads,
@@ -65,8 +70,10 @@ class KernelGenerator:
                  bound: DesignBound | None = None, deadline: float = math.inf):
         self.ctx, self.max_kernels, self.max_block_ops, self.max_grid = ctx, max_kernels, max_block_ops, max_grid
         # the kernel of a one-kernel design holds the whole Program: it may have as many ops as the
-        # Program has (an MLP with its RMSNorm has 9), its own fused form among them
-        self.alone_ops = max(max_block_ops, sum(n.op not in ("input", "const") for n in ctx.flat.nodes))
+        # Program has (an MLP with its RMSNorm has 9), its own fused form among them, and one more
+        # per matmul, for a factor moved past it (1/rms after both of an MLP's projections: 11)
+        self.alone_ops = max(max_block_ops, sum(n.op not in ("input", "const") for n in ctx.flat.nodes)
+                             + sum(n.op == "matmul" for n in ctx.flat.nodes))
         self.deadline = deadline  # wall clock (perf_counter): a safety net, past it the walk stops
         self.bound = bound
         self.best_us = math.inf  # the best modeled design with fewer kernels than the current depth
@@ -144,18 +151,26 @@ class KernelGenerator:
         self._pass_limit = self.steps + allowance
         if not self._started:
             self._started = True
-            self.pending = 1 if depth == 1 else DEEP_PENDING
-            self._floor = self.pending  # at depth 1 the pass opens one enumeration; deeper, see `_pass`
+            self.pending = self._first_enumerations(first) if depth == 1 else DEEP_PENDING
+            self._floor = 1 if depth == 1 else DEEP_PENDING  # see `_pass`
             yield from self._pass(depth, choices, first, None)
         while self.open and self.steps < self._pass_limit:
             self.pending, self._floor = max(1, self.truncated), 1  # the paused ones share what is left
             yield from self._pass(depth, choices, first, set())
 
+    def _first_enumerations(self, first) -> int:
+        """How many block enumerations the first kernel of group `first` opens over the inputs."""
+        if first == LIBRARY:
+            return 1
+        return 2 if self._has_rows(self.ctx.inputs, *first) else 1
+
     def _pass(self, depth: int, choices, first, resumed: set | None) -> Iterator[Design]:
         """One walk of the subtree. A first pass (`resumed` None) opens block enumerations; a
         resumption pass advances each paused one it reaches once (`resumed` collects them).
 
-        At depth 1 a first pass opens one enumeration, which gets all the steps. Deeper, every
+        At depth 1 a first pass opens the enumerations of the one kernel (`_blocks`: one or two),
+        which share the steps: the first gets half where there are two, the last all that is left.
+        Deeper, every
         kernel before the last opens new enumerations after it, as many as the walk finds: there
         `pending` stays at DEEP_PENDING, each enumeration getting that fraction of the steps left."""
         self._resumed, self._reached, self._cut = resumed, set(), False
@@ -273,12 +288,33 @@ class KernelGenerator:
 
     def _blocks(self, tensors: dict[str, Value], written: frozenset[str], grid, loop, last: bool, alone: bool):
         """The block graphs of one (grid, loop) over `tensors`; the kernel of a one-kernel design
-        (`alone`) may have `alone_ops`."""
-        key = (frozenset((k, v.expr) for k, v in tensors.items()), written, grid, loop, last, alone)
+        (`alone`) may have `alone_ops`, and its block graphs come from two enumerations, each
+        metered on its own: those over the tensors' own iterators, then (where a tensor has them)
+        those that read a whole-row or row iterator (`block.TILES`, `block.ROWS`; Prism chooses a
+        kernel's input iterators before its block ops). In one walk of both, fp16 rmsnorm_linear's
+        fastest form (1/rms applied after the dot) came after 337,000 steps of whole-row graphs; it
+        takes 8,000 in its own. A kernel of a deeper design is one enumeration: each already gets
+        1/DEEP_PENDING of the steps left, and two would halve that."""
+        if not alone:
+            return self._enumeration(tensors, written, grid, loop, last, alone, ALL)
+        out = self._enumeration(tensors, written, grid, loop, last, alone, TILES)
+        if self._has_rows(tensors, grid, loop):
+            out = out + self._enumeration(tensors, written, grid, loop, last, alone, ROWS)
+        return out
+
+    def _has_rows(self, tensors: dict[str, Value], grid, loop) -> bool:
+        """Whether a block of (grid, loop) has whole-row or row iterators over `tensors`."""
+        probe = BlockGenerator(self.ctx.oracle, {}, tensors, {}, grid, loop, 0, frozenset())
+        return bool(probe.row_iterators(tensors))
+
+    def _enumeration(self, tensors: dict[str, Value], written: frozenset[str], grid, loop, last: bool, alone: bool,
+                     iterators: str) -> list:
+        key = (frozenset((k, v.expr) for k, v in tensors.items()), written, grid, loop, last, alone, iterators)
         entry = self._cache.get(key)
         if entry is None:
             gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, self.ctx.consts, grid, loop,
-                                 self.alone_ops if alone else self.max_block_ops, written, outputs_only=last)
+                                 self.alone_ops if alone else self.max_block_ops, written, outputs_only=last,
+                                 iterators=iterators)
             entry = self._cache[key] = [[], gen, gen.run()]
             self._advance(key, entry)
         elif self._resumed is not None and entry[2] is not None and key not in self._resumed:
@@ -287,17 +323,23 @@ class KernelGenerator:
         return entry[0]
 
     def _advance(self, key, entry: list) -> None:
-        """Run a block enumeration for its share of the pass's steps, until it ends or pauses."""
+        """Run a block enumeration for its share of the pass's steps, until it ends or pauses. The
+        share of the kernel of a one-kernel design pays for the walk and for costing the designs its
+        block graphs are (DESIGN_STEPS each, split or not, charged when the pass hands them out):
+        given all the steps left, it completed dozens and the pass could cost the first alone."""
         comps, gen, walk = entry
         self._reached.add(key)
         gen.allowance = max(0.0, self._pass_limit - self.steps) / max(1, self.pending)
         self.pending = max(self._floor, self.pending - 1)
+        *_, alone, _ = key
+        designs_per_graph = (2 if gen.loop else 1) if alone else 0
         before = gen.steps
         try:
             for c in walk:
                 if c is None:  # paused: its share is spent
                     return
                 comps.append(c)
+                gen.allowance -= DESIGN_STEPS * designs_per_graph
                 self.block_graphs += 1
                 if time.perf_counter() > self.deadline:
                     self.stopped = True
@@ -309,7 +351,7 @@ class KernelGenerator:
     def _library(self, tensors: dict[str, Value], written: frozenset[str], index: int):
         """One IR op over kernel tensors, as a library kernel (same rules as a block op)."""
         gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, {}, tuple(self.ctx.labels), None, 1,
-                             written, rows=False)  # a library op reads whole tensors: no block iterators
+                             written, iterators=TILES)  # a library op reads whole tensors: no block iterators
         for op, ins, attrs in gen.source_candidates():
             self._own.generated += 1
             new, rule = gen._op(op, ins, attrs, "lib")

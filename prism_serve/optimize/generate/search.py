@@ -460,7 +460,7 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     with the best found so far; `all_designs` verifies every generated design instead of stopping
     after `top`; `abstract_rule=False` turns the abstract-expression rule off (to check that it is
     sound). A graph-defined kernel has at most `max_block_ops` ops, the kernel of a one-kernel
-    design at least as many as the Program (`KernelGenerator.alone_ops`).
+    design at least as many as the Program and one per matmul (`KernelGenerator.alone_ops`).
 
     `workers` processes (default: this machine's cores) generate independent subtrees and verify
     designs in parallel (`workers.py`); what is found does not depend on their number unless the
