@@ -107,6 +107,21 @@ def test_search_finds_a_fused_design_and_its_winner_matches_the_reference():
     assert stats.pruned["abstract_expression"] > 0
 
 
+def test_fp16_rmsnorm_linear_search_rejects_the_overflowing_form_and_wins_with_its_tf32_twin():
+    """The issue's outlier case end to end: the search generates the 1/rms-after-the-dot design on
+    fp16 operands and on TF32 operands; the numeric check rejects the fp16 ones (x * g overflows),
+    and the winner is a TF32 one at the hand-built design's modeled time, correct on fresh inputs
+    at 1 and 5 tokens."""
+    prog = WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32, dtype="float16")
+    result = optimize(prog, "h100", (16,), max_kernels=1, work=300_000, budget_s=300, workers=1, top=1)
+    assert result.stats.rejected["numeric"] >= 1 and not result.stats.stopped_by_budget
+    best = result.best
+    assert "matmul.tf32" in best.design.describe()
+    assert best.kernels[0].modeled_us <= rank(oracle(prog), H100, 16)[0].modeled_us + 1e-9
+    for num_tokens in (1, 5):
+        check_instance(best.kernel_for(16).instance, num_tokens, "float16")
+
+
 def test_no_verification_starts_without_room_for_the_longest_so_far(monkeypatch):
     """A verification starts only while the budget has room for the longest one so far: one that
     (as reported) took longer than the whole budget leaves no room for a second."""
