@@ -136,6 +136,15 @@ def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float().cpu() - ref.cpu()).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
+def agreement_limit(exact: torch.Tensor, dtype: str) -> float:
+    """How far (`max_rel_error`) two results of one computation, each rounded to `dtype`, may lie
+    apart: the dtype's tolerance plus one unit in its last place at the answer's scale (twice what
+    rounding the exact answer to `dtype` loses). Where the answer is tiny the rounding alone parts
+    them by more than the tolerance: float16 values under 6.1e-5 are subnormal, with fewer bits (the
+    embedded model's fp16 projections, near 1e-5, land one ulp, 9.6e-3 of the largest, apart)."""
+    return TOLERANCE[dtype] + 2 * max_rel_error(exact.to(TORCH_DTYPES[dtype]), exact)
+
+
 def as_torch_function(prog: Program):
     """The Program as a plain torch function in its inputs' own dtype: the eager baseline
     (and what torch.compile is given). rms_norm runs as torch's own fused op."""

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.reference import as_torch_function, evaluate, expand_composites, random_inputs
+from prism_serve.optimize.reference import (TOLERANCE, agreement_limit, as_torch_function, evaluate, expand_composites,
+                                           max_rel_error, random_inputs)
 from prism_serve.optimize.workloads.programs import WORKLOADS, EPS
 
 TOKENS = (1, 5, 7)
@@ -116,3 +117,27 @@ def test_bad_inputs_are_clear_errors():
         evaluate(prog, [x.flatten(), r, w])
     with pytest.raises(ProgramError, match="inputs missing"):
         evaluate(prog, {"x": x})
+
+
+def _roundings(exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`exact` rounded to float16 towards -inf and towards +inf, elementwise: two faithful roundings."""
+    near = exact.to(torch.float16)
+    below = torch.where(near.double() > exact, torch.nextafter(near, torch.tensor(-math.inf, dtype=torch.float16)), near)
+    above = torch.where(near.double() < exact, torch.nextafter(near, torch.tensor(math.inf, dtype=torch.float16)), near)
+    return below, above
+
+
+@pytest.mark.parametrize("scale", [1.0, 2e-6])
+def test_two_roundings_of_one_answer_agree_within_the_limit_and_a_wrong_answer_does_not(scale):
+    """Rounded down and rounded up to float16, one answer agrees with itself within
+    `agreement_limit` at unit scale (the tolerance and one ulp) and at 2e-6 (subnormal, where one
+    ulp is several times the tolerance); 1 % off it does not agree."""
+    exact = torch.randn(16, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * scale
+    limit = agreement_limit(exact, "float16")
+    below, above = _roundings(exact)
+    assert max_rel_error(below, above.double()) <= limit
+    assert max_rel_error((exact * 1.01).to(torch.float16), above.double()) > limit
+    if scale == 1.0:
+        assert TOLERANCE["float16"] < limit < 1.5 * TOLERANCE["float16"]
+    else:
+        assert max_rel_error(below, above.double()) > TOLERANCE["float16"]  # the tolerance alone would fail it
