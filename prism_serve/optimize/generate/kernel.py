@@ -6,12 +6,11 @@ a library op (one IR op, its result a new kernel tensor) or a graph-defined kern
 at most `max_grid` axes) and one for-loop label (None, or a label some op reduces), optionally
 split across one more grid axis; a graph-defined kernel has at most `max_block_ops` block ops,
 or, as the one kernel of a one-kernel design, at least as many as the Program has and one per
-matmul, for a factor applied after it (`alone_ops`). A
-kernel may recompute what an earlier one computed (its block graph reads the inputs again). A
-kernel that writes a tensor whose abstract expression is already available is pruned as
-``canonical``, and so is a complete design with a dead kernel (it writes no output and no later
-kernel reads what it writes: the design without it comes at a lower depth); library results
-meet the same rules as block ops.
+matmul, for a factor applied after it (`alone_ops`). A kernel may recompute what an earlier one
+computed (its block graph reads the inputs again). A kernel that writes a tensor whose abstract
+expression is already available is pruned as ``canonical``, and so is a complete design with a
+dead kernel (it writes no output and no later kernel reads what it writes: the design without it
+comes at a lower depth); library results meet the same rules as block ops.
 
 The search is split into subtrees: the designs of one depth (number of kernels) whose first
 kernel is of one group (library ops, or one (grid, loop) choice; `groups`). Subtrees are
@@ -29,8 +28,7 @@ those that read a whole-row or row iterator (`_blocks`); and its enumerations le
 of their share per block graph they complete, for the pass to cost it (`_advance`). A later
 `explore` grants more steps and resumes where the last one stopped. So what a subtree yields is
 a function of the steps granted, never of the machine's speed or load or of the process that
-walks it. A wall-clock `deadline` remains
-as a safety net only (`stopped`).
+walks it. A wall-clock `deadline` remains as a safety net only (`stopped`).
 
 With a `DesignBound`, a search that ranks (rather than lists) designs drops a partial design
 whose lower bound on modeled time already exceeds the best complete design with fewer kernels
@@ -170,9 +168,9 @@ class KernelGenerator:
 
         At depth 1 a first pass opens the enumerations of the one kernel (`_blocks`: one or two),
         which share the steps: the first gets half where there are two, the last all that is left.
-        Deeper, every
-        kernel before the last opens new enumerations after it, as many as the walk finds: there
-        `pending` stays at DEEP_PENDING, each enumeration getting that fraction of the steps left."""
+        Deeper, every kernel before the last opens new enumerations after it, as many as the walk
+        finds: there `pending` stays at DEEP_PENDING, each enumeration getting that fraction of the
+        steps left."""
         self._resumed, self._reached, self._cut = resumed, set(), False
         for d in self._walk((), dict(self.ctx.inputs), frozenset(), depth, choices, first):
             if d not in self._yielded:
@@ -331,7 +329,7 @@ class KernelGenerator:
         self._reached.add(key)
         gen.allowance = max(0.0, self._pass_limit - self.steps) / max(1, self.pending)
         self.pending = max(self._floor, self.pending - 1)
-        *_, alone, _ = key
+        *_, alone, _ = key  # (tensors, written, grid, loop, last, alone, iterators): see `_enumeration`
         designs_per_graph = (2 if gen.loop else 1) if alone else 0
         before = gen.steps
         try:
