@@ -179,7 +179,7 @@ class BlockGenerator:
         self._counts = Counts()  # this walk's own verdicts; see `counts`
         # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
         # design that keeps the loop's operands normalised (the order only decides what comes sooner)
-        self.sources = (self.row_iterators(tensors) if iterators != TILES else []) + [
+        self.sources = (row_iterators(oracle, tensors, grid, loop) if iterators != TILES else []) + [
             self._source(v) for v in tensors.values()] + list(consts.values())
         # what the kernel tensors written by earlier kernels hold, term by term (as `_key` spells a
         # term): an op that rebuilds a part of one comes after those that use it (see `_candidates`)
@@ -196,35 +196,6 @@ class BlockGenerator:
     def _source(self, v: Value) -> Value:
         stage = "loop" if self.loop and self.loop in v.labels else "pre"
         return Value(v.ref, v.type, v.labels, v.expr, stage)
-
-    def _whole(self, v: Value) -> Value:
-        """The second input iterator of an activation the loop walks: its whole row (every loop
-        tile), loaded once before the loop (``@name:whole``). Its loop dim carries its own label
-        (`whole_label`), so that the shape rule never pairs it with a loop tile of that dim."""
-        labels = tuple(whole_label(lb) if lb == self.loop else lb for lb in v.labels)
-        return Value(whole_ref(v.ref), v.type, labels, v.expr, "pre")
-
-    def row_iterators(self, tensors: dict[str, Value]) -> list[Value]:
-        """The whole-row (``@x:whole``) and row (``@x:row``) iterators of `tensors`, whole rows first."""
-        return [self._whole(v) for v in tensors.values()
-                if self.loop is not None and self.loop in v.labels and NUM_TOKENS in v.labels
-                ] + [self._row(v) for v in tensors.values() if self._has_row(v)]
-
-    def _has_row(self, v: Value) -> bool:
-        """Whether an activation gets a row iterator: the grid splits some of its non-token dims,
-        each along a label the Program reduces (a whole dim of another label could only be reduced
-        to a term outside the target's, never stored; without the abstract-expression rule, to
-        check that, every such activation gets one)."""
-        split = [lb for lb in v.labels if lb in self.grid and lb != NUM_TOKENS]
-        reduced = all(lb in self.oracle.reduced_labels for lb in split) or not self.oracle.enabled
-        return NUM_TOKENS in v.labels and bool(split) and reduced
-
-    def _row(self, v: Value) -> Value:
-        """An activation's token rows, every dim the grid or the loop splits held whole (replicated
-        over those grid axes), loaded once before the loop (``@name:row``)."""
-        labels = tuple(whole_label(lb) if lb != NUM_TOKENS and (lb in self.grid or lb == self.loop) else lb
-                       for lb in v.labels)
-        return Value(row_ref(v.ref), v.type, labels, v.expr, "pre")
 
     # --- the walk --------------------------------------------------------
     def run(self) -> Iterator[Completion | None]:
@@ -538,6 +509,39 @@ class BlockGenerator:
         if any(lb not in stored for lb in self.grid):  # a grid axis that every store replicates
             return None
         return Completion(tuple(ops), tuple(sinks), tuple(outs))
+
+
+def row_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, ...], loop: str | None
+                  ) -> list[Value]:
+    """The whole-row (``@x:whole``) and row (``@x:row``) iterators a block of (grid, loop) has over
+    `tensors` (see the module's docstring), whole rows first."""
+    return [_whole(v, loop) for v in tensors.values() if loop is not None and loop in v.labels
+            and NUM_TOKENS in v.labels] + [_row(v, grid, loop) for v in tensors.values() if _has_row(oracle, v, grid)]
+
+
+def _whole(v: Value, loop: str) -> Value:
+    """The second input iterator of an activation the loop walks: its whole row (every loop tile),
+    loaded once before the loop (``@name:whole``). Its loop dim carries its own label
+    (`whole_label`), so that the shape rule never pairs it with a loop tile of that dim."""
+    labels = tuple(whole_label(lb) if lb == loop else lb for lb in v.labels)
+    return Value(whole_ref(v.ref), v.type, labels, v.expr, "pre")
+
+
+def _has_row(oracle: Oracle, v: Value, grid: tuple[str, ...]) -> bool:
+    """Whether an activation gets a row iterator: the grid splits some of its non-token dims, each
+    along a label the Program reduces (a whole dim of another label could only be reduced to a term
+    outside the target's, never stored; without the abstract-expression rule, to check that, every
+    such activation gets one)."""
+    split = [lb for lb in v.labels if lb in grid and lb != NUM_TOKENS]
+    reduced = all(lb in oracle.reduced_labels for lb in split) or not oracle.enabled
+    return NUM_TOKENS in v.labels and bool(split) and reduced
+
+
+def _row(v: Value, grid: tuple[str, ...], loop: str | None) -> Value:
+    """An activation's token rows, every dim the grid or the loop splits held whole (replicated
+    over those grid axes), loaded once before the loop (``@name:row``)."""
+    labels = tuple(whole_label(lb) if lb != NUM_TOKENS and (lb in grid or lb == loop) else lb for lb in v.labels)
+    return Value(row_ref(v.ref), v.type, labels, v.expr, "pre")
 
 
 WHOLE_LABEL = ":whole"

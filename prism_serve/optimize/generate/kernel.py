@@ -46,7 +46,8 @@ import math
 import time
 from typing import Iterator
 
-from prism_serve.optimize.generate.block import ALL, ROWS, TILES, BlockGenerator, Counts, Value, base_label
+from prism_serve.optimize.generate.block import (ALL, ROWS, TILES, BlockGenerator, Counts, Value, base_label,
+                                                 row_iterators)
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads,
@@ -302,8 +303,7 @@ class KernelGenerator:
 
     def _has_rows(self, tensors: dict[str, Value], grid, loop) -> bool:
         """Whether a block of (grid, loop) has whole-row or row iterators over `tensors`."""
-        probe = BlockGenerator(self.ctx.oracle, {}, tensors, {}, grid, loop, 0, frozenset())
-        return bool(probe.row_iterators(tensors))
+        return bool(row_iterators(self.ctx.oracle, tensors, grid, loop))
 
     def _enumeration(self, tensors: dict[str, Value], written: frozenset[str], grid, loop, last: bool, alone: bool,
                      iterators: str) -> list:
