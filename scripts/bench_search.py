@@ -49,7 +49,8 @@ def bench(name: str, device: str, budget: float, work: int | None, workers: int 
             "kernel_graphs": s.kernel_graphs, "block_graphs": s.block_graphs, "generated": s.generated,
             "designs": s.designs, "concrete_graphs": s.concrete_graphs, "workers": s.workers,
             "work": s.work, "steps": s.steps, "open_subtrees": s.open_subtrees,
-            "pruned": dict(s.pruned), "rejected": dict(s.rejected), "verified": s.verified,
+            "pruned": dict(s.pruned), "iterator_maps": s.iterator_maps, "iterator_maps_kept": s.iterator_maps_kept,
+            "rejected": dict(s.rejected), "verified": s.verified,
             "stopped_by_budget": s.stopped_by_budget,
             "best_design": result.found[0].design.describe() if result.found else None,
             "best_design_json": result.found[0].design.to_json() if result.found else None,
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['oracle_modeled_us']:>9.2f} {r['unfused_modeled_us']:>10.2f}  {r['best_design']}", flush=True)
     print("pruned by rule: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in r["pruned"].items())
                                          for n, r in results.items()))
+    print("input iterator maps judged (kept): " + "; ".join(f"{n}: {r['iterator_maps']} ({r['iterator_maps_kept']})"
+                                                             for n, r in results.items()))
     args.json.write_text(json.dumps({"device": args.device, "budget_s": args.budget, "max_block_ops": args.max_block_ops,
                                      "workers": next(iter(results.values()))["workers"], "workloads": results},
                                     indent=1))

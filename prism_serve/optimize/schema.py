@@ -337,7 +337,7 @@ def dim(value: Any, allowed: Collection[str], where: str):
 
 # --- generator designs ----------------------------------------------------------------
 
-REF = re.compile(rf"(@{NAME.pattern}(:whole|:row)?|#{NAME.pattern}|{NAME.pattern})")
+REF = re.compile(rf"(@{NAME.pattern}(:whole|:row|:[0-9-]{{1,{S.MAX_GRID_AXES}}}/[0-9-])?|#{NAME.pattern}|{NAME.pattern})")
 _DESIGN_ATTRS: dict[str, Check] = {"dim": _DIM, "keepdim": boolean, "transpose_b": boolean,
                                    "precision": _Enum((TF32,)), "kind": _Enum(ACCUM_KINDS), "tensor": name}
 MAX_BLOCK_OPS = 64
@@ -355,7 +355,7 @@ def _design_attrs(raw: Any, where: str) -> tuple:
 
 def _ref(value: Any, where: str) -> str:
     if type(value) is not str or not REF.fullmatch(value):
-        raise SGraphError(f"{where} must be a block value, @tensor[:whole|:row] or #constant, got {_show(value)}")
+        raise SGraphError(f"{where} must be a block value, @tensor[:whole|:row|:<imap>/<fmap>] or #constant, got {_show(value)}")
     return value
 
 

@@ -54,12 +54,17 @@ def _loop_generator(ctx):
                           frozenset())
 
 
+def _own(gen, ref: str):
+    """The walk's input iterator over a kernel tensor's own maps (its loop tiles, where the loop walks it)."""
+    return next(v for v in gen.sources if v.ref == ref)
+
+
 def test_a_reduction_used_inside_its_own_loop_is_pruned_by_its_abstract_expression():
     """Summing x^2 over one loop tile and using it before the accumulator (the rms of one tile
     only) is the classic wrong fusion: its term is no subexpression of the target."""
     ctx = make_context(WORKLOADS["rmsnorm_linear"].program(hidden=64, out=32, dtype="float32"))
     gen = _loop_generator(ctx)
-    x = gen._source(ctx.inputs["@x"])
+    x = _own(gen, "@x")
     sq, _, _ = gen._apply("square", (x,), (), 0)
     tile_sum, rule, _ = gen._apply("sum", (sq,), (("dim", -1), ("keepdim", True)), 1)
     assert rule is None and tile_sum.partial == "sum"
@@ -72,7 +77,7 @@ def test_a_reduction_used_inside_its_own_loop_is_pruned_by_its_abstract_expressi
 def test_mismatched_labels_and_wrong_schedules_are_pruned():
     ctx = make_context(WORKLOADS["rmsnorm_linear"].program(hidden=64, out=64, dtype="float32"))
     gen = _loop_generator(ctx)
-    x, w = gen._source(ctx.inputs["@x"]), gen._source(ctx.inputs["@w"])
+    x, w = _own(gen, "@x"), _own(gen, "@w")
     assert gen._apply("matmul", (x, w), (("transpose_b", False),), 0)[1] == "shape"  # contracts x1 with w0
     assert gen._apply("mul", (x, w), (), 0)[1] == "shape"
     assert gen._apply("mean", (gen._apply("square", (x,), (), 0)[0],), (("dim", -1), ("keepdim", True)), 1)[1] \
@@ -203,9 +208,8 @@ def test_values_of_the_generator_carry_their_loop_facts():
     ctx = make_context(WORKLOADS["attention"].program(batch=1, heads=2, kv_heads=1, kv_len=16, head_dim=8,
                                                       dtype="float32"))
     gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, ("q0", "q1"), "k2", 8, frozenset())
-    q, k = ctx.inputs["@q"], ctx.inputs["@k"]
-    assert isinstance(q, Value)
-    s, rule, _ = gen._apply("matmul", (gen._source(q), gen._source(k)), (("transpose_b", True),), 0)
+    assert isinstance(ctx.inputs["@q"], Value)
+    s, rule, _ = gen._apply("matmul", (_own(gen, "@q"), _own(gen, "@k")), (("transpose_b", True),), 0)
     assert rule is None and s.stage == "loop" and s.partial is None  # contracts the head dim, inside the tile
 
 

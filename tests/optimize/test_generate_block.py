@@ -71,7 +71,9 @@ def test_a_whole_row_never_meets_a_loop_tile_of_its_loop_dim():
     by_ref = {v.ref: v for v in gen.sources}
     whole, tile, g = by_ref["@x:whole"], by_ref["@x"], by_ref["@g"]
     assert whole.stage == "pre" and tile.stage == "loop" and whole.expr == tile.expr
-    assert "@w:whole" not in by_ref and "@g:whole" not in by_ref  # whole rows of activations only
+    # weights have whole iterators too (the loop's label is reduced); w replicated over w0 is not
+    assert by_ref["@w:whole"].labels == ("w0", "x1:whole") and by_ref["@g:whole"].labels == ("x1:whole",)
+    assert not any(r.startswith("@w:") and r != "@w:whole" for r in by_ref)
     assert gen._apply("mul", (whole, g), (), 0)[1] == "shape"
     assert gen._apply("matmul", (whole, by_ref["@w"]), (("transpose_b", True),), 0)[1] == "shape"
     pairs = {tuple(v.ref for v in ins) for op, ins, _ in gen.source_candidates() if op in BINARY}

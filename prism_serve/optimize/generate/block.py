@@ -1,25 +1,31 @@
 """The block-level generator: a graph-defined kernel built one block op at a time.
 
 For a grid (index labels, one per axis) and an optional for-loop label, `BlockGenerator` walks
-block graphs depth first. Each step adds one op over the block's tensors so far, the kernel
-tensors (each first use is an input iterator whose imap and fmap follow the labels) and the
-Program's constants: a unary or binary elementwise op, a sum / mean / max over one labelled
-dim, a matmul, or a for-loop accumulator (sum, mean, max, and the online-softmax
-``rescaled_sum`` when the value uses a running max). A reduction over the loop label inside the
-loop yields a loop-tile partial that only an accumulator may consume.
+block graphs depth first. Each step adds one op over the block's tensors so far, the input
+iterators over the kernel tensors and the Program's constants: a unary or binary elementwise op,
+a sum / mean / max over one labelled dim, a matmul, or a for-loop accumulator (sum, mean, max,
+and the online-softmax ``rescaled_sum`` when the value uses a running max). A reduction over the
+loop label inside the loop yields a loop-tile partial that only an accumulator may consume.
 
-An activation (a kernel tensor with the token label) that the loop walks has two input
-iterators: its loop tiles (``@x``) and its whole row, loaded once before the loop
-(``@x:whole``), so that a row statistic such as the rms is computed before the loop and applied
-to each tile (the fp16-safe rmsnorm_linear). The whole row's loop dim carries its own label
-(`whole_label`), so it never meets a loop tile of that dim. An activation whose non-token dims the
-grid partitions, along labels the Program reduces, has a third: its token rows with those dims
-whole, replicated over their grid axes (``@x:row``): each block computes the statistic of whole
-rows (the rms) and applies it to its own column tile, so a row op's grid may split its columns.
-A reduction over such a whole dim is a full one; a value that still holds one is never stored
-(its grid axis partitions the tensor). A row over a label the Program never reduces could only
-be stored, so none is made. A walk offers every iterator (`ALL`), or its graphs are split between
-two walks (`TILES`: the tensors' own iterators alone; `ROWS`: graphs that read a whole-row or row
+Input iterators are enumerated, as Prism's generator does: for each kernel tensor, every imap
+(each grid axis partitions a distinct dim of the tensor, or replicates the tile) and every fmap
+(the loop walks a dim that no axis partitions, or none: the tile is loaded once, before the
+loop), judged by the rules in order (`input_iterators`; ``shape``: the token axis and the token
+dim go together, no tile holds every token, the loop walks a labelled fixed dim, a dim read at
+another label has that label's extent; ``abstract_expression``: a dim read at another label than
+its own, a transposed or mismatched map, reads the tensor at renamed indices, a leaf that no
+term of the target has, and a dim held whole where the grid or the loop splits it must be
+reduced over a label the Program reduces). Each surviving iterator labels each dim by the index
+it is read at, marked whole (`whole_label`) where the grid or the loop splits that label and the
+iterator does not, so a whole dim never meets a tile of it. Those that survive besides each
+tensor's own maps (``@x``) are in practice an activation's whole row before the loop
+(``@x:whole``), its token rows replicated over grid axes that split dims the Program reduces
+(``@x:row``: each block computes the rms of whole rows and applies it to its own column tile),
+and a weight held whole along the loop's label (``@w:whole``). A reduction over a whole dim is a
+full one; a value that still holds one is never stored (its grid axis partitions the tensor).
+Stores follow the stored value's labels (omap and fmap): a store at other maps writes a permuted
+tensor that no output equals. A walk offers every iterator (`ALL`), or its graphs are split
+between two walks (`TILES`: the tensors' own iterators alone; `ROWS`: graphs that read any other
 iterator), which the kernel-level generator meters one by one.
 
 Only well-typed candidates are built: unary ops and reductions of each value, elementwise pairs
@@ -43,7 +49,9 @@ anywhere. Each built candidate meets the rules in this order, the first failure 
 
 The first three rules see the operands' facts only (`Value.facts`), so their verdicts are cached
 per operand facts and counted again in every state that offers the same op (each is a pruned
-graph), but for ops over kernel tensors and constants alone, judged and counted once.
+graph), but for ops over kernel tensors and constants alone, judged and counted once. The
+iterator maps are judged and counted once per walk that offers them (`ALL`, `ROWS`), also apart
+(`Counts.iterators`, `Counts.iterators_kept`).
 
 Two bounds cut the walk without being counted as rules: at most `max_ops` ops (accumulators
 aside), and for a design's last kernel (`outputs_only`) a lower bound on the ops it still needs
@@ -73,6 +81,8 @@ however busy the machine is: the search's budget is counted in these steps, not 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -80,17 +90,16 @@ from typing import Iterator
 
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
-from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, row_ref,
-                                                  whole_ref)
+from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, iterator_ref,
+                                                  read_labels, tensor_of)
 from prism_serve.optimize.ir import NUM_TOKENS, TF32, Node, TensorType, infer_type, is_tf32
 
 # Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
 # answer it, but which queries that cache holds depends on what else the process walked).
 QUERY_STEPS = 10
 # Which input iterators a walk offers (see the module's docstring): every one (`ALL`); the tensors'
-# own (loop tiles, or the whole tensor where no loop walks it), no whole-row or row iterator
-# (`TILES`); or every one, keeping only the block graphs that read a whole-row or row iterator
-# (`ROWS`). `TILES` and `ROWS` split `ALL`'s block graphs between two walks.
+# own maps alone (`TILES`); or every one, keeping only the block graphs that read an iterator at
+# other maps (`ROWS`). `TILES` and `ROWS` split `ALL`'s block graphs between two walks.
 ALL, TILES, ROWS = "all", "tiles", "rows"
 ITERATOR_SETS = (ALL, TILES, ROWS)
 RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression", "cost")
@@ -100,9 +109,13 @@ RULES = ("canonical", "shape", "schedule", "hardware", "abstract_expression", "c
 class Counts:
     generated: int = 0
     pruned: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
+    iterators: int = 0  # input iterator maps judged (in `generated`; those pruned are in `pruned`)
+    iterators_kept: int = 0
 
     def add(self, other: "Counts") -> None:
         self.generated += other.generated
+        self.iterators += other.iterators
+        self.iterators_kept += other.iterators_kept
         for k, v in other.pruned.items():
             self.pruned[k] += v
 
@@ -178,9 +191,15 @@ class BlockGenerator:
         self.stopped = False
         self._counts = Counts()  # this walk's own verdicts; see `counts`
         # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
-        # design that keeps the loop's operands normalised (the order only decides what comes sooner)
-        self.sources = (row_iterators(oracle, tensors, grid, loop) if iterators != TILES else []) + [
-            self._source(v) for v in tensors.values()] + list(consts.values())
+        # design that keeps the loop's operands normalised; other maps last (the order only decides
+        # what comes sooner)
+        own, others, judged = input_iterators(oracle, tensors, grid, loop)
+        if iterators == TILES:
+            others = []
+        else:
+            self._counts.add(judged)
+        rows = [v for v in others if tensor_of(v.ref)[1] in (WHOLE, ROW) and NUM_TOKENS in v.labels]
+        self.sources = rows + own + list(consts.values()) + [v for v in others if v not in rows]
         # what the kernel tensors written by earlier kernels hold, term by term (as `_key` spells a
         # term): an op that rebuilds a part of one comes after those that use it (see `_candidates`)
         self._stored_parts = frozenset(repr(t) for v in tensors.values() if v.expr[0] != "var"
@@ -192,10 +211,6 @@ class BlockGenerator:
         self._source_ops: list | None = None
         self._per_value: dict[tuple, list] = {}
         self._per_pair: dict[tuple, list] = {}
-
-    def _source(self, v: Value) -> Value:
-        stage = "loop" if self.loop and self.loop in v.labels else "pre"
-        return Value(v.ref, v.type, v.labels, v.expr, stage)
 
     # --- the walk --------------------------------------------------------
     def run(self) -> Iterator[Completion | None]:
@@ -395,9 +410,11 @@ class BlockGenerator:
     def _key(self, v: Value) -> tuple:
         """The canonical order of values (see ``canonical``): a node of the Program as written
         (`Oracle.position`) by its place in the Program, before every other value; then by term,
-        stage and partial. Any total order keeps the rule sound (the order that always takes the
-        smallest ready op passes it); this one lets the walk take the Program's own nodes in the
-        Program's order (a whole row before its loop tiles, whose statistic the loop needs), so
+        whether it holds whole dims but no token rows, stage and partial. Any total order keeps the
+        rule sound (the order that always takes the smallest ready op passes it); this one lets the
+        walk take the Program's own nodes in the Program's order (a whole token row before its loop
+        tiles, whose statistic the loop needs; a whole operand without token rows, such as all of K
+        before a loop over keys, after its tiles), so
         its fused form is reached without backtracking, where an order by term alone made the
         walk build one chain (q's RMSNorm) to its end and then forbade the next (k's, whose terms
         sort first): 10,000+ states for qk_norm_attention's one kernel."""
@@ -406,7 +423,8 @@ class BlockGenerator:
         if key is None:
             position = self.oracle.position(v.expr, tuple(base_label(lb) for lb in v.labels))
             key = self._keys[at] = (_UNPLACED if position is None else position, _SORT_KEYS[v.eid],
-                                    _STAGES.index(v.stage), v.partial or "", v.whole)
+                                    any(v.whole) and NUM_TOKENS not in v.labels, _STAGES.index(v.stage),
+                                    v.partial or "", v.whole)
         return key
 
     # --- one op ----------------------------------------------------------
@@ -491,8 +509,8 @@ class BlockGenerator:
             return None  # a row's whole dim that a grid axis splits: the block holds no tile of it to store
         if self.loop and not any(o.op == "accum" for o in ops):
             return None
-        if self.iterators == ROWS and not any(i.endswith((WHOLE, ROW)) for o in ops for i in o.inputs):
-            return None  # the enumeration over loop tiles alone (`TILES`) has it
+        if self.iterators == ROWS and not any(i[0] == "@" and tensor_of(i)[1] for o in ops for i in o.inputs):
+            return None  # the enumeration over the tensors' own iterators (`TILES`) has it
         sinks: list[Value] = []
         outs: list[str | None] = []
         for v in values:  # in op order: every unused value, and a consumed one that is a program output
@@ -511,37 +529,86 @@ class BlockGenerator:
         return Completion(tuple(ops), tuple(sinks), tuple(outs))
 
 
-def row_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, ...], loop: str | None
-                  ) -> list[Value]:
-    """The whole-row (``@x:whole``) and row (``@x:row``) iterators a block of (grid, loop) has over
-    `tensors` (see the module's docstring), whole rows first."""
-    return [_whole(v, loop) for v in tensors.values() if loop is not None and loop in v.labels
-            and NUM_TOKENS in v.labels] + [_row(v, grid, loop) for v in tensors.values() if _has_row(oracle, v, grid)]
+def input_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, ...], loop: str | None
+                    ) -> tuple[list[Value], list[Value], Counts]:
+    """Every input iterator a block of (grid, loop) may read over `tensors`: the tensors' own (their
+    index labels' maps), the others that pass the rules (whole rows, then token rows, then any
+    other maps), and what the rules judged of every map enumerated (`iterator_maps`)."""
+    extents = tuple(sorted({lb: d for v in tensors.values() for lb, d in zip(v.labels, v.type.shape) if lb}.items()))
+    own, others, counts = [], [], Counts()
+    for v in tensors.values():
+        mine, theirs, judged = _iterators(oracle, oracle.enabled, v, grid, loop, extents)
+        own += [mine] if mine else []
+        others += theirs
+        counts.add(judged)
+    group = {WHOLE: 0, ROW: 1}
+    others.sort(key=lambda v: group.get(tensor_of(v.ref)[1], 2))  # stable: tensor order, then map order
+    return own, others, counts
 
 
-def _whole(v: Value, loop: str) -> Value:
-    """The second input iterator of an activation the loop walks: its whole row (every loop tile),
-    loaded once before the loop (``@name:whole``). Its loop dim carries its own label
-    (`whole_label`), so that the shape rule never pairs it with a loop tile of that dim."""
-    labels = tuple(whole_label(lb) if lb == loop else lb for lb in v.labels)
-    return Value(whole_ref(v.ref), v.type, labels, v.expr, "pre")
+@functools.lru_cache(maxsize=1 << 14)
+def _iterators(oracle: Oracle, enabled: bool, v: Value, grid: tuple[str, ...], loop: str | None, extents: tuple
+               ) -> tuple[Value, list[Value], Counts]:
+    """One tensor's iterators: every (imap, fmap) pair (each grid axis partitions a distinct dim or
+    replicates the tile, the loop walks a dim no axis partitions or none), judged in rule order
+    (cached per oracle and whether its rule is `enabled`)."""
+    counts, own, others = Counts(), None, []
+    rank, walks = len(v.labels), loop is not None
+    for imap in itertools.product((None, *range(rank)), repeat=len(grid)):
+        dims = [d for d in imap if d is not None]
+        if len(set(dims)) != len(dims):
+            continue
+        for fmap in (None, *(d for d in range(rank) if d not in dims and walks)):
+            counts.generated += 1
+            counts.iterators += 1
+            it, rule = _iterator(oracle, v, grid, loop, (imap, fmap), dict(extents))
+            if rule:
+                counts.pruned[rule] += 1
+            elif it.ref == v.ref:
+                own = it
+            else:
+                others.append(it)
+    counts.iterators_kept = len(others) + (own is not None)
+    return own, others, counts
 
 
-def _has_row(oracle: Oracle, v: Value, grid: tuple[str, ...]) -> bool:
-    """Whether an activation gets a row iterator: the grid splits some of its non-token dims, each
-    along a label the Program reduces (a whole dim of another label could only be reduced to a term
-    outside the target's, never stored; without the abstract-expression rule, to check that, every
-    such activation gets one)."""
-    split = [lb for lb in v.labels if lb in grid and lb != NUM_TOKENS]
-    reduced = all(lb in oracle.reduced_labels for lb in split) or not oracle.enabled
-    return NUM_TOKENS in v.labels and bool(split) and reduced
+def _iterator(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None, maps, extents: dict
+              ) -> tuple[Value | None, str | None]:
+    """The iterator reading `v` through `maps`, or the rule that prunes it:
 
+    - ``shape``: a token axis partitions a dim other than the tokens, or another axis the tokens;
+      the token axis replicates the tokens (one tile would hold every token); the loop walks the
+      tokens or an unlabelled dim; a dim is read at a label of another extent;
+    - ``abstract_expression``: a dim is read at another label than its own (a transposed or
+      mismatched map): its term reads the tensor at renamed indices, a leaf that no term of the
+      target has; or the tile holds a dim whole that the grid or the loop splits, along a label the
+      Program never reduces (the block can neither store it, its axis partitions every output,
+      nor reduce it to a subterm of the target).
 
-def _row(v: Value, grid: tuple[str, ...], loop: str | None) -> Value:
-    """An activation's token rows, every dim the grid or the loop splits held whole (replicated
-    over those grid axes), loaded once before the loop (``@name:row``)."""
-    labels = tuple(whole_label(lb) if lb != NUM_TOKENS and (lb in grid or lb == loop) else lb for lb in v.labels)
-    return Value(row_ref(v.ref), v.type, labels, v.expr, "pre")
+    Each dim's label is the one it is read at (`design.read_labels`), held whole (`whole_label`)
+    where the grid or the loop splits that label and this iterator does not."""
+    imap, fmap = maps
+    labels = v.labels
+    for lb, d in zip(grid, imap):
+        if d is None and lb == NUM_TOKENS and NUM_TOKENS in labels:
+            return None, "shape"
+        if d is not None and (labels[d] is None or (lb == NUM_TOKENS) != (labels[d] == NUM_TOKENS)):
+            return None, "shape"
+    if fmap is not None and labels[fmap] in (None, NUM_TOKENS):
+        return None, "shape"
+    read = read_labels(labels, grid, loop, maps)
+    if any(r != lb and extents.get(r, shape) != shape for r, lb, shape in zip(read, labels, v.type.shape)):
+        return None, "shape"
+    ref = iterator_ref(v.ref, maps, labels, grid, loop)
+    split = {d for d in imap if d is not None} | ({fmap} if fmap is not None else set())
+    tile = tuple(whole_label(lb) if d not in split and lb is not None and (lb in grid or lb == loop) else r
+                 for d, (lb, r) in enumerate(zip(labels, read)))
+    expr = v.expr if read == labels else ("var", ref[1:])
+    if not oracle.within(expr):
+        return None, "abstract_expression"
+    if oracle.enabled and any(_is_whole(lb) and base_label(lb) not in oracle.reduced_labels for lb in tile):
+        return None, "abstract_expression"
+    return Value(ref, v.type, tile, expr, "pre" if fmap is None else "loop"), None
 
 
 WHOLE_LABEL = ":whole"

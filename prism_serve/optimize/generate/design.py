@@ -2,13 +2,18 @@
 
 A `Design` is a sequence of kernels. A `LibrarySpec` runs one IR op over kernel tensors. A
 `BlockSpec` is a graph-defined kernel: its grid axes are index labels (`labels.py`) and its
-for-loop walks one label; its block ops refer to kernel tensors as ``@name`` (an input
-iterator: the load's imap partitions, per grid axis, the tensor's dim with that axis' label,
-or replicates the tile where the tensor lacks it; its fmap is the dim with the loop label),
-as ``@name:whole`` (the same imap, no fmap: every loop tile at once, loaded before the loop),
-as ``@name:row`` (the imap partitions the token dim only, replicating the tile over every other
-grid axis, and no fmap: the block's token rows, whole, loaded before the loop, for a statistic
-of rows whose columns the grid splits) and to the Program's constants as ``#name``. With
+for-loop walks one label; its block ops refer to the Program's constants as ``#name`` and to
+kernel tensors through input iterators, each with its own imap and fmap:
+
+- ``@name``: the tensor's own maps: the imap partitions, per grid axis, the tensor's dim with
+  that axis' label, or replicates the tile where the tensor lacks it; the fmap is the dim with
+  the loop label (`own_maps`);
+- ``@name:whole``: the same imap, no fmap: every loop tile at once, loaded before the loop;
+- ``@name:row``: the imap partitions the token dim only, replicating the tile over every other
+  grid axis, and no fmap: the block's token rows, whole, for a statistic of rows whose columns
+  the grid splits;
+- ``@name:<imap>/<fmap>``: any other maps, one character per grid axis and one for the loop,
+  each a dim of the tensor or ``-`` (replicated; not walked): ``@w:-0/-`` (`iterator_ref`). With
 ``split``, one more grid axis partitions the loop label (split-K / split-KV): see `split.py`.
 
 `build(prog, design)` is pure and depends on the Program only through its node names, index
@@ -140,23 +145,72 @@ def intermediate_type(t: TensorType) -> TensorType:
     return TensorType(t.shape, "float32")
 
 
-def whole_ref(ref: str) -> str:
-    """The block-op reference to kernel tensor `ref`'s (``@name``) whole loop dim, before the loop."""
-    return ref + WHOLE
-
-
-def row_ref(ref: str) -> str:
-    """The block-op reference to kernel tensor `ref`'s (``@name``) token rows, whole, before the loop."""
-    return ref + ROW
+_MAPS = re.compile(r":([0-9-]+)/([0-9-])")
+Maps = tuple[tuple[int | None, ...], int | None]  # (imap, fmap) of an input iterator
 
 
 def tensor_of(ref: str) -> tuple[str, str]:
-    """The kernel tensor an ``@`` reference names, and the iterator that loads it: tile, whole or row."""
+    """The kernel tensor an ``@`` reference names, and its iterator's suffix ("" for its own maps)."""
     name = ref[1:]
-    for suffix, kind in ((WHOLE, "whole"), (ROW, "row")):
+    for suffix in (WHOLE, ROW):
         if name.endswith(suffix):
-            return name[:-len(suffix)], kind
-    return name, "tile"
+            return name[:-len(suffix)], suffix
+    m = _MAPS.search(name)
+    if m and m.end() == len(name):
+        return name[:m.start()], m.group(0)
+    return name, ""
+
+
+def own_maps(labels: tuple, grid: tuple[str, ...], loop: str | None) -> Maps:
+    """The maps the tensor's index labels give: each grid axis partitions the dim with its label
+    (replicated where the tensor has none), the loop walks the dim with the loop label."""
+    return (tuple(labels.index(lb) if lb in labels else None for lb in grid),
+            labels.index(loop) if loop is not None and loop in labels else None)
+
+
+def iterator_maps(suffix: str, labels: tuple, grid: tuple[str, ...], loop: str | None) -> Maps:
+    """The (imap, fmap) of the iterator `suffix` (`tensor_of`) over a tensor with `labels`.
+    SGraphError where explicit maps do not fit the grid, the loop or the tensor's rank."""
+    imap, fmap = own_maps(labels, grid, loop)
+    if suffix == WHOLE:
+        return imap, None
+    if suffix == ROW:
+        return tuple(d if lb == NUM_TOKENS else None for d, lb in zip(imap, grid)), None
+    if not suffix:
+        return imap, fmap
+    m = _MAPS.fullmatch(suffix)
+    if m is None or len(m.group(1)) != len(grid):
+        raise SGraphError(f"iterator maps {suffix!r} do not fit a grid of {len(grid)} axes")
+    dims = tuple(None if c == "-" else int(c) for c in m.group(1) + m.group(2))
+    if any(d is not None and d >= len(labels) for d in dims) or (loop is None and dims[-1] is not None):
+        raise SGraphError(f"iterator maps {suffix!r} do not fit a tensor of rank {len(labels)} "
+                          f"{'and a for-loop' if loop else 'without a for-loop'}")
+    return dims[:-1], dims[-1]
+
+
+def iterator_ref(tensor_ref: str, maps: Maps, labels: tuple, grid: tuple[str, ...], loop: str | None) -> str:
+    """The reference to kernel tensor `tensor_ref` (``@name``) read through `maps`: the shortest
+    name of those maps (`tensor_of`)."""
+    for suffix in ("", WHOLE, ROW):
+        if iterator_maps(suffix, labels, grid, loop) == maps:
+            return tensor_ref + suffix
+    imap, fmap = maps
+    return f"{tensor_ref}:{''.join('-' if d is None else str(d) for d in imap)}/{'-' if fmap is None else fmap}"
+
+
+def read_labels(labels: tuple, grid: tuple[str, ...], loop: str | None, maps: Maps) -> tuple:
+    """The index label at which an iterator reads each dim of a tensor: a dim that a grid axis
+    partitions is read at that axis' label, the dim the loop walks at the loop's label, any other
+    at its own. Under the tensor's own maps these are its labels; a dim read at another label is a
+    renamed (transposed, or mismatched) read."""
+    imap, fmap = maps
+    out = list(labels)
+    for lb, d in zip(grid, imap):
+        if d is not None:
+            out[d] = lb
+    if fmap is not None:
+        out[fmap] = loop
+    return tuple(out)
 
 
 def ident(name: str) -> str:
@@ -188,18 +242,13 @@ def program_context(prog: Program) -> tuple[Program, Labels, dict[str, KTensor],
     return flat, labels, tensors, consts
 
 
-def imap_of(t: KTensor, grid: tuple[str, ...]) -> tuple[int | None, ...]:
-    return tuple(t.labels.index(lb) if lb in t.labels else None for lb in grid)
-
-
-def block_types(spec: BlockSpec, tensors: dict[str, KTensor], consts: dict[str, float]
-                ) -> dict[str, tuple[TensorType, tuple]]:
+def block_types(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, tuple[TensorType, tuple]]:
     """Logical type and labels of every block op (raises ProgramError / SGraphError)."""
     out: dict[str, tuple[TensorType, tuple]] = {}
     for o in spec.ops:
         if o.op == "store":
             continue
-        ins = [_operand(s, out, tensors, consts) for s in o.inputs]
+        ins = [_operand(s, out, tensors, spec) for s in o.inputs]
         if o.op == "accum":
             out[o.name] = ins[0]
             continue
@@ -209,10 +258,11 @@ def block_types(spec: BlockSpec, tensors: dict[str, KTensor], consts: dict[str, 
     return out
 
 
-def _operand(s: str, local: dict, tensors: dict[str, KTensor], consts: dict[str, float]):
+def _operand(s: str, local: dict, tensors: dict[str, KTensor], spec: BlockSpec):
     if s.startswith("@"):
-        t = tensors[tensor_of(s)[0]]
-        return t.type, t.labels
+        name, suffix = tensor_of(s)
+        t = tensors[name]
+        return t.type, read_labels(t.labels, spec.grid, spec.loop, iterator_maps(suffix, t.labels, spec.grid, spec.loop))
     if s.startswith("#"):
         return TensorType((), "const"), ()
     return local[s]
@@ -257,7 +307,7 @@ def build(prog: Program, design: Design) -> SGraph:
                     decls.append(TensorDecl(spec.out, tuple(to_expr(d) for d in t.shape), t.dtype))
                 kernels.append(LibraryKernel(n))
                 continue
-            types = block_types(spec, tensors, consts)
+            types = block_types(spec, tensors)
             nodes = _block_nodes(spec, i, tensors, consts, types)
             for o in spec.ops:
                 if o.op == "store" and o.attr("tensor") not in tensors:
@@ -288,15 +338,11 @@ def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: d
 
     def ref(s: str) -> str:
         if s.startswith("@"):
-            tensor, kind = tensor_of(s)
-            name = f"ld_{ident(tensor)}{'' if kind == 'tile' else '_' + kind}"
+            tensor, suffix = tensor_of(s)
+            name = f"ld_{ident(tensor)}{ident(suffix.replace('-', 'r'))}"
             if name not in seen:
                 t = tensors[tensor]
-                walked = spec.loop is not None and spec.loop in t.labels and kind == "tile"
-                fmap = t.labels.index(spec.loop) if walked else None
-                imap = imap_of(t, spec.grid)
-                if kind == "row":
-                    imap = tuple(d if lb == NUM_TOKENS else None for d, lb in zip(imap, spec.grid))
+                imap, fmap = iterator_maps(suffix, t.labels, spec.grid, spec.loop)
                 loads.append(node(name, "load", tensor=t.name, imap=imap, fmap=fmap))
                 seen.add(name)
             return name
@@ -316,7 +362,7 @@ def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: d
             lbs = types[o.inputs[0]][1]
             fmap = lbs.index(spec.loop) if stage[o.inputs[0]] == "loop" and spec.loop in lbs else None
             extra = {} if fmap is None else {"fmap": fmap}
-            body.append(node(o.name, "store", *ins, tensor=o.attr("tensor"), omap=imap_of(t, spec.grid), **extra))
+            body.append(node(o.name, "store", *ins, tensor=o.attr("tensor"), omap=own_maps(t.labels, spec.grid, None)[0], **extra))
         else:
             body.append(Node(o.name, o.op, ins, o.attrs))
     return loads + body
@@ -332,8 +378,9 @@ def stages(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, str]:
         src = []
         for s in o.inputs:
             if s.startswith("@"):
-                tensor, kind = tensor_of(s)
-                src.append("loop" if spec.loop and spec.loop in tensors[tensor].labels and kind == "tile" else "pre")
+                tensor, suffix = tensor_of(s)
+                _, fmap = iterator_maps(suffix, tensors[tensor].labels, spec.grid, spec.loop)
+                src.append("pre" if fmap is None else "loop")
             elif not s.startswith("#"):
                 src.append(out[s])
         out[o.name] = "loop" if "loop" in src else "post" if "post" in src else "pre"

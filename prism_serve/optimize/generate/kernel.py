@@ -24,7 +24,7 @@ steps left divided by `pending`), one that spends its share pauses, and resumpti
 continue the paused ones and walk the kernel level again for the designs their new block graphs
 complete (each design is handed out once). The kernel of a one-kernel design is walked as two
 enumerations, each with its own share: its block graphs over the tensors' own iterators, then
-those that read a whole-row or row iterator (`_blocks`); and its enumerations leave DESIGN_STEPS
+those that read an iterator at other maps (`_blocks`); and its enumerations leave DESIGN_STEPS
 of their share per block graph they complete, for the pass to cost it (`_advance`). A later
 `explore` grants more steps and resumes where the last one stopped. So what a subtree yields is
 a function of the steps granted, never of the machine's speed or load or of the process that
@@ -47,7 +47,7 @@ import time
 from typing import Iterator
 
 from prism_serve.optimize.generate.block import (ALL, ROWS, TILES, BlockGenerator, Counts, Value, base_label,
-                                                 row_iterators)
+                                                 input_iterators)
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads,
@@ -289,7 +289,7 @@ class KernelGenerator:
         """The block graphs of one (grid, loop) over `tensors`; the kernel of a one-kernel design
         (`alone`) may have `alone_ops`, and its block graphs come from two enumerations, each
         metered on its own: those over the tensors' own iterators, then (where a tensor has them)
-        those that read a whole-row or row iterator (`block.TILES`, `block.ROWS`; Prism chooses a
+        those that read an iterator at other maps (`block.TILES`, `block.ROWS`; Prism chooses a
         kernel's input iterators before its block ops). In one walk of both, fp16 rmsnorm_linear's
         fastest form (1/rms applied after the dot) came after 337,000 steps of whole-row graphs; it
         takes 8,000 in its own. A kernel of a deeper design is one enumeration: each already gets
@@ -302,8 +302,8 @@ class KernelGenerator:
         return out
 
     def _has_rows(self, tensors: dict[str, Value], grid, loop) -> bool:
-        """Whether a block of (grid, loop) has whole-row or row iterators over `tensors`."""
-        return bool(row_iterators(self.ctx.oracle, tensors, grid, loop))
+        """Whether a block of (grid, loop) has iterators over `tensors` other than their own."""
+        return bool(input_iterators(self.ctx.oracle, tensors, grid, loop)[1])
 
     def _enumeration(self, tensors: dict[str, Value], written: frozenset[str], grid, loop, last: bool, alone: bool,
                      iterators: str) -> list:

@@ -88,6 +88,8 @@ class SearchStats:
     designs: int = 0  # complete designs (every output written)
     concrete_graphs: int = 0  # symbol assignments the costed symbolic designs stand for
     pruned: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
+    iterator_maps: int = 0  # input iterator maps (imap, fmap) the rules judged (in `generated`)
+    iterator_maps_kept: int = 0  # those that passed (each tensor's own maps among them)
     rejected: dict[str, int] = field(default_factory=lambda: {"proof": 0, "numeric": 0})
     verified: int = 0
     workers: int = 1
@@ -107,7 +109,7 @@ class SearchStats:
     def to_json(self) -> dict:
         return {"kernel_graphs": self.kernel_graphs, "block_graphs": self.block_graphs, "generated": self.generated,
                 "designs": self.designs, "concrete_graphs": self.concrete_graphs, "pruned": dict(self.pruned),
-                "rejected": dict(self.rejected), "verified": self.verified, "workers": self.workers,
+                "iterator_maps": self.iterator_maps, "iterator_maps_kept": self.iterator_maps_kept, "rejected": dict(self.rejected), "verified": self.verified, "workers": self.workers,
                 "work": self.work, "steps": self.steps, "open_subtrees": self.open_subtrees,
                 "search_s": self.search_s, "verify_s": self.verify_s, "stopped_by_budget": self.stopped_by_budget}
 
@@ -385,6 +387,8 @@ def _generate(pool, gen: KernelGenerator, choices: list, costed: _Costed, work: 
                 stats.generated += sub.generated
                 for rule, k in sub.pruned.items():
                     stats.pruned[rule] += k
+                stats.iterator_maps += sub.iterators[0]
+                stats.iterator_maps_kept += sub.iterators[1]
                 stats.kernel_graphs += sub.kernel_graphs
                 stats.block_graphs += sub.block_graphs
                 stats.stopped_by_budget |= sub.stopped

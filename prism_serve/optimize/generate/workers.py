@@ -70,6 +70,7 @@ class Subtree:
     appraised: tuple
     generated: int
     pruned: dict[str, int]
+    iterators: tuple[int, int]  # input iterator maps judged, and kept (`block.Counts`)
     kernel_graphs: int
     block_graphs: int
     steps: int  # spent by this task
@@ -116,6 +117,7 @@ class _Worker:
             del self.subtrees[key]
         return Subtree(appraised, after.generated - before.generated,
                        {rule: n - before.pruned.get(rule, 0) for rule, n in after.pruned.items()},
+                       (after.iterators - before.iterators, after.iterators_kept - before.iterators_kept),
                        gen.kernel_graphs - kernels, gen.block_graphs - blocks, gen.steps - steps, gen.open,
                        gen.stopped)
 
