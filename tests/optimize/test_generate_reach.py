@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 
 import pytest
 
@@ -14,15 +15,17 @@ from prism_serve.errors import SGraphError
 from prism_serve.optimize import canonical_hash, prune
 from prism_serve.optimize.generate.abstract import Term
 from prism_serve.optimize.generate.context import Context, make_context
-from prism_serve.optimize.generate.block import Value
-from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, op_labels, program_context
+from prism_serve.optimize.generate.block import Value, input_iterators
+from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, build, iterator_maps, op_labels,
+                                                  program_context, tensor_of)
 from prism_serve.optimize.generate.kernel import DEEP_PENDING, LIBRARY, KernelGenerator
 from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _check_numerics, optimize
 from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import NUM_TOKENS, Program, node
+from prism_serve.optimize.ir import NUM_TOKENS, Program, TensorType, node
+from prism_serve.optimize.labels import index_labels
 from prism_serve.optimize.codegen import compile_instance
 from prism_serve.optimize.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, instantiate
+from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, TensorDecl, instantiate
 from prism_serve.optimize.verify import prove_equivalent
 from prism_serve.optimize.workloads import designs as D
 from prism_serve.optimize.workloads.oracles import ORACLES, load, oracle, store
@@ -63,7 +66,7 @@ class _Combine(Exception):
 
 
 def _judge_kernel(ctx: Context, consts: dict[str, float], k: BlockKernel, stored: dict,
-                  split_dims: dict[str, int]) -> list[str]:
+                  split_dims: dict[str, int], tensors: dict[str, TensorDecl]) -> list[str]:
     """Each block tensor's abstract expression, as `block.py` forms it, checked by the oracle
     (a tile forgets which slice it holds: a loop partial has the whole reduction's term, an
     accumulator its partial's); plus the shape rule on labels and the schedule rule on stages.
@@ -72,7 +75,7 @@ def _judge_kernel(ctx: Context, consts: dict[str, float], k: BlockKernel, stored
     stage = k.stages
     loop_label = None
     forms: dict[str, tuple[list[Term], tuple]] = {}
-    failures: list[str] = []
+    failures: list[str] = _judge_maps(ctx, k, stored, tensors)
     by = k.by_name
     for n in k.nodes:
         if n.op == "load":
@@ -133,6 +136,48 @@ def _judge_kernel(ctx: Context, consts: dict[str, float], k: BlockKernel, stored
     return failures
 
 
+def _judge_maps(ctx: Context, k: BlockKernel, stored: dict, tensors: dict[str, TensorDecl]) -> list[str]:
+    """Each load's (imap, fmap) among the input iterators the generator keeps for the kernel's
+    (grid labels, loop label): a grid axis stands for the label of the dims its stores partition
+    (its loads', where every store replicates it), the loop for the label most loads walk; an axis
+    of the loop's label is a split's, which `split.py` adds to the generated kernel, and an axis
+    over a dim of size 1 (no label names it) has no counterpart in a generated kernel."""
+    program_labels = index_labels(ctx.flat).dims
+
+    def labels_of(t: str) -> tuple | None:
+        """A tensor's labels: an intermediate's as stored, the Program's own; None for a tensor that
+        this kernel stores first (a split's partials)."""
+        return stored[t][1] if t in stored else program_labels.get(t)
+
+    def axis_label(a: int) -> str | None:
+        for nodes, key in ((k.stores, "omap"), (k.loads, "imap")):
+            found = [labels_of(n.attr("tensor"))[n.attr(key)[a]] for n in nodes
+                     if n.attr(key)[a] is not None and labels_of(n.attr("tensor")) is not None]
+            if found:
+                return Counter(found).most_common(1)[0][0]
+        return None
+
+    walked = Counter(labels_of(n.attr("tensor"))[n.attr("fmap")] for n in k.loads if n.attr("fmap") is not None)
+    loop = walked.most_common(1)[0][0] if walked else None
+    grid = [axis_label(a) for a in range(len(k.grid))]
+    keep = [a for a, lb in enumerate(grid) if lb not in (loop, None)]  # None: over a dim of size 1
+    failures = []
+    for n in k.loads:
+        t = n.attr("tensor")
+        if t in stored and None in labels_of(t):
+            continue  # a split's partials, read by its combine kernel
+        term = next((e for e in stored[t][0] if ctx.oracle.within(e)), stored[t][0][0]) if t in stored else ("var", t)
+        tensor = Value(f"@{t}", TensorType(tensors[t].shape, tensors[t].dtype), labels_of(t), term)
+        imap = tuple(n.attr("imap")[a] for a in keep)
+        own, others, _ = input_iterators(ctx.oracle, {tensor.ref: tensor}, tuple(grid[a] for a in keep), loop)
+        kept = {iterator_maps(tensor_of(v.ref)[1], tensor.labels, tuple(grid[a] for a in keep), loop)
+                for v in own + others}
+        if (imap, n.attr("fmap")) not in kept:
+            failures.append(f"{k.name}.{n.name}: maps {imap}/{n.attr('fmap')} over grid {grid} and loop {loop} "
+                            f"are pruned")
+    return failures
+
+
 def _split_dims(g: SGraph) -> dict[str, int]:
     """Per intermediate that holds a split's partials: the dim its split axis writes (a dim that
     is a bare grid symbol of a kernel)."""
@@ -163,7 +208,7 @@ def _judge(g: SGraph) -> tuple[list[str], list[str]]:
         if not isinstance(k, BlockKernel):
             continue
         try:
-            failures += _judge_kernel(ctx, consts, k, stored, _split_dims(g))
+            failures += _judge_kernel(ctx, consts, k, stored, _split_dims(g), g.tensors)
         except _Combine:
             skipped.append(k.name)
     return failures, skipped
@@ -181,10 +226,12 @@ def test_every_hand_built_design_passes_every_pruning_rule(name):
 
 def test_the_per_tensor_rules_reject_wrong_designs():
     """The same check fails where the generator would prune: a producer recomputed from the
-    wrong input (its abstract expression) and a transposed imap (its labels do not contract)."""
+    wrong input (its abstract expression) and a transposed imap (the generator prunes the maps
+    themselves, and its labels do not contract)."""
     failures, _ = _judge(T._recomputed_from_wrong_input())
     assert failures and failures[0].startswith("gate.sq: abstract_expression: ('mul', ('var', 'g'), ('var', 'g'))")
     failures, _ = _judge(T._transposed_imap())
+    assert failures[0] == "projection.w0: maps (None, 1)/0 over grid ['num_tokens', 'w_up0'] and loop x1 are pruned"
     assert "projection.w0: shape: the loop walks x1 and w_up0" in failures
     assert any("shape: contracts x1 with w_up0" in f for f in failures)
 
