@@ -81,9 +81,9 @@ however busy the machine is: the search's budget is counted in these steps, not 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Iterator
@@ -537,7 +537,11 @@ def input_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, 
     extents = tuple(sorted({lb: d for v in tensors.values() for lb, d in zip(v.labels, v.type.shape) if lb}.items()))
     own, others, counts = [], [], Counts()
     for v in tensors.values():
-        mine, theirs, judged = _iterators(oracle, oracle.enabled, v, grid, loop, extents)
+        key = (oracle.enabled, v, grid, loop, extents)
+        cache = _ITERATORS.setdefault(oracle, {})
+        if key not in cache:
+            cache[key] = _iterators(oracle, v, grid, loop, extents)
+        mine, theirs, judged = cache[key]
         own += [mine] if mine else []
         others += theirs
         counts.add(judged)
@@ -546,12 +550,14 @@ def input_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, 
     return own, others, counts
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _iterators(oracle: Oracle, enabled: bool, v: Value, grid: tuple[str, ...], loop: str | None, extents: tuple
+# per oracle (dropped with it), per (whether its rule is enabled, tensor, grid, loop, extents)
+_ITERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _iterators(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None, extents: tuple
                ) -> tuple[Value, list[Value], Counts]:
     """One tensor's iterators: every (imap, fmap) pair (each grid axis partitions a distinct dim or
-    replicates the tile, the loop walks a dim no axis partitions or none), judged in rule order
-    (cached per oracle and whether its rule is `enabled`)."""
+    replicates the tile, the loop walks a dim no axis partitions or none), judged in rule order."""
     counts, own, others = Counts(), None, []
     rank, walks = len(v.labels), loop is not None
     for imap in itertools.product((None, *range(rank)), repeat=len(grid)):
