@@ -114,6 +114,14 @@ ROUND_TF32 = ["@triton.jit", "def _round_tf32(x):", "    bits = x.to(tl.float32)
               "    return ((bits + 0x1000) & -0x2000).to(tl.float32, bitcast=True)"]
 
 
+# float32 to bfloat16, to nearest with ties to even as the GPU's cvt.rn.bf16.f32 (and torch) round,
+# as a float32: Triton's CPU interpreter truncates instead (toward zero: every rounding biased by
+# -2^-9 on average, which doubled a bf16 attention kernel's error against torch's), so in interpret
+# mode the kernel rounds with this first, and the interpreter's cast of the result is then exact
+ROUND_BF16 = ["@triton.jit", "def _round_bf16(x):", "    bits = x.to(tl.float32).to(tl.int32, bitcast=True)",
+              "    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)"]
+
+
 class _KernelWriter:
     """Emits one @triton.jit kernel for a block kernel of an instance."""
 
@@ -211,12 +219,20 @@ class _KernelWriter:
         dims = tuple(pow2(t) for t, *_ in tiling)
         val = v.var if v.padded == dims else f"tl.reshape({v.var}, {dims})"
         masked = f", mask={mask}" if mask else ""
+        if self.interpret and self.g.tensors[n.attr("tensor")].dtype == "bfloat16":
+            val = f"_round_bf16({val})"  # see ROUND_BF16
         # replicas agree: along a grid axis the store does not map, only the first block writes
         first = [f"pid{a} == 0" for a, d in enumerate(n.attr("omap")) if d is None]
         if first:
             self.emit(f"if {' and '.join(first)}:", depth)
         self.emit(f"tl.store({ptrs}, {val}.to({ident(n.attr('tensor'))[2:]}_ptr.dtype.element_ty){masked})",
                   depth + bool(first))
+
+    def _to_half(self, x: str) -> str:
+        """`x` rounded to the kernel's half dtype, as a float32 value (rounded as the GPU rounds)."""
+        if self.interpret and self.half == TL_DTYPES["bfloat16"]:
+            return f"_round_bf16({x})"
+        return f"{x}.to({self.half}).to(tl.float32)"
 
     def _masked(self, v: Value, dim: int, neutral: str) -> str:
         if v.masks[dim] is None:
@@ -287,7 +303,7 @@ class _KernelWriter:
             if tf32:
                 a2, b2 = f"_round_tf32({a2})", f"_round_tf32({b2})"
             elif self.half:
-                a2, b2 = f"{a2}.to({self.half}).to(tl.float32)", f"{b2}.to({self.half}).to(tl.float32)"
+                a2, b2 = self._to_half(a2), self._to_half(b2)
             if min(m, kk, nn) >= MIN_DOT:
                 expr = f'tl.dot({a2}, {b2}, input_precision="ieee")'
             else:
@@ -404,8 +420,9 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
             w = _KernelWriter(inst, k, dot_dtype, TL_DTYPES[half] if half else None, interpret)
             kernels += w.write() + ["", ""]
             writers[k.name] = w
-    if any("_round_tf32(" in line for line in kernels):
-        out += ROUND_TF32 + ["", ""]
+    for name, helper in (("_round_tf32(", ROUND_TF32), ("_round_bf16(", ROUND_BF16)):
+        if any(name in line for line in kernels):
+            out += helper + ["", ""]
     out += kernels
     token_inputs = [(n.name, n.attr("shape").index(NUM_TOKENS)) for n in prog.inputs if NUM_TOKENS in n.attr("shape")]
     args = ", ".join(ident(n.name) for n in prog.inputs)
