@@ -35,8 +35,10 @@ whose lower bound on modeled time already exceeds the best complete design with 
 (`best_us`, which the driver sets per depth): the ``cost`` rule (see `bound.py`).
 
 Not enumerated: a grid axis over a label no output carries, two loops in one kernel, stores of
-a value that is both consumed and written by the same kernel unless it equals an output, and the
-combine kernel of a split (derived by `split.py`).
+a value that is both consumed and written by the same kernel unless it equals an output, the
+combine kernel of a split (derived by `split.py`), and a store's omap (it follows the stored
+value's labels, the one map under which the value's tile fits the tensor's without renaming an
+index; an intermediate is stored in its value's dim order, so no other layout is tried).
 """
 
 from __future__ import annotations
