@@ -536,9 +536,9 @@ def input_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, 
     other maps), and what the rules judged of every map enumerated (`iterator_maps`)."""
     extents = tuple(sorted({lb: d for v in tensors.values() for lb, d in zip(v.labels, v.type.shape) if lb}.items()))
     own, others, counts = [], [], Counts()
+    cache = _ITERATORS.setdefault(oracle, {})
     for v in tensors.values():
         key = (oracle.enabled, v, grid, loop, extents)
-        cache = _ITERATORS.setdefault(oracle, {})
         if key not in cache:
             cache[key] = _iterators(oracle, v, grid, loop, extents)
         mine, theirs, judged = cache[key]
@@ -559,7 +559,7 @@ def _iterators(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None
     """One tensor's iterators: every (imap, fmap) pair (each grid axis partitions a distinct dim or
     replicates the tile, the loop walks a dim no axis partitions or none), judged in rule order."""
     counts, own, others = Counts(), None, []
-    rank, walks = len(v.labels), loop is not None
+    rank, walks, extent = len(v.labels), loop is not None, dict(extents)
     for imap in itertools.product((None, *range(rank)), repeat=len(grid)):
         dims = [d for d in imap if d is not None]
         if len(set(dims)) != len(dims):
@@ -567,7 +567,7 @@ def _iterators(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None
         for fmap in (None, *(d for d in range(rank) if d not in dims and walks)):
             counts.generated += 1
             counts.iterators += 1
-            it, rule = _iterator(oracle, v, grid, loop, (imap, fmap), dict(extents))
+            it, rule = _iterator(oracle, v, grid, loop, (imap, fmap), extent)
             if rule:
                 counts.pruned[rule] += 1
             elif it.ref == v.ref:

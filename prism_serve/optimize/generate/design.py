@@ -262,7 +262,8 @@ def _operand(s: str, local: dict, tensors: dict[str, KTensor], spec: BlockSpec):
     if s.startswith("@"):
         name, suffix = tensor_of(s)
         t = tensors[name]
-        return t.type, read_labels(t.labels, spec.grid, spec.loop, iterator_maps(suffix, t.labels, spec.grid, spec.loop))
+        maps = iterator_maps(suffix, t.labels, spec.grid, spec.loop)
+        return t.type, read_labels(t.labels, spec.grid, spec.loop, maps)
     if s.startswith("#"):
         return TensorType((), "const"), ()
     return local[s]
@@ -362,7 +363,8 @@ def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: d
             lbs = types[o.inputs[0]][1]
             fmap = lbs.index(spec.loop) if stage[o.inputs[0]] == "loop" and spec.loop in lbs else None
             extra = {} if fmap is None else {"fmap": fmap}
-            body.append(node(o.name, "store", *ins, tensor=o.attr("tensor"), omap=own_maps(t.labels, spec.grid, None)[0], **extra))
+            omap, _ = own_maps(t.labels, spec.grid, None)
+            body.append(node(o.name, "store", *ins, tensor=o.attr("tensor"), omap=omap, **extra))
         else:
             body.append(Node(o.name, o.op, ins, o.attrs))
     return loads + body

@@ -109,7 +109,8 @@ class SearchStats:
     def to_json(self) -> dict:
         return {"kernel_graphs": self.kernel_graphs, "block_graphs": self.block_graphs, "generated": self.generated,
                 "designs": self.designs, "concrete_graphs": self.concrete_graphs, "pruned": dict(self.pruned),
-                "iterator_maps": self.iterator_maps, "iterator_maps_kept": self.iterator_maps_kept, "rejected": dict(self.rejected), "verified": self.verified, "workers": self.workers,
+                "iterator_maps": self.iterator_maps, "iterator_maps_kept": self.iterator_maps_kept,
+                "rejected": dict(self.rejected), "verified": self.verified, "workers": self.workers,
                 "work": self.work, "steps": self.steps, "open_subtrees": self.open_subtrees,
                 "search_s": self.search_s, "verify_s": self.verify_s, "stopped_by_budget": self.stopped_by_budget}
 
