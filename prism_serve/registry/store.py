@@ -189,11 +189,16 @@ def device_spec(device: Device) -> GpuSpec:
 def stored_gpu(session: Session, name: str, compute_capability: str) -> DeviceInfo | None:
     """The device row warmup stored for a GPU of this canonical name and compute capability, as a
     fingerprint carrying its spec (the measured one, else the known table's); None when there is
-    none. Of several rows (one name, different SM counts) the one holding the most kernels wins."""
+    none. Of several rows (one name, different SM counts: the driver's query inside vLLM gives no SM
+    count) the one holding the most enabled kernels wins (kernels measured on such a GPU; an import
+    adds none), then one with a measured spec (warmup ran on it), then the most kernels."""
+    enabled = func.count(Kernel.id).filter(Kernel.status == "enabled")
     rows = session.execute(
-        select(Device, func.count(Kernel.id).label("n")).outerjoin(Kernel, Kernel.device_id == Device.id)
+        select(Device).outerjoin(Kernel, Kernel.device_id == Device.id)
         .where(Device.kind == "gpu", Device.name == name, Device.compute_capability == compute_capability)
-        .group_by(Device.id).order_by(func.count(Kernel.id).desc(), Device.id.desc())).all()
+        .group_by(Device.id)
+        .order_by(enabled.desc(), Device.spec.is_not(None).desc(), func.count(Kernel.id).desc(), Device.id.desc())
+    ).all()
     if not rows:
         return None
     row = rows[0][0]

@@ -61,3 +61,22 @@ def test_the_row_is_matched_by_compute_capability_and_a_known_gpu_without_one_us
     _query(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
     device, _ = device_mod.current_device(registry=url)
     assert device == DeviceInfo.from_spec(GPUS["h100"]) and device.spec is None
+
+
+def test_of_two_rows_for_one_gpu_the_one_holding_enabled_kernels_is_served(tmp_path):
+    """An import (from an H100 with another SM count) adds a second row for the same name and
+    capability, holding more kernels, none enabled: the plugin keeps the row whose kernels were
+    measured here, not the one with the most kernels."""
+    local = DeviceInfo.from_spec(dataclasses.replace(GPUS["h100"], source="driver"), measured=True)
+    foreign = DeviceInfo.from_spec(dataclasses.replace(GPUS["h100"], sms=133))
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    reg = open_registry(url)
+    with reg.write() as s:
+        add_kernel(s, result(device=local))
+        for workload in ("fused_add_rms_norm", "rmsnorm_linear"):
+            add_kernel(s, result(workload=workload, device=foreign, status="verified", measured_us=None))
+    reg.close()
+    reg = open_registry(url, readonly=True)
+    with reg.read() as s:
+        assert stored_gpu(s, "h100", "9.0").fingerprint == local.fingerprint
+    reg.close()
