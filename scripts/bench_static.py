@@ -40,7 +40,7 @@ from prism_serve.capture.embedded import EMBEDDED, embedded_path  # noqa: E402
 from prism_serve.errors import SGraphError  # noqa: E402
 from prism_serve.optimize.gpus import get_gpu  # noqa: E402
 from prism_serve.optimize.sgraph import BlockKernel, instantiate  # noqa: E402
-from prism_serve.optimize.static import compile_facts  # noqa: E402
+from prism_serve.optimize.static import compile_facts, compiler_versions  # noqa: E402
 from prism_serve.optimize.tune import enumerate_instances, rank  # noqa: E402
 from prism_serve.optimize.workloads.designs import on_tf32  # noqa: E402
 from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
@@ -213,7 +213,9 @@ def main() -> int:
                 key = (cc, g.name, prog.canonical_hash, inst.assignment)
                 chosen.setdefault(key, (inst, []))[1].append((source, nt))
     keys = list(chosen)
-    print(f"compiling {len(keys)} instances ...", file=sys.stderr, flush=True)
+    compiler = compiler_versions()
+    print(f"compiling {len(keys)} instances with Triton {compiler['triton']}, ptxas {compiler['ptxas']} ...",
+          file=sys.stderr, flush=True)
     facts = compile_facts([(chosen[k][0], k[0]) for k in keys])
     rows = []
     for key, kernel_facts in zip(keys, facts):
@@ -244,7 +246,7 @@ def main() -> int:
               f"{r['model_smem']:>7}/{r['ptxas_shared']:<7} {r['model_dots']:>4} {r['hgmma']:>5} {r['hmma']:>5} "
               f"{r['reg_error']:+5.0%}")
     errs = sorted(abs(r["reg_error"]) for r in rows)
-    summary = {"kernels": len(rows), "median_abs_error": errs[len(errs) // 2], "worst_abs_error": errs[-1],
+    summary = {"compiler": compiler, "kernels": len(rows), "median_abs_error": errs[len(errs) // 2], "worst_abs_error": errs[-1],
                "within_tolerance": sum(e <= REG_TOLERANCE for e in errs), "tolerance": REG_TOLERANCE}
     print(f"\n{len(rows)} kernels; register estimate |error| median {errs[len(errs) // 2]:.0%}, "
           f"worst {errs[-1]:.0%}, within {REG_TOLERANCE:.0%}: {summary['within_tolerance']}/{len(errs)}")

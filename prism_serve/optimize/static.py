@@ -59,6 +59,14 @@ def _tool(name: str) -> str:
     return str(path)
 
 
+def compiler_versions() -> dict[str, str]:
+    """The Triton and ptxas that compile_facts uses: registers and spills differ between their
+    versions (the same kernel can spill under one and not another), so every fact names them."""
+    from importlib.metadata import version
+    ptxas = _run(_tool("ptxas"), "--version").strip().splitlines()
+    return {"triton": version("triton"), "ptxas": next((ln for ln in ptxas if "release" in ln), ptxas[-1])}
+
+
 def _parse_res_usage(text: str) -> dict[str, int]:
     line = next((ln for ln in text.splitlines() if "REG:" in ln), None)
     if line is None:

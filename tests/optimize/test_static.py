@@ -7,7 +7,7 @@ import pytest
 
 from prism_serve.optimize.codegen import render
 from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.static import compile_facts
+from prism_serve.optimize.static import compile_facts, compiler_versions
 from prism_serve.optimize.tune import enumerate_instances, rank
 from prism_serve.optimize.workloads.designs import on_tf32
 from prism_serve.optimize.workloads.oracles import oracle
@@ -57,3 +57,12 @@ def test_a_dot_on_tf32_operands_compiles_to_tensor_core_instructions():
         assert 'input_precision="tf32"' in source and "_round_tf32" not in source
     for (inst, cc), (f,) in zip(jobs, compile_facts(jobs)):
         assert f.tensor_core_instructions > 0 and not f.spills, (cc, inst.values, f)
+
+
+def test_the_facts_name_the_triton_and_ptxas_that_made_them():
+    """Registers and spills differ between Triton releases (one kernel spills under Triton 3.6 and not 3.9),
+    so bench_static records the versions: Triton's own, and the ptxas release its wheel ships."""
+    import triton
+    versions = compiler_versions()
+    assert versions["triton"] == triton.__version__
+    assert versions["ptxas"].startswith("Cuda compilation tools, release ")
