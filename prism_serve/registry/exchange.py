@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from prism_serve.errors import PrismError
@@ -23,7 +22,7 @@ from prism_serve.optimize import schema as T
 from prism_serve.optimize.ir import DTYPES, Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.registry.errors import RegistryError
-from prism_serve.registry.models import DEVICE_KINDS, STATUSES, Device, Kernel, ProgramRecord, SGraphRecord
+from prism_serve.registry.models import DEVICE_KINDS, STATUSES
 from prism_serve.registry.store import (
     DeviceInfo,
     KernelResult,
@@ -32,7 +31,6 @@ from prism_serve.registry.store import (
     canonical_json,
     check_result,
     list_kernels,
-    sgraph_hash,
 )
 
 FORMAT = "prism-serve-registry"
@@ -200,28 +198,12 @@ def export_file(session: Session, path: str | Path, **filters) -> int:
     return len(doc["records"])
 
 
-def _present(session: Session, r: KernelResult) -> bool:
-    """Whether the registry already holds this kernel (its unique key)."""
-    found = session.execute(
-        select(Kernel.id).join(Kernel.program).join(Kernel.sgraph).join(Kernel.device)
-        .where(ProgramRecord.hash == r.program.canonical_hash, Device.fingerprint == r.device.fingerprint,
-               SGraphRecord.hash == sgraph_hash(canonical_json(r.sgraph.to_json())), Kernel.dtype == r.dtype,
-               Kernel.bucket_lo == r.bucket[0], Kernel.bucket_hi == r.bucket[1],
-               Kernel.params_json == canonical_json(r.params))).first()
-    return found is not None
-
-
 def import_results(session: Session, results: list[KernelResult]) -> int:
     """Write validated results within the caller's transaction; a kernel the registry already holds
     is left as it is (an import never overwrites this device's own status or timings). Returns the
     number of kernels added."""
     ids: dict = {}
-    added = 0
-    for r in results:
-        if not _present(session, r):
-            add_kernel(session, r, ids)
-            added += 1
-    return added
+    return sum(add_kernel(session, r, ids, keep_existing=True) is not None for r in results)
 
 
 def read_export(path: str | Path) -> list[KernelResult]:

@@ -217,9 +217,10 @@ def upsert_program(session: Session, program: Program, sources: Iterable[tuple[s
 
 
 def upsert_sgraph(session: Session, sgraph: SGraph, program_id: int, proof: dict | None = None,
-                  tests: dict | None = None) -> int:
+                  tests: dict | None = None, keep_existing: bool = False) -> int:
+    """The sGraph's row; a non-empty proof or tests replace the stored ones unless `keep_existing`."""
     text = canonical_json(sgraph.to_json())
-    update = [c for c, v in (("proof", proof), ("tests", tests)) if v]
+    update = [] if keep_existing else [c for c, v in (("proof", proof), ("tests", tests)) if v]
     return _upsert_id(session, SGraphRecord, dict(hash=sgraph_hash(text), program_id=program_id, name=sgraph.name,
                                                   sgraph_json=text, proof=proof or {}, tests=tests or {},
                                                   created_at=utcnow()), ["hash"], update)
@@ -228,8 +229,12 @@ def upsert_sgraph(session: Session, sgraph: SGraph, program_id: int, proof: dict
 KERNEL_KEY = ("program_id", "device_id", "dtype", "bucket_lo", "bucket_hi", "sgraph_id", "params_json")
 
 
-def add_kernel(session: Session, r: KernelResult, _ids: dict | None = None) -> int:
-    """Add or update one result; the same key twice leaves one row holding the latest values."""
+def add_kernel(session: Session, r: KernelResult, _ids: dict | None = None, *,
+               keep_existing: bool = False) -> int | None:
+    """Add or update one result; the same key twice leaves one row holding the latest values. With
+    `keep_existing` (an import) a kernel the registry holds, and a stored sGraph's proof and tests,
+    are left as they are, atomically (ON CONFLICT DO NOTHING: a warmup writing the same key
+    meanwhile wins); returns None where the kernel was already there."""
     check_result(r)
     ids = {} if _ids is None else _ids  # parent ids already upserted in this transaction (add_kernels)
     pkey = ("program", r.program.canonical_hash, r.sources)
@@ -238,7 +243,8 @@ def add_kernel(session: Session, r: KernelResult, _ids: dict | None = None) -> i
     pid = ids[pkey]
     skey = ("sgraph", id(r.sgraph), pid, canonical_json(r.proof), canonical_json(r.tests))
     if skey not in ids:
-        ids[skey] = (upsert_sgraph(session, r.sgraph, pid, r.proof, r.tests), r.sgraph)  # keeps id(sgraph) valid
+        ids[skey] = (upsert_sgraph(session, r.sgraph, pid, r.proof, r.tests, keep_existing),
+                     r.sgraph)  # keeps id(sgraph) valid
     dkey = ("device", r.device)
     if dkey not in ids:
         ids[dkey] = upsert_device(session, r.device)
@@ -250,6 +256,9 @@ def add_kernel(session: Session, r: KernelResult, _ids: dict | None = None) -> i
         modeled_us=r.modeled_us, measured_us=r.measured_us, baseline=r.baseline, baseline_us=r.baseline_us,
         baseline_modeled_us=r.baseline_modeled_us, modeled_speedup=r.modeled_speedup,
         speedup=_speedup(r), status=r.status, reason=r.reason, warmup_run_id=r.warmup_run_id, updated_at=utcnow())
+    if keep_existing:
+        stmt = _insert(session, Kernel).values(**values).on_conflict_do_nothing(index_elements=list(KERNEL_KEY))
+        return session.execute(stmt.returning(Kernel.id)).scalar_one_or_none()
     return _upsert_id(session, Kernel, values, KERNEL_KEY, [c for c in values if c not in KERNEL_KEY])
 
 

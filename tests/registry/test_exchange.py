@@ -9,7 +9,7 @@ import pytest
 
 from prism_serve.registry import RegistryError, exchange
 from prism_serve.registry.exchange import export_document, import_results, parse_export, read_export
-from prism_serve.registry.store import add_kernel, counts
+from prism_serve.registry.store import add_kernel, counts, list_kernels
 from tests.registry.factory import DEVICES, result
 
 
@@ -88,11 +88,11 @@ def test_import_failing_halfway_leaves_registry_unchanged(registry, doc, tmp_pat
     calls = []
     real = exchange.add_kernel
 
-    def flaky(session, r, ids=None):
+    def flaky(session, r, ids=None, **kw):
         calls.append(r)
         if len(calls) == 3:
             raise RegistryError("disk full (simulated)")
-        return real(session, r, ids)
+        return real(session, r, ids, **kw)
 
     monkeypatch.setattr(exchange, "add_kernel", flaky)
     with pytest.raises(RegistryError, match="simulated"), target.write() as s:
@@ -101,3 +101,25 @@ def test_import_failing_halfway_leaves_registry_unchanged(registry, doc, tmp_pat
     with target.read() as s:
         assert counts(s) == before
     target.close()
+
+
+def test_an_import_leaves_the_registrys_kernel_and_its_sgraphs_proof_as_they_are(registry):
+    """A record for a kernel the registry holds changes nothing; a record for the same sGraph at
+    another bucket adds its kernel but keeps the stored sGraph's proof and tests (warmup's vLLM
+    check and the design it reuses), whatever the export claims."""
+    proof, tests = {"egglog": "proved", "design": {"ops": "x"}}, {"vllm_max_rel_error": 1e-3}
+    with registry.write() as s:
+        add_kernel(s, result(proof=proof, tests=tests))
+    with registry.read() as s:
+        doc = export_document(s)
+    same = copy.deepcopy(doc["records"][0])
+    same.update(status="verified", measured_us=1.0)
+    same["sgraph"].update(proof={"claimed": "proven"}, tests={"claimed": "checked"})
+    doc["records"] = [same, {**copy.deepcopy(same), "bucket": [17, 64]}]
+    with registry.write() as s:
+        assert import_results(s, parse_export(doc)) == 1
+    with registry.read() as s:
+        kept, added = sorted(list_kernels(s), key=lambda k: k.bucket_lo)
+        assert (kept.status, kept.measured_us) == ("enabled", 10.0)
+        assert added.bucket_lo == 17 and added.sgraph_id == kept.sgraph_id
+        assert (kept.sgraph.proof, kept.sgraph.tests) == (proof, tests)
