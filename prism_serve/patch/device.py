@@ -48,8 +48,9 @@ def served_gpu(device_name: str, capability: tuple[int, int], registry: str | No
     """The registry device of the GPU the driver calls `device_name`: the row warmup stored for
     it (its fingerprint, and the spec measured there), found by canonical name and compute
     capability, so a GPU the known table lacks is served too. Without a row (nothing was warmed
-    on this kind of GPU): the known table's spec, else the fingerprint from the driver's
-    properties (`spec_from_device`'s inputs; no kernel can match it, so nothing is measured)."""
+    on this kind of GPU): the known table's spec, else a fingerprint of name and capability with
+    no SM count, which no kernel matches. torch is not asked: its device query creates a CUDA
+    context, which vLLM's API server must not hold."""
     from prism_serve.optimize.gpus import GPUS, canonical_name
     from prism_serve.registry.db import open_registry, resolve_url
     from prism_serve.registry.store import stored_gpu
@@ -71,7 +72,5 @@ def served_gpu(device_name: str, capability: tuple[int, int], registry: str | No
         return found
     if name in GPUS:
         return DeviceInfo.from_spec(GPUS[name])
-    import torch
-    props = torch.cuda.get_device_properties(0)
-    return DeviceInfo("gpu", name, cc, int(props.multi_processor_count), int(props.total_memory))
+    return DeviceInfo("gpu", name, cc)
 

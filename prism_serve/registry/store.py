@@ -51,7 +51,7 @@ class DeviceInfo:
     def fingerprint(self) -> str:
         if self.kind == "cpu":
             return f"cpu:{self.name}"
-        return f"gpu:{self.name}:sm{self.compute_capability}:{self.sm_count}sms"
+        return f"gpu:{self.name}:sm{self.compute_capability}:{'?' if self.sm_count is None else self.sm_count}sms"
 
     @staticmethod
     def from_spec(spec: GpuSpec, memory_bytes: int | None = None, *, measured: bool = False) -> DeviceInfo:

@@ -80,3 +80,17 @@ def test_of_two_rows_for_one_gpu_the_one_holding_enabled_kernels_is_served(tmp_p
     with reg.read() as s:
         assert stored_gpu(s, "h100", "9.0").fingerprint == local.fingerprint
     reg.close()
+
+
+def test_a_gpu_neither_warmed_nor_known_is_named_without_a_cuda_context(tmp_path, monkeypatch):
+    """The plugin runs in vLLM's API server too: there it must not create a CUDA context (torch's
+    device query does), so an unknown GPU without a stored row gets a fingerprint no kernel matches."""
+    import torch
+
+    def no_context(*_a, **_k):
+        raise AssertionError("the plugin asked torch for the device: that creates a CUDA context")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_context)
+    _query(monkeypatch, "NVIDIA GeForce RTX 4090", (8, 9))
+    device, device_type = device_mod.current_device(registry=f"sqlite:///{tmp_path / 'none.db'}")
+    assert device_type == "cuda" and device.fingerprint == "gpu:geforce-rtx-4090:sm8.9:?sms"
