@@ -227,7 +227,9 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
                           status="stored", reason="kernels already in the registry")
             for r in stored], cached.get("dtype", ""))
     from prism_serve.capture.runner import capture
+    from prism_serve.registry.db import check_registry_writable
 
+    check_registry_writable(registry)  # a registry that cannot be written fails now, not after the capture
     if progress:
         progress("capture under vLLM", 0, 1)
     captured = capture(model, dtype)  # before the registry is opened: a model that fails leaves no registry behind

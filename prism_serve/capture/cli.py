@@ -40,8 +40,11 @@ def capture_command(
 ) -> None:
     """Run a model under vLLM, find its hot fusable regions and print them as Programs."""
     from prism_serve.capture.runner import capture
+    from prism_serve.paths import check_writable
 
     try:
+        if json_file is not None:
+            check_writable(json_file, "capture report")  # before the capture's half minute, not after
         result = capture(model, dtype)
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -29,6 +29,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from prism_serve.errors import PrismError
 from prism_serve.registry.errors import MissingRegistry, RegistryError
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ def make_engine(url: str, readonly: bool = False) -> Engine:
         if readonly:
             parsed = _readonly_sqlite(parsed, path)
         elif path is not None:
+            check_registry_writable(url)
             path.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(parsed, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
         _sqlite_events(engine)
@@ -108,6 +110,18 @@ def make_engine(url: str, readonly: bool = False) -> Engine:
         return create_engine(parsed, pool_pre_ping=True, execution_options=options)
     except (ImportError, SQLAlchemyError) as exc:
         raise RegistryError(f"cannot use registry {describe(url)}: {exc}") from None
+
+
+def check_registry_writable(location: str | os.PathLike | None = None) -> None:
+    """RegistryError unless a SQLite registry file at `location` could be created or written (other
+    databases are checked when they are opened)."""
+    from prism_serve.paths import check_writable
+    path = sqlite_file(resolve_url(location))
+    if path is not None:
+        try:
+            check_writable(path, "registry", make_folders=True)
+        except PrismError as exc:
+            raise RegistryError(str(exc)) from None
 
 
 def _readonly_sqlite(parsed, path: Path | None):

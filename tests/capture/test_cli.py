@@ -100,3 +100,16 @@ def test_a_pooling_model_is_reported_region_by_region_with_nothing_stored_or_pat
     reg.close()
     device, device_type = current_device(use_vllm=False)
     assert plan(url, device, device_type, force=True).state == "nothing"
+
+
+@pytest.mark.parametrize("where", ["missing folder", "a folder"])
+def test_an_unwritable_report_path_fails_in_one_line_before_the_capture(where, tmp_path, monkeypatch):
+    def no_capture(*_a):
+        raise AssertionError("captured before checking where the report goes")
+
+    monkeypatch.setattr(capture_runner, "capture", no_capture)
+    out = tmp_path / "nope" / "report.json" if where == "missing folder" else tmp_path
+    res = _invoke("tiny-llama", "--json", out)
+    assert res.exit_code == 1
+    (line,) = res.output.strip().splitlines()
+    assert line.startswith("error: cannot write the capture report at ") and str(out) in line, res.output
