@@ -310,13 +310,16 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
     out.reused, out.design, out.verified = bool(designs), best.design.describe(), True
     kernels = {rng: best.kernel_for(size) for rng, size in zip(ranges, sizes)}
     try:
-        out.vllm_max_rel_error, limit = _check_against_vllm(prog, kernels, captured, device_type)
+        checks, checked_tokens = _check_against_vllm(prog, kernels, captured, device_type)
     except PrismError as exc:
         out.status, out.reason, out.verified = "failed", f"check against vLLM: {exc}", False
         return out
+    worst = max(checks, key=lambda rng: checks[rng][0] / checks[rng][1])
+    out.vllm_max_rel_error, limit = checks[worst]
     if out.vllm_max_rel_error > limit:
         out.status, out.verified = "failed", False
-        out.reason = f"differs from vLLM's output by {out.vllm_max_rel_error:.2e} (limit {limit:.2e})"
+        out.reason = (f"the {worst[0]}-{worst[1]} tokens kernel differs from vLLM's output by "
+                      f"{out.vllm_max_rel_error:.2e} (limit {limit:.2e})")
         return out
     from prism_serve.baseline import served_modeled_us, vllm_modeled_us
     dtype = prog.inputs[0].attr("dtype")
@@ -342,7 +345,10 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
             proof={"ok": best.proof.ok, "reason": best.proof.reason, "seconds": best.proof.seconds,
                    "design": best.design.to_json()},
             tests={"small_instance_max_rel_error": best.numeric_error,
-                   "vllm_max_rel_error": out.vllm_max_rel_error, "vllm_error_limit": limit},
+                   "vllm_max_rel_error": out.vllm_max_rel_error, "vllm_error_limit": limit,
+                   "vllm_checked_tokens": checked_tokens,
+                   "vllm_checks": {f"{lo}-{hi}": {"max_rel_error": e, "limit": lim}
+                                   for (lo, hi), (e, lim) in checks.items()}},
             sources=tuple((model, m) for m in region.modules), warmup_run_id=run_id))
     try:
         results = admit(results)  # the registry's gate: proven and checked at the stored instantiation
@@ -358,37 +364,39 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
     return out
 
 
-def _check_against_vllm(prog, kernels: dict, captured, device_type: str) -> tuple[float, float]:
-    """The relative error of the kernels' outputs against vLLM's over every recorded forward of
-    every layer running this Program, and the limit it is held to (`reference.agreement_limit` of
-    the exact result on the same inputs): of the forward nearest its limit, or past it furthest."""
+def _check_against_vllm(prog, kernels: dict, captured, device_type: str
+                        ) -> tuple[dict[tuple[int, int], tuple[float, float]], list[int]]:
+    """Per bucket range, the relative error of its kernel's outputs against vLLM's over every
+    recorded forward of every layer running this Program, and the limit it is held to
+    (`reference.agreement_limit` of the exact result on the same inputs): of the forward nearest its
+    limit, or past it furthest; and the token counts of those forwards. Every range's kernel runs
+    on every forward (a kernel serves any num_tokens; its range only chose its tiles), so a range
+    that no recorded forward falls in is checked too, at the recorded sizes."""
     import torch
 
     from prism_serve.errors import CodegenError
     from prism_serve.optimize.codegen import compile_instance
     from prism_serve.optimize.reference import agreement_limit, evaluate, max_rel_error
 
-    compiled = {}
-    worst, checked = (0.0, 1.0), 0
-    for inst in captured.instances:
-        if inst.program is None or inst.program.canonical_hash != prog.canonical_hash:
-            continue
-        for num_tokens, inputs, outputs in inst.recordings:
-            rows = inputs[0].shape[0]
-            rng = next(r for r in kernels if r[0] <= rows <= r[1])
-            if rng not in compiled:
-                compiled[rng] = compile_instance(kernels[rng].instance)
-            dev = "cuda" if device_type == "cuda" else "cpu"
-            got = compiled[rng](*(t.to(dev).contiguous() for t in inputs))
-            exact = evaluate(prog, [t.cpu() for t in inputs], precision=torch.float64)
-            for o, g, want, x in zip(prog.outputs, got, outputs, exact):
+    forwards = [(inputs, outputs) for inst in captured.instances
+                if inst.program is not None and inst.program.canonical_hash == prog.canonical_hash
+                for _, inputs, outputs in inst.recordings]
+    if not forwards:
+        raise CodegenError(f"capture recorded no forward of {prog.name} to check against")
+    dev = "cuda" if device_type == "cuda" else "cpu"
+    exact = [evaluate(prog, [t.cpu() for t in inputs], precision=torch.float64) for inputs, _ in forwards]
+    checks = {}
+    for rng, kernel in kernels.items():
+        run = compile_instance(kernel.instance)
+        worst = (0.0, 1.0)
+        for (inputs, outputs), want_exact in zip(forwards, exact):
+            got = run(*(t.to(dev).contiguous() for t in inputs))
+            for o, g, want, x in zip(prog.outputs, got, outputs, want_exact):
                 case = (max_rel_error(g.to(torch.float32).cpu(), want.to(torch.float32)),
                         agreement_limit(x, prog.types[o].dtype))
                 worst = max(worst, case, key=lambda c: c[0] / c[1])
-            checked += 1
-    if not checked:
-        raise CodegenError(f"capture recorded no forward of {prog.name} to check against")
-    return worst
+        checks[rng] = worst
+    return checks, sorted({inputs[0].shape[0] for inputs, _ in forwards})
 
 
 def _time_against_vllm(prog, kernels: dict) -> tuple[str, dict]:

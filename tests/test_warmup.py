@@ -83,6 +83,11 @@ def test_the_registry_holds_each_kernel_with_its_proof_design_and_checks(warmed)
         for k in kernels:
             assert k.status == "verified" and k.sgraph.proof["ok"] and "design" in k.sgraph.proof
             assert k.sgraph.tests["vllm_max_rel_error"] < 1e-4
+            # every bucket range's own kernel ran on vLLM's recorded forwards, those past the recorded
+            # token counts too; the region's figure is the worst of them
+            checks = k.sgraph.tests["vllm_checks"]
+            assert f"{k.bucket_lo}-{k.bucket_hi}" in checks and k.sgraph.tests["vllm_checked_tokens"]
+            assert k.sgraph.tests["vllm_max_rel_error"] in {c["max_rel_error"] for c in checks.values()}
             assert k.baseline_modeled_us > 0 and k.speedup is None  # vLLM's path modeled; nothing measured here
         reported = sorted(round(x, 9) for r in first.regions if r.status != "skipped" for x in r.modeled_speedup)
         assert sorted(round(k.modeled_speedup, 9) for k in kernels) == reported
