@@ -91,16 +91,48 @@ IMPLS = {"rms_norm": (rms_norm, rms_norm_supports), "fused_add_rms_norm": (fused
 
 
 def _next_provider(ir_op) -> Callable:
-    """A fallback that runs the provider vLLM would have chosen after prism (functionally)."""
+    """A fallback that runs the provider vLLM would choose without prism (functionally): the first
+    in its priority that supports the call (one above prism never sends the call here), else native."""
     def run(*args):
-        after = False
         for impl in ir_op._priority_impls:
-            if impl.provider == PROVIDER:
-                after = True
-            elif after and impl.supports_args(*args):
+            if impl.provider != PROVIDER and impl.supports_args(*args):
                 return impl.func_impl_fn(*args)
         return ir_op.impls["native"].impl_fn(*args)
     return run
+
+
+def _vllm_activation(kind: str, native: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """vLLM's own path for an activation: its `_C.<kind>` kernel on CUDA / XPU, else `native`."""
+    from vllm.platforms import current_platform
+
+    if (current_platform.is_cuda_alike() or current_platform.is_xpu()) and hasattr(torch.ops._C, kind):
+        def vllm_kernel(x: Tensor) -> Tensor:
+            out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+            getattr(torch.ops._C, kind)(out, x)
+            return out
+        return vllm_kernel
+    return native
+
+
+def _install_fallbacks(table: Table, done: Installed) -> None:
+    """Where the table serves anything, every miss of every prism op runs vLLM's own path, also for
+    kinds the table does not serve (a region the fusion pass formed falls back through its norm
+    and activation; layer 0 of a decoder patched for the residual form falls back through
+    rmsnorm_linear); the torch references in `ops` are left for runs without vLLM."""
+    if not any(table.ops.values()):
+        return
+    from vllm import ir
+    from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+
+    saved = dict(ops.FALLBACKS)
+    done.undo.append(lambda: (ops.FALLBACKS.clear(), ops.FALLBACKS.update(saved)))
+    for op in IR_OPS:
+        ops.FALLBACKS[op] = _next_provider(getattr(ir.ops, op))
+    ops.FALLBACKS["silu_and_mul"] = _vllm_activation("silu_and_mul", SiluAndMul.forward_native)
+    tanh = functools.partial(GeluAndMul.forward_native, types.SimpleNamespace(approximate="tanh"))
+    ops.FALLBACKS["gelu_tanh_and_mul"] = _vllm_activation("gelu_tanh_and_mul", tanh)
+    ops.FALLBACKS["swiglu"] = _vllm_swiglu
+    ops.FALLBACKS.update(LAYER_FALLBACKS)
 
 
 def _install_ir(table: Table, done: Installed) -> None:
@@ -116,8 +148,6 @@ def _install_ir(table: Table, done: Installed) -> None:
             impl, supports = IMPLS[op]
             ir_op.register_impl(PROVIDER, supported=True, supports_args=supports)(impl)
             done.undo.append(lambda o=ir_op: o.impls.pop(PROVIDER, None))
-        ops.FALLBACKS[op] = _next_provider(ir_op)
-        done.undo.append(lambda o=op: ops.FALLBACKS.__setitem__(o, getattr(ops, f"ref_{o}")))
     cls = type(current_platform)
     original = cls.__dict__.get("get_default_ir_op_priority")
     if getattr(cls.get_default_ir_op_priority, "_prism", False):
@@ -149,14 +179,11 @@ def _install_ir(table: Table, done: Installed) -> None:
 
 # --- SiluAndMul and GeluAndMul through CustomOp.register_oot ---------------------------------
 
-def _install_activation(table: Table, done: Installed, cls, kind: str, native: Callable[[Tensor], Tensor],
-                        forward: Callable) -> None:
+def _install_activation(table: Table, done: Installed, cls, kind: str, forward: Callable) -> None:
     """Replace vLLM's activation class `cls` by a subclass whose every path runs `forward(self, x)`,
-    where the table has kernels for `kind` (`prism::<kind>` inside; its miss runs vLLM's own path:
-    its `_C.<kind>` kernel on CUDA / XPU, else `native`, its torch path). Left alone where another
-    plugin replaced `cls` first."""
+    where the table has kernels for `kind` (`prism::<kind>` inside; its miss runs vLLM's own path,
+    see `_install_fallbacks`). Left alone where another plugin replaced `cls` first."""
     from vllm.model_executor.custom_op import op_registry_oot
-    from vllm.platforms import current_platform
 
     name = cls.__name__
     if not table.ops.get(kind):
@@ -167,15 +194,6 @@ def _install_activation(table: Table, done: Installed, cls, kind: str, native: C
             done.kinds.add(kind)
         return  # another plugin replaced it first: leave theirs in place
 
-    if (current_platform.is_cuda_alike() or current_platform.is_xpu()) and hasattr(torch.ops._C, kind):
-        def vllm_kernel(x: Tensor) -> Tensor:
-            out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
-            getattr(torch.ops._C, kind)(out, x)
-            return out
-        ops.FALLBACKS[kind] = vllm_kernel
-    else:
-        ops.FALLBACKS[kind] = native
-
     class Prism(cls):
         _prism = True
         forward_native = forward_cuda = forward_cpu = forward_xpu = forward_hip = forward_oot = forward
@@ -183,9 +201,7 @@ def _install_activation(table: Table, done: Installed, cls, kind: str, native: C
     Prism.__name__ = Prism.__qualname__ = f"Prism{name}"
     cls.register_oot(Prism, name=name)
     _forget_built_activations(name)
-    reference = getattr(ops, f"ref_{kind}")
-    done.undo.append(lambda: (op_registry_oot.pop(name, None), _forget_built_activations(name),
-                              ops.FALLBACKS.__setitem__(kind, reference)))
+    done.undo.append(lambda: (op_registry_oot.pop(name, None), _forget_built_activations(name)))
     done.names.append(name)
     done.kinds.add(kind)
 
@@ -196,7 +212,7 @@ def _install_silu(table: Table, done: Installed) -> None:
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.prism.silu_and_mul(x)
-    _install_activation(table, done, SiluAndMul, "silu_and_mul", SiluAndMul.forward_native, forward)
+    _install_activation(table, done, SiluAndMul, "silu_and_mul", forward)
 
 
 def _install_gelu(table: Table, done: Installed) -> None:
@@ -209,8 +225,7 @@ def _install_gelu(table: Table, done: Installed) -> None:
             return torch.ops.prism.gelu_tanh_and_mul(x)
         # vLLM's path: its kernel where it built one (CUDA, XPU, POWER), else torch
         return GeluAndMul.forward_cuda(self, x) if hasattr(self, "op") else GeluAndMul.forward_native(self, x)
-    tanh = functools.partial(GeluAndMul.forward_native, types.SimpleNamespace(approximate="tanh"))
-    _install_activation(table, done, GeluAndMul, "gelu_tanh_and_mul", tanh, forward)
+    _install_activation(table, done, GeluAndMul, "gelu_tanh_and_mul", forward)
 
 
 def _forget_built_activations(cls_name: str) -> None:
@@ -339,8 +354,6 @@ def _model_classes(names):
 def _install_regions(table: Table, done: Installed) -> None:
     if not table.ops.get("swiglu"):
         return
-    ops.FALLBACKS["swiglu"] = _vllm_swiglu
-    done.undo.append(lambda: ops.FALLBACKS.__setitem__("swiglu", ops.ref_swiglu))
     for _, cls_name, cls in _model_classes(REGIONS):
         if "_prism_init" in cls.__dict__:
             continue
@@ -495,18 +508,14 @@ def _vllm_rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsi
     return orig["act"](gate_up)
 
 
-LAYER_FALLBACKS = {"rmsnorm_linear": (_vllm_rmsnorm_linear, ops.ref_rmsnorm_linear),
-                   "fused_add_rmsnorm_linear": (_vllm_fused_add_rmsnorm_linear, ops.ref_fused_add_rmsnorm_linear),
-                   "rmsnorm_swiglu": (_vllm_rmsnorm_swiglu, ops.ref_rmsnorm_swiglu)}
+LAYER_FALLBACKS = {"rmsnorm_linear": _vllm_rmsnorm_linear, "fused_add_rmsnorm_linear": _vllm_fused_add_rmsnorm_linear,
+                   "rmsnorm_swiglu": _vllm_rmsnorm_swiglu}
 
 
 def _install_decoder_layers(table: Table, done: Installed) -> None:
     served = [kind for kind in LAYER_FALLBACKS if table.ops.get(kind)]
     if not served:
         return
-    for kind in served:
-        ops.FALLBACKS[kind] = LAYER_FALLBACKS[kind][0]
-        done.undo.append(lambda k=kind: ops.FALLBACKS.__setitem__(k, LAYER_FALLBACKS[k][1]))
     for _, cls_name, cls in _model_classes(DECODER_LAYERS):
         if "_prism_init" in cls.__dict__:
             continue
@@ -577,7 +586,7 @@ def _install_amx_packed(shapes: set[tuple], done: Installed) -> None:
     done.undo.append(lambda: setattr(namespace, "convert_weight_packed", inner))
 
 
-HOOKS = (_install_ir, _install_silu, _install_gelu, _install_regions, _install_decoder_layers, _install_packed, fusion.install)
+HOOKS = (_install_fallbacks, _install_ir, _install_silu, _install_gelu, _install_regions, _install_decoder_layers, _install_packed, fusion.install)
 
 
 def install(table: Table) -> Installed:

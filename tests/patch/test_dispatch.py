@@ -276,6 +276,7 @@ def test_a_silu_miss_off_cuda_runs_vllms_own_silu_and_mul(live):
     from prism_serve.patch import hooks
 
     done = hooks.Installed([], [])
+    hooks._install_fallbacks(live, done)
     hooks._install_silu(live, done)
     try:
         assert done.names == ["SiluAndMul"] and done.kinds == {"silu_and_mul"}
@@ -387,3 +388,33 @@ def test_a_class_hook_attaches_to_exactly_its_class_and_undoes_cleanly():
     attached.clear()
     Layer()
     assert attached == []
+
+
+def test_a_miss_of_a_kind_the_table_does_not_serve_runs_vllms_own_path_too(layer_regions):
+    """With only the decoder's residual-form regions stored, layer 0 (no residual) reaches
+    rmsnorm_linear and a region the fusion pass formed reaches rms_norm and silu_and_mul: their
+    misses run vLLM's path (its IR op, its activation, its modules), not the torch references."""
+    from vllm import ir
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from prism_serve.patch import hooks
+
+    assert not layer_regions.ops.get("rms_norm") and not layer_regions.ops.get("rmsnorm_linear")
+    done = hooks.Installed([], [])
+    hooks._install_fallbacks(layer_regions, done)
+    try:
+        assert ops.FALLBACKS["silu_and_mul"] is SiluAndMul.forward_native  # vLLM's path on the CPU
+        assert ops.FALLBACKS["rmsnorm_linear"] is hooks._vllm_rmsnorm_linear
+        assert ops.FALLBACKS["rms_norm"] is not ops.ref_rms_norm
+        x, g = torch.randn(5, 128, dtype=torch.bfloat16), torch.rand(128, dtype=torch.bfloat16) + 0.5
+        with set_current_vllm_config(VllmConfig()):
+            norm = RMSNorm(128, eps=EPS, dtype=torch.bfloat16)
+            norm.weight.data.copy_(g)
+            want = norm.forward_native(x)
+        torch.testing.assert_close(ops.FALLBACKS["rms_norm"](x, g, EPS), want, rtol=0, atol=0)
+        torch.testing.assert_close(ops.FALLBACKS["rms_norm"](x, g, EPS), ir.ops.rms_norm(x, g, EPS), rtol=0, atol=0)
+    finally:
+        done.revert()
+    assert ops.FALLBACKS["rms_norm"] is ops.ref_rms_norm and ops.FALLBACKS["rmsnorm_linear"] is ops.ref_rmsnorm_linear
