@@ -70,6 +70,10 @@ def doctor(
 ) -> None:
     """Show versions, the device kernels would run on, where the registry lives, and with a
     model, which of its layers the vLLM plugin would patch here and why the others would not."""
+    from prism_serve.capture.runner import DTYPES
+
+    if dtype not in DTYPES:
+        raise _fail(ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}"))
     report = doctor_report()
     if model is not None:
         from prism_serve.patch.doctor import patch_report
@@ -92,15 +96,9 @@ def doctor(
     console = stdout_console()
     console.print(table)
     if model is not None:
-        patch = report["patch"]
-        layers = Table("layer", "op", "patched", "why", title=f"{patch['model']} ({patch['architecture']}, "
-                       f"{patch['dtype']}) on {patch['device']}: plugin {patch['plugin']}")
-        for row in patch["layers"]:
-            layers.add_row(row["layer"], row["op"], "yes" if row["patched"] else "no",
-                           "; ".join(row.get("buckets", [])) or row.get("why", ""))
-        console.print(layers)
-        if patch.get("message"):
-            console.print(patch["message"], highlight=False)
+        from prism_serve.patch.doctor import print_patch_report
+
+        print_patch_report(report["patch"], console)
 
 
 def _speeds(per_bucket: list[float]) -> str:

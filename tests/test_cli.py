@@ -22,6 +22,27 @@ def test_doctor_reports_versions_device_and_registry(monkeypatch, tmp_path):
     assert json.loads(runner.invoke(app, ["doctor", "--json"]).output)["registry"] == "postgresql://u@127.0.0.1/db"
 
 
+def test_doctor_on_a_model_prints_compiled_and_eager_columns(monkeypatch, tmp_path):
+    monkeypatch.setenv("PRISM_SERVE_REGISTRY", str(tmp_path / "reg.sqlite"))
+    result = runner.invoke(app, ["doctor", "tiny-llama"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    head = next(line for line in result.output.splitlines() if "layer" in line and "op" in line)
+    assert "compiled" in head and "eager" in head
+    assert "sites from config.json" in result.output
+
+
+def test_doctor_refuses_a_dtype_typo_and_a_config_without_layers_in_one_line(tmp_path):
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    for args, needle in ((["--dtype", "flaot16", "tiny-llama"], "dtype 'flaot16' is not one of"),
+                         ([str(bad)], "does not describe a LlamaForCausalLM's layers: KeyError 'hidden_size'")):
+        result = runner.invoke(app, ["doctor", *args])
+        assert result.exit_code == 1
+        (line,) = result.output.strip().splitlines()
+        assert line.startswith("error: ") and needle in line, result.output
+
+
 def test_workloads_lists_every_workload():
     result = runner.invoke(app, ["workloads"], env={"COLUMNS": "200"})
     assert result.exit_code == 0

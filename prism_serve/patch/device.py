@@ -13,9 +13,8 @@ def current_device(use_vllm: bool = True, *, measure: bool = False,
     context: forked workers stay safe) and the GPU is the device row warmup stored for it in
     `registry` (default: the configured one), see `served_gpu`; elsewhere torch. With `measure`
     (warmup), a GPU's spec comes from its driver and a few seconds of microbenchmark and travels
-    with the fingerprint; without, a GPU must be in the known table (else SGraphError)."""
-    from prism_serve.optimize.gpus import get_gpu
-
+    with the fingerprint; without (the doctor, benchmarks), the GPU is found as the plugin finds it
+    (`served_gpu`), so a GPU the known table lacks is reported on too."""
     if use_vllm:
         kind, gpu = vllm_platform()
         if kind == "cpu":
@@ -28,7 +27,7 @@ def current_device(use_vllm: bool = True, *, measure: bool = False,
         if measure:
             from prism_serve.optimize.devbench import measured_spec
             return DeviceInfo.from_spec(measured_spec(), measured=True), "cuda"
-        return DeviceInfo.from_spec(get_gpu(torch.cuda.get_device_name())), "cuda"
+        return served_gpu(torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability()), registry), "cuda"
     return DeviceInfo.cpu(platform.machine()), "cpu"
 
 

@@ -28,8 +28,8 @@ LAYER_CLASSES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaMLP"),
                  "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen2MLP")}
 ARCHITECTURES = set(LAYER_CLASSES)
 QK_NORM = {"Qwen3ForCausalLM"}
-# decoder layers whose two sides the plugin fuses (Qwen2's qkv has a bias: capture reports its kinds)
-DECODER_REGIONS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
+# a qkv projection with a bias: the input side's kinds are the `_bias` ones (compiled mode only)
+BIASED_QKV = {"Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ def sites(cfg: dict) -> list[Site]:
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         spans = {k: tuple(p + m for m in KINDS[k].modules) for k in KINDS if KINDS[k].modules}
-        if arch in DECODER_REGIONS:
-            side = "rmsnorm_linear" if i == 0 else "fused_add_rmsnorm_linear"
+        if arch in ARCHITECTURES:
+            side = ("rmsnorm_linear" if i == 0 else "fused_add_rmsnorm_linear") + ("_bias" if arch in BIASED_QKV else "")
             out += [Site(p + "self_attn", side, (hidden, qkv), eps, "input_layernorm + qkv_proj as one kernel",
                          spans[side]),
                     Site(p + "mlp", "rmsnorm_swiglu", (hidden, inter), eps,
@@ -122,7 +122,10 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     from prism_serve.patch.plugin import plan
     from prism_serve.registry.db import resolve_url
 
+    from prism_serve.capture.runner import _validate
+
     path = resolve_model(model)
+    _validate(path)  # capture's checks: the same one-line errors for a path or config it cannot use
     cfg = json.loads((path / "config.json").read_text())
     arch = (cfg.get("architectures") or [""])[0]
     if capture is True or (capture is None and arch not in ARCHITECTURES):
@@ -132,8 +135,8 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     ran = {capture["dtype"]} if isinstance(capture, dict) and capture.get("dtype") else ran
     if dtype in (None, "auto"):  # what vLLM ran, where captured; else what its dtype="auto" runs
         dtype = ran.pop() if len(ran) == 1 else serving_dtype(_dtype(cfg, path))
-    device, device_type = current_device(use_vllm=False)
     url = resolve_url(registry)
+    device, device_type = current_device(use_vllm=False, registry=url)
     p = plan(url, device, device_type, force)
     report = {"model": str(path), "architecture": arch, "dtype": dtype, "model_dtype": _dtype(cfg, path),
               "device": device.fingerprint,
@@ -141,7 +144,11 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
               "message": p.message, "skipped": dict(p.reasons), "layers": [], "served": {}, "unserved": []}
     if not isinstance(capture, dict):
         report["sites_from"] = "config.json"
-        all_sites, classes = sites(cfg), config_classes(cfg)
+        try:
+            all_sites, classes = sites(cfg), config_classes(cfg)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path / 'config.json'} does not describe a {arch}'s layers: "
+                             f"{type(exc).__name__} {exc}") from None
     else:
         report["sites_from"] = "capture: the regions vLLM's compiled graph holds, as the fusion pass matches them"
         all_sites, classes = capture_sites(capture), capture.get("classes", {})

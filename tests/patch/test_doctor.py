@@ -175,3 +175,16 @@ def test_a_float32_gemma_norm_runs_on_a_plain_norm_kernel_where_the_table_has_on
     assert _kernel(site, torch.float16, table)[0] == "gemma_fused_add_rms_norm"
     table.ops["fused_add_rms_norm"][torch.float32, 128, 1e-6] = Buckets()
     assert _kernel(site, torch.float32, table)[0] == "fused_add_rms_norm"  # though no float32 Gemma kernel
+
+
+def test_qwen2s_layers_are_its_biased_input_side_and_its_mlp_region():
+    """Qwen2's qkv projection has a bias: its input side is the `_bias` kinds (the fusion pass serves
+    them), and its MLP side the plain rmsnorm_swiglu, as a capture of it reports."""
+    from prism_serve.patch.doctor import sites
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "rms_norm_eps": 1e-6}
+    ops = {(s.layer, s.op) for s in sites(cfg)}
+    assert {("model.layers.0.self_attn", "rmsnorm_linear_bias"), ("model.layers.1.self_attn", "fused_add_rmsnorm_linear_bias"),
+            ("model.layers.0.mlp", "rmsnorm_swiglu"), ("model.layers.1.mlp", "rmsnorm_swiglu")} <= ops
+    assert not {op for _, op in ops} & {"rmsnorm_linear", "fused_add_rmsnorm_linear"}

@@ -94,3 +94,20 @@ def test_a_gpu_neither_warmed_nor_known_is_named_without_a_cuda_context(tmp_path
     _query(monkeypatch, "NVIDIA GeForce RTX 4090", (8, 9))
     device, device_type = device_mod.current_device(registry=f"sqlite:///{tmp_path / 'none.db'}")
     assert device_type == "cuda" and device.fingerprint == "gpu:geforce-rtx-4090:sm8.9:?sms"
+
+
+def test_the_doctor_finds_the_gpu_as_the_plugin_does(tmp_path, monkeypatch):
+    """Outside vLLM (the doctor) a GPU the known table lacks is the row warmup stored for it,
+    not an 'unknown GPU' error."""
+    import torch
+
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    reg = open_registry(url)
+    with reg.write() as s:
+        add_kernel(s, result(device=DeviceInfo.from_spec(L20, measured=True)))
+    reg.close()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA L20")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
+    device, device_type = device_mod.current_device(use_vllm=False, registry=url)
+    assert (device.fingerprint, device.spec, device_type) == ("gpu:l20:sm8.9:92sms", L20, "cuda")
