@@ -610,12 +610,6 @@ def _flush_periodically(period_s: float) -> None:
             last = now
 
 
-def log_counters() -> None:
-    ran = {op: n for op, n in COUNTS.items() if n}
-    if ran or any(MISSES.values()):
-        log.info("prism-serve: kernel launches %s, fallbacks to vLLM %s", ran, {k: v for k, v in MISSES.items() if v})
-
-
 _ATEXIT = []
 
 
