@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from prism_serve.errors import PrismError
 from prism_serve.registry.errors import RegistryError
-from prism_serve.registry.store import KernelResult, canonical_json
+from prism_serve.registry.store import KernelResult, canonical_json, current_versions
 
 log = logging.getLogger(__name__)
 IMPORTED_REASON = "imported: proof and numeric check re-run here; not measured on this device"
@@ -112,8 +112,9 @@ class Gate:
             proof, tests = self.proof(r, key), self.numeric(r, key)
         except RegistryError as exc:
             raise RegistryError(f"{where}: {exc}") from None
-        if imported:
-            return dataclasses.replace(r, status="verified", reason=IMPORTED_REASON, modeled_us=None,
+        if imported:  # built and checked here: this machine's versions, not the export's claims
+            return dataclasses.replace(r, versions=current_versions(), status="verified", reason=IMPORTED_REASON,
+                                       modeled_us=None,
                                        measured_us=None, baseline=None, baseline_us=None,
                                        baseline_modeled_us=None, modeled_speedup=None, proof=proof,
                                        tests={"recheck": tests}, warmup_run_id=None)

@@ -136,6 +136,8 @@ def check_result(r: KernelResult) -> None:
         raise RegistryError(f"{where}: num_tokens bucket {r.bucket} must be 1 <= lo <= hi")
     if r.sgraph.program.canonical_hash != r.program.canonical_hash:
         raise RegistryError(f"{where}: the sGraph implements a different program")
+    if r.dtype != r.program.inputs[0].attr("dtype"):  # the plugin looks kernels up by the activations' dtype
+        raise RegistryError(f"{where}: dtype {r.dtype} is not its program's ({r.program.inputs[0].attr('dtype')})")
     if set(r.params) != set(r.sgraph.symbols):
         raise RegistryError(f"{where}: params {sorted(r.params)} do not assign the sGraph's symbols "
                             f"{list(r.sgraph.symbols)}")

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from prism_serve.registry import RegistryError, exchange
+from prism_serve.registry import RegistryError, exchange, open_registry
+from prism_serve.registry.gate import admit
 from prism_serve.registry.exchange import export_document, import_results, parse_export, read_export
 from prism_serve.registry.store import add_kernel, counts, list_kernels
 from tests.registry.factory import DEVICES, result
@@ -40,6 +41,8 @@ CASES = {
     "bool for a number": (lambda d: d["records"][0].update(measured_us=True), "measured_us must be float"),
     "unknown field": (lambda d: d["records"][0].update(source_code="x"), "unknown fields"),
     "bad status": (lambda d: d["records"][0].update(status="yolo"), "status 'yolo'"),
+    "relabelled dtype": (lambda d: d["records"][0].update(dtype="bfloat16"),
+                         r"dtype bfloat16 is not its program's \(float16\)"),
     "bad params": (lambda d: d["records"][0].update(params={"BT": -1}), "param 'BT' must be int in"),
     "hash mismatch": (lambda d: d["records"][0]["program"].update(hash="f" * 32), "is not the hash of its IR"),
     "malformed IR": (lambda d: d["records"][0]["program"]["ir"]["nodes"][0].update(op="conv"), "unsupported op"),
@@ -123,3 +126,22 @@ def test_an_import_leaves_the_registrys_kernel_and_its_sgraphs_proof_as_they_are
         assert (kept.status, kept.measured_us) == ("enabled", 10.0)
         assert added.bucket_lo == 17 and added.sgraph_id == kept.sgraph_id
         assert (kept.sgraph.proof, kept.sgraph.tests) == (proof, tests)
+
+
+def test_an_imported_kernel_carries_the_versions_it_was_checked_with_here(doc, tmp_path):
+    """The gate rebuilds and checks every imported kernel with this machine's software: the record's
+    claimed versions (an old codegen, which `registry gc --incompatible` would then remove) are not kept."""
+    from prism_serve.optimize.codegen import CODEGEN_VERSION
+    from prism_serve.registry.store import current_versions
+
+    doc["records"] = [r for r in doc["records"] if r["program"]["ir"]["name"] == "rms_norm"]
+    for rec in doc["records"]:
+        rec["versions"].update(codegen=1, triton="0.1.0")
+    target = open_registry(f"sqlite:///{tmp_path / 'target.db'}")
+    with target.write() as s:
+        assert import_results(s, admit(parse_export(doc), imported=True)) == len(doc["records"])
+    here = current_versions()
+    with target.read() as s:
+        for k in list_kernels(s):
+            assert (k.codegen_version, k.triton_version, k.torch_version) == (CODEGEN_VERSION, here.triton, here.torch)
+    target.close()
