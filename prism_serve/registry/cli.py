@@ -24,7 +24,9 @@ from prism_serve.registry.db import (
     open_registry,
     resolve_url,
     seal,
+    sqlite_file,
 )
+from prism_serve.registry.errors import MissingRegistry
 
 registry_app = typer.Typer(help="Inspect and manage the kernel registry.", no_args_is_help=True)
 RegistryOpt = Annotated[str | None, typer.Option(
@@ -37,9 +39,13 @@ def _console() -> Console:
 
 
 @contextlib.contextmanager
-def _opened(location: str | None, readonly: bool = False) -> Iterator[Registry]:
-    """The registry, for the command's lifetime; reading commands never create or write it."""
+def _opened(location: str | None, readonly: bool = False, existing: bool = False) -> Iterator[Registry]:
+    """The registry, for the command's lifetime; reading commands never create or write it, nor do
+    `existing` ones (removals: a mistyped path is an error, not a new empty registry)."""
     try:
+        path = sqlite_file(resolve_url(location))
+        if existing and path is not None and not path.is_file():
+            raise MissingRegistry(f"no registry at {path}")
         reg = open_registry(location, readonly=readonly)
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -167,7 +173,7 @@ def import_cmd(path: Path, registry: RegistryOpt = None, as_json: JsonOpt = Fals
 def rm(kernel_ids: Annotated[list[int], typer.Argument(help="Kernel ids to remove.")], registry: RegistryOpt = None,
        as_json: JsonOpt = False) -> None:
     """Remove kernels by id."""
-    with _opened(registry) as reg, reg.write() as s:
+    with _opened(registry, existing=True) as reg, reg.write() as s:
         n = store.remove_kernels(s, kernel_ids)
     typer.echo(json.dumps({"removed": n}) if as_json else f"removed {n} kernels")
 
@@ -176,7 +182,7 @@ def rm(kernel_ids: Annotated[list[int], typer.Argument(help="Kernel ids to remov
 def gc(registry: RegistryOpt = None, incompatible: Annotated[bool, typer.Option(
         help="Also drop kernels of another codegen version.")] = False, as_json: JsonOpt = False) -> None:
     """Drop sGraphs, programs and devices no kernel uses."""
-    with _opened(registry) as reg, reg.write() as s:
+    with _opened(registry, existing=True) as reg, reg.write() as s:
         removed = store.gc(s, incompatible=incompatible)
     typer.echo(json.dumps(removed) if as_json else ", ".join(f"removed {v} {k}" for k, v in removed.items()))
 

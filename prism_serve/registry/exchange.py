@@ -194,7 +194,10 @@ def export_document(session: Session, **filters) -> dict[str, Any]:
 
 def export_file(session: Session, path: str | Path, **filters) -> int:
     doc = export_document(session, **filters)
-    Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True))
+    try:
+        Path(path).write_text(json.dumps(doc, indent=1, sort_keys=True))
+    except OSError as exc:
+        raise E(f"cannot write the export at {path}: {exc.strerror or exc}") from None
     return len(doc["records"])
 
 

@@ -90,3 +90,16 @@ def test_registry_from_environment(tmp_path, monkeypatch):
     _seed(str(db))
     monkeypatch.setenv("PRISM_SERVE_REGISTRY", str(db))
     assert len(json.loads(_invoke("list", "--json").output)) == 3
+
+
+def test_an_export_to_a_folder_or_nowhere_and_a_removal_from_a_mistyped_registry_are_one_line(tmp_path):
+    db = str(tmp_path / "r.db")
+    _seed(db)
+    for target, why in ((tmp_path, "Is a directory"), (tmp_path / "no" / "x.json", "No such file or directory")):
+        got = _invoke("export", str(target), "--registry", db)
+        assert got.exit_code == 1 and got.output == f"error: cannot write the export at {target}: {why}\n", got.output
+    typo = tmp_path / "typo" / "r.db"
+    for args in (["gc"], ["rm", "1"]):
+        got = _invoke(*args, "--registry", str(typo))
+        assert got.exit_code == 1 and got.output == f"error: no registry at {typo}\n", got.output
+    assert not (tmp_path / "typo").exists()  # nothing made in its place
