@@ -162,6 +162,11 @@ def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TI
             if got["dtype"] != k.dtype:
                 table.skipped.append((k.id, f"stored dtype {k.dtype} differs from its program's {got['dtype']}"))
                 continue
+            if not (type(k.bucket_lo) is int and type(k.bucket_hi) is int and 1 <= k.bucket_lo <= k.bucket_hi):
+                why = f"its bucket {k.bucket_lo!r}-{k.bucket_hi!r} is not 1 <= lo <= hi"  # a damaged row
+                table.refused.append((k.id, why))
+                table.skipped.append((k.id, why))
+                continue
             found.setdefault(got["op"], {}).setdefault(key, []).append(
                 Launcher(run, k.id, k.bucket_lo, k.bucket_hi, k.measured_us, k.modeled_us))
     for name, per in found.items():

@@ -140,3 +140,26 @@ def test_keyboard_interrupt_still_stops_start_up(fresh_plugin, monkeypatch):
     monkeypatch.setattr(plugin, "plan", plan)
     with pytest.raises(KeyboardInterrupt):
         plugin.register()
+
+
+def test_a_row_with_a_damaged_bucket_is_refused_alone(kernels_registry, live):
+    """A registry cell edited by hand (SQLite keeps a string in an integer column) refuses that
+    kernel, in one line, while every other kernel serves."""
+    import sqlite3
+
+    from prism_serve.registry.db import sqlite_file
+
+    kernels = _kernels(kernels_registry)
+    victim = next(k for k in kernels if k.program.name == "silu_and_mul")
+    db = sqlite3.connect(sqlite_file(kernels_registry))
+    try:
+        db.execute("UPDATE kernels SET bucket_lo = 'abc' WHERE id = ?", (victim.id,))
+        db.commit()
+        t = table.build_table(_kernels(kernels_registry), "cpu")
+    finally:
+        db.execute("UPDATE kernels SET bucket_lo = ? WHERE id = ?", (victim.bucket_lo, victim.id))
+        db.commit()
+        db.close()
+    assert dict(t.refused) == {victim.id: "its bucket 'abc'-" + f"{victim.bucket_hi!r} is not 1 <= lo <= hi"}
+    assert {kid for kid, _ in t.skipped} == {victim.id}
+    assert {"rms_norm", "fused_add_rms_norm", "silu_and_mul"} <= set(t.ops)  # its other buckets serve
