@@ -10,6 +10,7 @@ come from `ARCH`.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from prism_serve.errors import SGraphError
@@ -48,6 +49,10 @@ ARCH: dict[tuple[int, int], Arch] = {
     (9, 0): Arch(232448, 233472, 64, 32, 4096, 256),
     (10, 0): Arch(232448, 233472, 64, 32, 8192, 256),
 }
+
+
+# A GPU's name as stored and rendered (a comment of generated source names it): a slug, never code.
+GPU_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class GpuSpec:
             name, source = str(data["name"]), str(data.get("source", ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise SGraphError(f"stored GPU spec is malformed: {type(exc).__name__}: {exc}") from None
+        if not GPU_NAME.fullmatch(name):
+            raise SGraphError(f"stored GPU spec has a malformed name {name[:40]!r}")
         if len(cc) != 2 or cc not in ARCH or any(v <= 0 for v in (*floats.values(), *ints.values())):
             raise SGraphError(f"stored GPU spec {name!r} has an unknown architecture or a non-positive figure")
         arch = ARCH[cc]
@@ -164,7 +171,10 @@ def canonical_name(device_name: str) -> str:
     """The table's name for a driver's device name, or a slug of it for a GPU the table lacks."""
     key = device_name.strip().lower()
     key = ALIASES.get(key, key)
-    return key if key in GPUS else "-".join(key.replace("nvidia", "").split()) or "gpu"
+    if key in GPUS:
+        return key
+    slug = re.sub(r"[^a-z0-9_.]+", "-", key.replace("nvidia", "")).strip("-._")[:100]
+    return slug or "gpu"
 
 
 def spec_from_device(props, *, bandwidth_gbs: float, eager_launch_us: float, graph_launch_us: float,

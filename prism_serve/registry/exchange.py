@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from prism_serve.errors import PrismError
 from prism_serve.optimize import schema as T
+from prism_serve.optimize.gpus import GPU_NAME
 from prism_serve.optimize.ir import DTYPES, Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.registry.errors import RegistryError
@@ -40,7 +41,6 @@ MAX_RECORDS = 100_000
 MAX_TOKENS = 2**31 - 1  # the bucket columns are 32-bit
 MAX_US = 1e12
 HASH = re.compile(r"[0-9a-f]{16,64}")
-DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
 CAPABILITY = re.compile(r"[0-9]{1,2}\.[0-9]{1,2}")
 VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]{0,39}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069]")
@@ -71,7 +71,7 @@ def _optional(value: Any, check, *args) -> Any:
 def _device(d: Any, where: str) -> DeviceInfo:
     T.fields(d, ("kind", "name"), ("compute_capability", "sm_count", "memory_bytes"), where, E)
     return DeviceInfo(T.one_of(d["kind"], DEVICE_KINDS, f"{where}.kind", E),
-                      matching(d["name"], DEVICE_NAME, f"{where}.name"),
+                      matching(d["name"], GPU_NAME, f"{where}.name"),
                       _optional(d.get("compute_capability"), matching, CAPABILITY, f"{where}.compute_capability"),
                       _optional(d.get("sm_count"), T.int_in, 1, 100_000, f"{where}.sm_count", E),
                       _optional(d.get("memory_bytes"), T.int_in, 0, 2**50, f"{where}.memory_bytes", E))

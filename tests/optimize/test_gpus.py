@@ -55,6 +55,31 @@ def test_stored_specs_are_typed_and_checked():
         GpuSpec.from_json(spec.to_json() | {"mem_bandwidth_gbs": -1})
 
 
+def test_a_stored_gpu_name_is_a_slug_and_generated_source_renders_nothing_else(tmp_path):
+    """The GPU's name is written into a comment of every generated module: a stored spec whose name
+    would close that docstring is refused when read, and codegen refuses to render it anyway."""
+    import dataclasses
+
+    from prism_serve.errors import CodegenError
+    from prism_serve.optimize.codegen import render
+    from prism_serve.optimize.gpus import canonical_name
+    from prism_serve.optimize.sgraph import instantiate
+    from prism_serve.optimize.workloads.oracles import default_assignment, oracle
+    from prism_serve.optimize.workloads.programs import WORKLOADS
+
+    evil = 'h100"""\nopen("' + str(tmp_path / "pwned") + '", "w").write("x")\n"""'
+    spec = spec_from_device(_props(), bandwidth_gbs=1900.0, eager_launch_us=4.2, graph_launch_us=0.8)
+    with pytest.raises(SGraphError, match="malformed name"):
+        GpuSpec.from_json(spec.to_json() | {"name": evil})
+    g = oracle(WORKLOADS["rms_norm"].program(hidden=256))
+    inst = dataclasses.replace(instantiate(g, default_assignment(g), get_gpu("h100")), gpu=evil)
+    with pytest.raises(CodegenError, match="refusing to render GPU name"):
+        render(inst)
+    assert not (tmp_path / "pwned").exists()
+    # a driver's name becomes such a slug, whatever it holds
+    assert canonical_name('NVIDIA "Odd" GPU/2 (rev a1)') == "odd-gpu-2-rev-a1"
+
+
 class FakeProbe:
     """A device whose copies run at 2 TB/s, eager launches cost 4 us, graph nodes 1.5 us."""
 
