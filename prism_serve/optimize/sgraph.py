@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
@@ -202,7 +203,24 @@ def _fail(where: str, msg: str) -> SGraphError:
     return SGraphError(f"{where}: {msg}")
 
 
+def _check_names(g: SGraph) -> None:
+    """One name, one thing, also as generated code spells it (each non-word character as "_"):
+    kernels (a launcher per name), tensors (an argument per name), intermediates apart from the
+    Program's inputs and outputs (a buffer must not shadow an input)."""
+    prog = g.program
+    for what, names in (("kernel", [k.name for k in g.kernels if isinstance(k, BlockKernel)]),
+                        ("tensor", [n.name for n in prog.inputs] + list(prog.outputs) + [t.name for t in g.intermediates])):
+        seen: dict[str, str] = {}
+        for name in names:
+            spelled = re.sub(r"\W", "_", name, flags=re.ASCII)
+            if spelled in seen:
+                raise SGraphError(f"sGraph '{g.name}': {what} names '{seen[spelled]}' and '{name}' "
+                                  f"are the same name in generated code")
+            seen[spelled] = name
+
+
 def _check_sgraph(g: SGraph) -> tuple[dict[str, TensorDecl], dict[str, dict[str, TensorType]]]:
+    _check_names(g)
     prog = g.program
     tensors: dict[str, TensorDecl] = {
         n.name: TensorDecl(n.name, tuple(to_expr(d) for d in n.attr("shape")), n.attr("dtype"))
@@ -314,6 +332,13 @@ def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, writ
         raise _fail(where, "has a for-loop but no accumulator")
     if not k.stores:
         raise _fail(where, "stores nothing")
+    stored = [st.attr("tensor") for st in k.stores]
+    twice = sorted({t for t in stored if stored.count(t) > 1})
+    if twice:  # blocks would race: the proof sees one store, a GPU runs both in any order
+        raise _fail(where, f"stores tensor '{twice[0]}' twice; one store per tensor per kernel")
+    both = sorted(set(stored) & {n.attr("tensor") for n in k.nodes if n.op == "load"})
+    if both:  # one block may read what another has already overwritten
+        raise _fail(where, f"loads and stores tensor '{both[0]}'")
     return types
 
 

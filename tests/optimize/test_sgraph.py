@@ -149,3 +149,46 @@ def test_more_than_three_grid_axes_fold_onto_launch_dim_1():
     instantiate(g, {"BT": 4, "G": 64, "X": 1023, "Y": 1}, H100)
     with pytest.raises(SGraphError, match="grid dim 1 = 65536 exceeds h100's limit 65535"):
         instantiate(g, {"BT": 4, "G": 64, "X": 1024, "Y": 1}, H100)  # G and X share launch dim 1
+
+
+def _row_program():
+    from prism_serve.optimize.ir import Program
+    return Program("p", (node("x", "input", shape=("num_tokens", 8), dtype="float32"), node("two", "const", value=2.0),
+                         node("t", "mul", "x", "x"), node("y", "add", "t", "x")), ("y",))
+
+
+def test_a_kernel_stores_a_tensor_once_and_never_reads_what_it_writes():
+    """Two stores of one tensor in a kernel race between blocks on a GPU (the interpreter runs blocks
+    in order, and the proof sees the last store); so does a kernel that reads what it writes."""
+    ax = (GridAxis("BT", over_tokens=True), GridAxis("G"))
+    twice = BlockKernel("k", ax, None, (
+        node("xr", "load", tensor="x", imap=(0, None), fmap=None), node("s1", "store", "xr", tensor="y", omap=(0, None)),
+        node("xt", "load", tensor="x", imap=(0, 1), fmap=None), node("s2", "store", "xt", tensor="y", omap=(0, 1))))
+    with pytest.raises(SGraphError, match="stores tensor 'y' twice"):
+        SGraph("race", _row_program(), (), (twice,))
+    t = TensorDecl("t", (TOKENS, sympy.Integer(8)), "float32")
+    first = BlockKernel("k1", ax[:1], None, (node("a", "load", tensor="x", imap=(0,), fmap=None),
+                                             node("b", "mul", "a", "a"), node("s", "store", "b", tensor="t", omap=(0,))))
+    inplace = BlockKernel("k2", ax[:1], None, (node("a", "load", tensor="t", imap=(0,), fmap=None),
+                                               node("s", "store", "a", tensor="t", omap=(0,)),
+                                               node("x", "load", tensor="x", imap=(0,), fmap=None),
+                                               node("y", "add", "a", "x"), node("o", "store", "y", tensor="y", omap=(0,))))
+    with pytest.raises(SGraphError, match="loads and stores tensor 't'"):
+        SGraph("inplace", _row_program(), (t,), (first, inplace))
+
+
+def test_names_are_one_thing_each_also_as_generated_code_spells_them():
+    ax = (GridAxis("BT", over_tokens=True),)
+    square = (node("a", "load", tensor="x", imap=(0,), fmap=None), node("b", "mul", "a", "a"))
+    add = (node("a", "load", tensor="x", imap=(0,), fmap=None), node("t", "load", tensor="t", imap=(0,), fmap=None),
+           node("c", "add", "t", "a"), node("o", "store", "c", tensor="y", omap=(0,)))
+    t = TensorDecl("t", (TOKENS, sympy.Integer(8)), "float32")
+    k1 = BlockKernel("k", ax, None, square + (node("s", "store", "b", tensor="t", omap=(0,)),))
+    with pytest.raises(SGraphError, match="kernel names 'k' and 'k' are the same name"):
+        SGraph("dup", _row_program(), (t,), (k1, BlockKernel("k", ax, None, add)))
+    with pytest.raises(SGraphError, match="kernel names 'k.a' and 'k_a' are the same name in generated code"):
+        SGraph("dup", _row_program(), (t,), (BlockKernel("k.a", ax, None, k1.nodes), BlockKernel("k_a", ax, None, add)))
+    shadow = TensorDecl("x", (TOKENS, sympy.Integer(8)), "float32")
+    with pytest.raises(SGraphError, match="tensor names 'x' and 'x'"):
+        SGraph("shadow", _row_program(), (shadow,), (BlockKernel("k1", ax, None, add),))
+    SGraph("fine", _row_program(), (t,), (k1, BlockKernel("k2", ax, None, add)))
