@@ -14,7 +14,7 @@ from prism_serve.errors import SGraphError
 from prism_serve.optimize.codegen import compile_instance
 from prism_serve.optimize.gpus import get_gpu
 from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, node
-from prism_serve.optimize.reference import TOLERANCE, TORCH_DTYPES, evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.reference import TOLERANCE, TORCH_DTYPES, evaluate, fresh_seed, max_rel_error, random_inputs
 from prism_serve.optimize.sgraph import Instance, SGraph, instantiate
 
 SMALL_DIM = 48  # not a power of two, so padding and masks are exercised
@@ -86,7 +86,7 @@ def check_numerics(inst: Instance, dtype: str | None = None, *, tokens: tuple[in
     dtype = prog.inputs[0].attr("dtype")
     has_tokens = any(NUM_TOKENS in n.attr("shape") for n in prog.inputs)
     tokens = tokens if has_tokens else tokens[-1:]
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+    gen = torch.Generator().manual_seed(seed if seed is not None else fresh_seed())
     fresh = lambda: int(torch.randint(2**62, (1,), generator=gen))  # noqa: E731
     at = lambda nt: f", {nt} token{'s' * (nt > 1)}" if has_tokens else ""  # noqa: E731
     big = tokens[-1]

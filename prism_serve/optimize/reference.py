@@ -6,6 +6,7 @@ yardstick that every generated kernel (fp32 or half precision) is compared to.
 
 from __future__ import annotations
 
+import os
 from typing import Mapping, Sequence
 
 import torch
@@ -112,11 +113,17 @@ def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.
     return [env[o] for o in prog.outputs]
 
 
+def fresh_seed() -> int:
+    """A seed from the OS for an unseeded draw (torch.seed() would reseed torch's global generator,
+    making every later draw of the caller's process depend on this one)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
 def random_inputs(prog: Program, num_tokens: int, *, seed: int | None = None,
                   device: str = "cpu", dtype: str | None = None) -> list[torch.Tensor]:
     """Fresh random inputs for `prog` (standard normal, scaled so matmuls stay O(1))."""
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed if seed is not None else torch.seed())
+    gen.manual_seed(seed if seed is not None else fresh_seed())
     out = []
     for n in prog.inputs:
         shape = bind_shape(n.attr("shape"), num_tokens)

@@ -141,3 +141,16 @@ def test_two_roundings_of_one_answer_agree_within_the_limit_and_a_wrong_answer_d
         assert TOLERANCE["float16"] < limit < 1.5 * TOLERANCE["float16"]
     else:
         assert max_rel_error(below, above.double()) > TOLERANCE["float16"]  # the tolerance alone would fail it
+
+
+def test_unseeded_inputs_leave_torchs_global_generator_alone():
+    """An unseeded draw takes its seed from the OS: the caller's seeded stream goes on as it would."""
+    from prism_serve.optimize.reference import random_inputs
+
+    prog = WORKLOADS["rms_norm"].program(hidden=64)
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    a, b = random_inputs(prog, 2), random_inputs(prog, 2)
+    assert not torch.equal(a[0], b[0])  # fresh inputs each time
+    assert torch.equal(torch.rand(3), want)
