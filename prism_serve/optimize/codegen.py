@@ -476,11 +476,12 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
             call += [f"{ident(t)}.stride({d})" for d in range(len(g.tensors[t].shape))]
         if w.uses_tokens:
             call.append("n_tokens")
-        if any(a.over_tokens for a in k.grid):
-            out.append("    if n_tokens == 0:")
-            out.append(f"        return {_outputs_tuple(prog.outputs)}")
         call.append(f"num_warps={inst.warps(k)}")
-        out.append(f"    {w.kname}[({grid},)]({', '.join(call)})")
+        launch = f"{w.kname}[({grid},)]({', '.join(call)})"
+        if any(a.over_tokens for a in k.grid):  # no blocks for no tokens; later library ops still run
+            out += ["    if n_tokens > 0:", f"        {launch}"]
+        else:
+            out.append(f"    {launch}")
     out.append(f"    return {_outputs_tuple(prog.outputs)}")
     return "\n".join(out) + "\n"
 

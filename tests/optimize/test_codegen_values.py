@@ -62,7 +62,6 @@ def test_a_bf16_attention_kernel_in_the_interpreter_is_as_close_to_exact_as_torc
     from prism_serve.optimize.reference import as_torch_function, evaluate, max_rel_error, random_inputs
     from prism_serve.optimize.tune import rank
     from prism_serve.optimize.workloads.oracles import oracle
-    from prism_serve.optimize.workloads.programs import WORKLOADS
 
     prog = WORKLOADS["qk_norm_attention"].program(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16,
                                                   dtype="bfloat16")
@@ -77,3 +76,31 @@ def test_a_bf16_attention_kernel_in_the_interpreter_is_as_close_to_exact_as_torc
         ours.append(max_rel_error(out, exact))
         theirs.append(max_rel_error(eager(*inputs)[0], exact))
     assert max(ours) <= max(theirs), (ours, theirs)
+
+
+def test_no_tokens_skip_the_token_kernels_and_still_run_the_library_ops_after_them():
+    """A block kernel (RMSNorm over token rows) then a library matmul: with 0 tokens the launcher
+    launches no blocks and still returns the matmul's (empty) output, as torch would."""
+    import sympy
+
+    from prism_serve.optimize.codegen import compile_instance
+    from prism_serve.optimize.sgraph import TOKENS, LibraryKernel, TensorDecl
+
+    prog = Program("norm_then_matmul", (
+        node("x", "input", shape=("num_tokens", 48), dtype="float32"), node("w", "input", shape=(40, 48), dtype="float32"),
+        node("sq", "square", "x"), node("ms", "mean", "sq", dim=-1, keepdim=True), node("eps", "const", value=1e-6),
+        node("var", "add", "ms", "eps"), node("r", "rsqrt", "var"), node("xn", "mul", "x", "r"),
+        node("y", "matmul", "xn", "w", transpose_b=True)), ("y",))
+    norm = BlockKernel("norm", (GridAxis("BT", over_tokens=True),), None, (
+        node("x", "load", tensor="x", imap=(0,), fmap=None), node("sq", "square", "x"),
+        node("ms", "mean", "sq", dim=-1, keepdim=True), node("eps", "const", value=1e-6), node("var", "add", "ms", "eps"),
+        node("r", "rsqrt", "var"), node("xn", "mul", "x", "r"), node("out", "store", "xn", tensor="xn", omap=(0,))))
+    g = SGraph("norm_then_lib", prog, (TensorDecl("xn", (TOKENS, sympy.Integer(48)), "float32"),),
+               (norm, LibraryKernel(prog.by_name["y"])))
+    run = compile_instance(instantiate(g, {"BT": 4}, get_gpu("h100")))
+    w = torch.randn(40, 48)
+    (y,) = run(torch.randn(0, 48), w)
+    assert y.shape == (0, 40)
+    x = torch.randn(3, 48)
+    want = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)) @ w.T
+    torch.testing.assert_close(run(x, w)[0], want, rtol=1e-5, atol=1e-5)
