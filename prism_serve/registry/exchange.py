@@ -10,6 +10,7 @@ re-verifies what it brings in (`registry.gate`) and writes it all in one transac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from prism_serve.errors import PrismError
 from prism_serve.optimize import schema as T
-from prism_serve.optimize.gpus import GPU_NAME
+from prism_serve.optimize.gpus import GPU_NAME, GpuSpec
 from prism_serve.optimize.ir import DTYPES, Program
 from prism_serve.optimize.sgraph import SGraph
 from prism_serve.registry.errors import RegistryError
@@ -69,12 +70,21 @@ def _optional(value: Any, check, *args) -> Any:
 
 
 def _device(d: Any, where: str) -> DeviceInfo:
-    T.fields(d, ("kind", "name"), ("compute_capability", "sm_count", "memory_bytes"), where, E)
-    return DeviceInfo(T.one_of(d["kind"], DEVICE_KINDS, f"{where}.kind", E),
-                      matching(d["name"], GPU_NAME, f"{where}.name"),
-                      _optional(d.get("compute_capability"), matching, CAPABILITY, f"{where}.compute_capability"),
-                      _optional(d.get("sm_count"), T.int_in, 1, 100_000, f"{where}.sm_count", E),
-                      _optional(d.get("memory_bytes"), T.int_in, 0, 2**50, f"{where}.memory_bytes", E))
+    T.fields(d, ("kind", "name"), ("compute_capability", "sm_count", "memory_bytes", "spec"), where, E)
+    device = DeviceInfo(T.one_of(d["kind"], DEVICE_KINDS, f"{where}.kind", E),
+                        matching(d["name"], GPU_NAME, f"{where}.name"),
+                        _optional(d.get("compute_capability"), matching, CAPABILITY, f"{where}.compute_capability"),
+                        _optional(d.get("sm_count"), T.int_in, 1, 100_000, f"{where}.sm_count", E),
+                        _optional(d.get("memory_bytes"), T.int_in, 0, 2**50, f"{where}.memory_bytes", E))
+    if d.get("spec") is None:
+        return device
+    try:
+        spec = GpuSpec.from_json(d["spec"]) if isinstance(d["spec"], dict) else None
+    except PrismError as exc:
+        raise E(f"{where}.spec: {exc}") from None
+    if spec is None or DeviceInfo.from_spec(spec).fingerprint != device.fingerprint:
+        raise E(f"{where}.spec must be the measured spec of {device.fingerprint}")
+    return dataclasses.replace(device, spec=spec)
 
 
 def _versions(v: Any, where: str) -> Versions:
@@ -176,7 +186,8 @@ def kernel_record(k) -> dict[str, Any]:
         "program": {"hash": k.program.hash, "ir": stored(k.program.ir_json), "sources": sources},
         "sgraph": {"json": stored(k.sgraph.sgraph_json), "proof": k.sgraph.proof, "tests": k.sgraph.tests},
         "device": {"kind": d.kind, "name": d.name, "compute_capability": d.compute_capability,
-                   "sm_count": d.sm_count, "memory_bytes": d.memory_bytes},
+                   "sm_count": d.sm_count, "memory_bytes": d.memory_bytes}
+                  | ({"spec": d.spec} if d.spec is not None else {}),
         "dtype": k.dtype, "bucket": [k.bucket_lo, k.bucket_hi], "params": stored(k.params_json),
         "versions": {"torch": k.torch_version, "triton": k.triton_version, "vllm": k.vllm_version,
                      "prism": k.prism_version, "codegen": k.codegen_version},

@@ -78,8 +78,9 @@ class Gate:
         bound = r.device.name if r.device.kind == "gpu" else CPU_BOUNDS_GPU
         ckey = (key, canonical_json(r.params), bound)
         if ckey not in self.checks:
-            try:
-                self.checks[ckey] = self._run(r, get_gpu(bound))
+            try:  # a GPU's own measured spec where the record carries one (a GPU the table lacks)
+                spec = r.device.spec if r.device.kind == "gpu" and r.device.spec is not None else get_gpu(bound)
+                self.checks[ckey] = self._run(r, spec)
             except PrismError as exc:
                 self.checks[ckey] = f"{exc}"
             except Exception as exc:  # noqa: BLE001 - a kernel from elsewhere that cannot run is refused

@@ -168,13 +168,15 @@ def _upsert_id(session: Session, model, values: dict, keys: Sequence[str], updat
     return session.execute(stmt.returning(model.id)).scalar_one()
 
 
-def upsert_device(session: Session, d: DeviceInfo) -> int:
-    """The device's row; a measured spec replaces the stored one, none leaves it as it was."""
+def upsert_device(session: Session, d: DeviceInfo, keep_existing: bool = False) -> int:
+    """The device's row; a measured spec replaces the stored one (unless `keep_existing`: an
+    import's spec only describes a device new here), none leaves it as it was."""
     values = dict(fingerprint=d.fingerprint, kind=d.kind, name=d.name, compute_capability=d.compute_capability,
                   sm_count=d.sm_count, memory_bytes=d.memory_bytes)
     if d.spec is not None:
         values["spec"] = d.spec.to_json()
-    return _upsert_id(session, Device, values, ["fingerprint"], ["spec"] if d.spec is not None else ())
+    return _upsert_id(session, Device, values, ["fingerprint"], ["spec"] if d.spec is not None and not keep_existing
+                      else ())
 
 
 def device_spec(device: Device) -> GpuSpec:
@@ -249,7 +251,7 @@ def add_kernel(session: Session, r: KernelResult, _ids: dict | None = None, *,
                      r.sgraph)  # keeps id(sgraph) valid
     dkey = ("device", r.device)
     if dkey not in ids:
-        ids[dkey] = upsert_device(session, r.device)
+        ids[dkey] = upsert_device(session, r.device, keep_existing)
     values = dict(
         program_id=pid, sgraph_id=ids[skey][0],
         device_id=ids[dkey], dtype=r.dtype, bucket_lo=r.bucket[0], bucket_hi=r.bucket[1],

@@ -145,3 +145,35 @@ def test_an_imported_kernel_carries_the_versions_it_was_checked_with_here(doc, t
         for k in list_kernels(s):
             assert (k.codegen_version, k.triton_version, k.torch_version) == (CODEGEN_VERSION, here.triton, here.torch)
     target.close()
+
+
+def test_a_kernel_warmed_on_a_gpu_the_table_lacks_travels_with_its_measured_spec(tmp_path):
+    """The export carries a device's measured spec (typed again on import), so the gate can bound a
+    kernel for a GPU the known table lacks; an import never replaces a spec measured here."""
+    import dataclasses
+
+    from prism_serve.optimize.gpus import GPUS
+    from prism_serve.registry.store import DeviceInfo, device_spec
+
+    l20 = dataclasses.replace(GPUS["l40s"], name="l20", sms=92, mem_bandwidth_gbs=864.0, source="driver")
+    source = open_registry(f"sqlite:///{tmp_path / 'a.db'}")
+    with source.write() as s:
+        add_kernel(s, result(device=DeviceInfo.from_spec(l20, measured=True), status="enabled"))
+    with source.read() as s:
+        doc = export_document(s)
+    source.close()
+    assert doc["records"][0]["device"]["spec"]["name"] == "l20"
+    target = open_registry(f"sqlite:///{tmp_path / 'b.db'}")
+    local = dataclasses.replace(l20, mem_bandwidth_gbs=700.0)  # what a warmup measured here
+    with target.write() as s:
+        add_kernel(s, result(workload="fused_add_rms_norm", device=DeviceInfo.from_spec(local, measured=True)))
+    with target.write() as s:
+        assert import_results(s, admit(parse_export(doc), imported=True)) == 1
+    with target.read() as s:
+        (imported,) = [k for k in list_kernels(s) if k.program.name == "rms_norm"]
+        assert imported.status == "verified" and device_spec(imported.device) == local
+    target.close()
+    bad = copy.deepcopy(doc)
+    bad["records"][0]["device"]["spec"]["sms"] = 93
+    with pytest.raises(RegistryError, match=r"spec must be the measured spec of gpu:l20:sm8.9:92sms"):
+        parse_export(bad)
