@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 
 from prism_serve.cli import app
 from prism_serve.optimize.workloads.programs import WORKLOADS
+from prism_serve.registry import open_registry
 
 runner = CliRunner()
 
@@ -69,7 +70,9 @@ def test_registry_sub_app_is_wired_in(tmp_path):
     db = tmp_path / "r.db"
     missing = runner.invoke(app, ["registry", "list", "--registry", str(db), "--json"])
     assert missing.exit_code == 1 and missing.output == f"error: no registry at {db}\n" and not db.exists()
-    assert runner.invoke(app, ["registry", "gc", "--registry", str(db)]).exit_code == 0  # a writer creates it
+    gc = runner.invoke(app, ["registry", "gc", "--registry", str(db)])  # a removal never makes one either
+    assert gc.exit_code == 1 and gc.output == f"error: no registry at {db}\n" and not db.exists()
+    open_registry(db).close()  # a writer (warmup, import) creates it
     result = runner.invoke(app, ["registry", "list", "--registry", str(db), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output) == []

@@ -62,6 +62,7 @@ def test_a_bf16_attention_kernel_in_the_interpreter_is_as_close_to_exact_as_torc
     from prism_serve.optimize.reference import as_torch_function, evaluate, max_rel_error, random_inputs
     from prism_serve.optimize.tune import rank
     from prism_serve.optimize.workloads.oracles import oracle
+    from prism_serve.optimize.workloads.programs import WORKLOADS
 
     prog = WORKLOADS["qk_norm_attention"].program(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16,
                                                   dtype="bfloat16")
