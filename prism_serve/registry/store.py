@@ -373,20 +373,40 @@ class DeviceKernels:
     skipped: list[tuple[Kernel, str]]
 
 
+@dataclass(frozen=True)
+class _Damaged:
+    """A kernel row that could not be loaded: only its id is known (for `DeviceKernels.skipped`)."""
+
+    id: int
+
+
 def load_device(session: Session, device: DeviceInfo | str, env: Versions | None = None,
                 statuses: Sequence[str] = ("enabled",)) -> DeviceKernels:
-    """Every kernel of `device` with the given statuses, in one query; incompatible ones are skipped."""
+    """Every kernel of `device` with the given statuses, in one query; incompatible ones are skipped.
+    Where a row's stored JSON cannot be decoded (a damaged cell), the rows are read one by one and
+    the damaged ones skipped, each with its id, so the others still load."""
     env = env or current_versions()
     fp = device if isinstance(device, str) else device.fingerprint
     stmt = _with_parents(select(Kernel)).where(Device.fingerprint == fp, Kernel.status.in_(statuses))
     out = DeviceKernels([], [])
-    for k in session.scalars(stmt).unique():
+    try:
+        kernels = list(session.scalars(stmt).unique())
+    except ValueError:  # json.JSONDecodeError from a column's decoding: find the rows it came from
+        kernels = []
+        for kid in session.scalars(select(Kernel.id).join(Kernel.device)
+                                   .where(Device.fingerprint == fp, Kernel.status.in_(statuses))):
+            try:
+                kernels += session.scalars(stmt.where(Kernel.id == kid)).unique()
+            except ValueError as exc:
+                out.skipped.append((_Damaged(kid), f"kernel {kid}: damaged row, its stored JSON cannot be read ({exc})"))
+    for k in kernels:
         why = incompatibility(k, env)
         if why:
             out.skipped.append((k, why))
         else:
             out.usable.append(k)
     return out
+
 
 
 def explain(session: Session, device: DeviceInfo | str, env: Versions | None = None) -> dict[str, int]:

@@ -163,3 +163,26 @@ def test_a_row_with_a_damaged_bucket_is_refused_alone(kernels_registry, live):
     assert dict(t.refused) == {victim.id: "its bucket 'abc'-" + f"{victim.bucket_hi!r} is not 1 <= lo <= hi"}
     assert {kid for kid, _ in t.skipped} == {victim.id}
     assert {"rms_norm", "fused_add_rms_norm", "silu_and_mul"} <= set(t.ops)  # its other buckets serve
+
+
+def test_a_row_whose_stored_json_is_damaged_is_skipped_alone(kernels_registry, tmp_path):
+    """A JSON cell that no longer decodes (an sGraph's proof edited by hand) fails only the kernels
+    that read it: the plugin names them and serves the others."""
+    import shutil
+    import sqlite3
+
+    from prism_serve.registry.db import sqlite_file
+
+    db = tmp_path / "r.db"
+    shutil.copy(sqlite_file(kernels_registry), db)
+    con = sqlite3.connect(db)
+    victim = con.execute("SELECT id FROM sgraphs WHERE id = (SELECT min(sgraph_id) FROM kernels)").fetchone()[0]
+    damaged = {kid for (kid,) in con.execute("SELECT id FROM kernels WHERE sgraph_id = ?", (victim,))}
+    con.execute("UPDATE sgraphs SET proof = '{not json' WHERE id = ?", (victim,))
+    con.commit()
+    con.close()
+    p = plugin.plan(f"sqlite:///{db}", force=True)
+    assert p.state == "ready", p.message
+    named = {why for why in p.reasons if "damaged row" in why}
+    assert {int(why.split()[1].rstrip(":")) for why in named} == damaged
+    assert sum(p.reasons.values()) >= len(damaged) and p.table.ops
