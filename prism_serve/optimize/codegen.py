@@ -14,13 +14,12 @@ import hashlib
 import importlib.util
 import math
 import os
-import re
 from dataclasses import dataclass
 from types import ModuleType
 
 from prism_serve.errors import CodegenError
 from prism_serve.optimize.gpus import GPU_NAME
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node, is_tf32
+from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node, code_spelling, is_tf32
 from prism_serve.optimize.schema import NAME
 from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, launch_dims, sym, tile_shape
 
@@ -46,7 +45,7 @@ def pow2(n: int) -> int:
 
 def ident(name: str) -> str:
     """The generated variable of an IR name: ``v_`` and the name with each non-word character replaced."""
-    return "v_" + re.sub(r"\W", "_", label(name), flags=re.ASCII)
+    return "v_" + code_spelling(label(name))
 
 
 # Generated source holds only these renderings of IR values: no string from an sGraph, its

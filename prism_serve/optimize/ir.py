@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Mapping
@@ -46,6 +47,12 @@ TF32 = "tf32"
 def is_tf32(attrs: tuple[tuple[str, Any], ...]) -> bool:
     """Whether a matmul's (or block op's) attributes put it on TF32 operands."""
     return dict(attrs).get("precision") == TF32
+
+
+def code_spelling(name: str) -> str:
+    """How generated code spells an IR name: each non-word character as "_" (two names that spell
+    alike would be one variable there)."""
+    return re.sub(r"\W", "_", name, flags=re.ASCII)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
@@ -38,7 +37,7 @@ import sympy
 from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.dims import parse_dim, render
 from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, TensorType, infer_type
+from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, TensorType, code_spelling, infer_type
 
 SGRAPH_VERSION = 1
 TOKENS = sympy.Symbol(NUM_TOKENS, positive=True, integer=True)
@@ -208,11 +207,11 @@ def _check_names(g: SGraph) -> None:
     kernels (a launcher per name), tensors (an argument per name), intermediates apart from the
     Program's inputs and outputs (a buffer must not shadow an input)."""
     prog = g.program
-    for what, names in (("kernel", [k.name for k in g.kernels if isinstance(k, BlockKernel)]),
-                        ("tensor", [n.name for n in prog.inputs] + list(prog.outputs) + [t.name for t in g.intermediates])):
+    tensors = [n.name for n in prog.inputs] + list(prog.outputs) + [t.name for t in g.intermediates]
+    for what, names in (("kernel", [k.name for k in g.kernels if isinstance(k, BlockKernel)]), ("tensor", tensors)):
         seen: dict[str, str] = {}
         for name in names:
-            spelled = re.sub(r"\W", "_", name, flags=re.ASCII)
+            spelled = code_spelling(name)
             if spelled in seen:
                 raise SGraphError(f"sGraph '{g.name}': {what} names '{seen[spelled]}' and '{name}' "
                                   f"are the same name in generated code")
