@@ -246,8 +246,9 @@ def main() -> int:
               f"{r['model_smem']:>7}/{r['ptxas_shared']:<7} {r['model_dots']:>4} {r['hgmma']:>5} {r['hmma']:>5} "
               f"{r['reg_error']:+5.0%}")
     errs = sorted(abs(r["reg_error"]) for r in rows)
-    summary = {"compiler": compiler, "kernels": len(rows), "median_abs_error": errs[len(errs) // 2], "worst_abs_error": errs[-1],
-               "within_tolerance": sum(e <= REG_TOLERANCE for e in errs), "tolerance": REG_TOLERANCE}
+    summary = {"compiler": compiler, "kernels": len(rows), "median_abs_error": errs[len(errs) // 2],
+               "worst_abs_error": errs[-1], "within_tolerance": sum(e <= REG_TOLERANCE for e in errs),
+               "tolerance": REG_TOLERANCE}
     print(f"\n{len(rows)} kernels; register estimate |error| median {errs[len(errs) // 2]:.0%}, "
           f"worst {errs[-1]:.0%}, within {REG_TOLERANCE:.0%}: {summary['within_tolerance']}/{len(errs)}")
     for name, bad in checks.items():

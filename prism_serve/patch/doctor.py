@@ -118,11 +118,10 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
     LoRA adapters (they wrap its projections). `capture`: a capture report to take the sites from,
     True to capture the model now, None to capture only an architecture not in `ARCHITECTURES`
     (`sites_from` in the report says which)."""
+    from prism_serve.capture.runner import _validate
     from prism_serve.patch.device import current_device
     from prism_serve.patch.plugin import plan
     from prism_serve.registry.db import resolve_url
-
-    from prism_serve.capture.runner import _validate
 
     path = resolve_model(model)
     _validate(path)  # capture's checks: the same one-line errors for a path or config it cannot use

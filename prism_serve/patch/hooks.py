@@ -586,7 +586,8 @@ def _install_amx_packed(shapes: set[tuple], done: Installed) -> None:
     done.undo.append(lambda: setattr(namespace, "convert_weight_packed", inner))
 
 
-HOOKS = (_install_fallbacks, _install_ir, _install_silu, _install_gelu, _install_regions, _install_decoder_layers, _install_packed, fusion.install)
+HOOKS = (_install_fallbacks, _install_ir, _install_silu, _install_gelu, _install_regions, _install_decoder_layers,
+         _install_packed, fusion.install)
 
 
 def install(table: Table) -> Installed:

@@ -115,8 +115,7 @@ class Gate:
             raise RegistryError(f"{where}: {exc}") from None
         if imported:  # built and checked here: this machine's versions, not the export's claims
             return dataclasses.replace(r, versions=current_versions(), status="verified", reason=IMPORTED_REASON,
-                                       modeled_us=None,
-                                       measured_us=None, baseline=None, baseline_us=None,
+                                       modeled_us=None, measured_us=None, baseline=None, baseline_us=None,
                                        baseline_modeled_us=None, modeled_speedup=None, proof=proof,
                                        tests={"recheck": tests}, warmup_run_id=None)
         return dataclasses.replace(r, proof=r.proof | proof, tests=r.tests | {"recheck": tests})

@@ -175,8 +175,8 @@ def upsert_device(session: Session, d: DeviceInfo, keep_existing: bool = False) 
                   sm_count=d.sm_count, memory_bytes=d.memory_bytes)
     if d.spec is not None:
         values["spec"] = d.spec.to_json()
-    return _upsert_id(session, Device, values, ["fingerprint"], ["spec"] if d.spec is not None and not keep_existing
-                      else ())
+    update = ["spec"] if d.spec is not None and not keep_existing else []
+    return _upsert_id(session, Device, values, ["fingerprint"], update)
 
 
 def device_spec(device: Device) -> GpuSpec:
@@ -398,7 +398,8 @@ def load_device(session: Session, device: DeviceInfo | str, env: Versions | None
             try:
                 kernels += session.scalars(stmt.where(Kernel.id == kid)).unique()
             except ValueError as exc:
-                out.skipped.append((_Damaged(kid), f"kernel {kid}: damaged row, its stored JSON cannot be read ({exc})"))
+                why = f"kernel {kid}: damaged row, its stored JSON cannot be read ({exc})"
+                out.skipped.append((_Damaged(kid), why))
     for k in kernels:
         why = incompatibility(k, env)
         if why:
@@ -406,7 +407,6 @@ def load_device(session: Session, device: DeviceInfo | str, env: Versions | None
         else:
             out.usable.append(k)
     return out
-
 
 
 def explain(session: Session, device: DeviceInfo | str, env: Versions | None = None) -> dict[str, int]:
