@@ -283,6 +283,7 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
                  budget_s: float) -> RegionOutcome:
     from prism_serve.optimize.gpus import get_gpu
     from prism_serve.optimize.generate.search import optimize
+    from prism_serve.optimize.static import facts_json
     from prism_serve.patch.table import CPU_BOUNDS_GPU
     from prism_serve.registry.gate import admit
     from prism_serve.registry.store import KernelResult, add_kernels
@@ -294,8 +295,10 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
     spec = device.spec or get_gpu(device.name if device.kind == "gpu" else CPU_BOUNDS_GPU)
     with reg.read() as s:
         designs = known_designs(s, prog)
-    # one process: on two cores the workers' start-up (5-10 s) costs more than they save (see #11's notes)
-    search = lambda known=(): optimize(prog, spec, sizes, budget_s=budget_s, known=known, workers=1)  # noqa: E731
+    # one process: on two cores the workers' start-up (5-10 s) costs more than they save (see #11's notes);
+    # on a GPU, only instances that ptxas does not spill for it (compiled by the Triton vLLM will launch with)
+    search = lambda known=(): optimize(prog, spec, sizes, budget_s=budget_s, known=known, workers=1,  # noqa: E731
+                                       static_check=device.kind == "gpu")
     try:
         result = search(designs)
         if designs and not result.found:  # stored designs no longer verify here: search afresh
@@ -329,6 +332,9 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
     against, timings = _time_against_vllm(prog, kernels) if device_type == "cuda" else (None, {})
     out.baseline = against or ""
     path = "vLLM's own path" if against == "vllm" else "torch eager (vLLM not installed)"
+    # on a GPU, ptxas's registers and spills of each range's kernel, compiled for it by the search
+    ptxas = {"ptxas": {f"{lo}-{hi}": facts_json(k.facts) for (lo, hi), k in kernels.items()}
+             } if any(k.facts is not None for k in kernels.values()) else {}
     results = []
     for (rng, c), modeled_speedup in zip(kernels.items(), out.modeled_speedup):
         measured, baseline = timings.get(rng, (None, None))
@@ -348,7 +354,8 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
                    "vllm_max_rel_error": out.vllm_max_rel_error, "vllm_error_limit": limit,
                    "vllm_checked_tokens": checked_tokens,
                    "vllm_checks": {f"{lo}-{hi}": {"max_rel_error": e, "limit": lim}
-                                   for (lo, hi), (e, lim) in checks.items()}},
+                                   for (lo, hi), (e, lim) in checks.items()},
+                   **ptxas},
             sources=tuple((model, m) for m in region.modules), warmup_run_id=run_id))
     try:
         results = admit(results)  # the registry's gate: proven and checked at the stored instantiation

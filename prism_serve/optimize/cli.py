@@ -53,11 +53,13 @@ def _table(result) -> Table:
     spec = get_gpu(result.gpu)
     vllm = {n: vllm_modeled_us(prog, n, spec) for n in buckets} if prog.name in KINDS else None
     measured = any(c.measured_us is not None for f in result.found for c in f.kernels)
+    compiled = any(c.facts is not None for f in result.found for c in f.kernels)
     about = (f"vLLM's path: {', '.join(f'{vllm[n]:.1f} us @{n}' for n in buckets)} modeled" if vllm else
              "vLLM has no path for this program, so no speedup")
     table = Table("#", "design", "canonical hash", "kernels",
                   "grid", "loop", *(f"modeled us @{n}" for n in buckets),
                   *((f"measured us @{n}" for n in buckets) if measured else ()),
+                  *((f"sm_{spec.arch} registers (stack bytes), per bucket",) if compiled else ()),
                   "vs vLLM modeled, per bucket", title=f"{prog.name} on {result.gpu}: verified kernels ({about})")
     for i, f in enumerate(result.found):
         c = f.kernels[-1]
@@ -69,8 +71,14 @@ def _table(result) -> Table:
         table.add_row(str(i + 1), f.design.describe(), canonical_hash(f.sgraph)[:16],
                       str(len(f.sgraph.kernels)), grid or "library", loop,
                       *(f"{f.kernel_for(n).modeled_us:.2f}" for n in buckets),
-                      *((_us(f.kernel_for(n).measured_us) for n in buckets) if measured else ()), speed)
+                      *((_us(f.kernel_for(n).measured_us) for n in buckets) if measured else ()),
+                      *((", ".join(_ptxas(f.kernel_for(n).facts) for n in buckets),) if compiled else ()), speed)
     return table
+
+
+def _ptxas(facts) -> str:
+    """An instance's ptxas registers (stack bytes) per block kernel; "-" where not compiled."""
+    return "-" if facts is None else " + ".join(f"{f.registers} ({f.stack_bytes})" for f in facts) or "library"
 
 
 def _us(value: float | None) -> str:
@@ -111,6 +119,9 @@ def optimize_command(
     max_block_ops: int = typer.Option(8, "--max-block-ops",
                                       help="most block ops per graph-defined kernel (a one-kernel design's: at least the "
                                            "Program's)"),
+    static_check: bool = typer.Option(True, "--static-check/--no-static-check",
+                                      help="compile the chosen instances for the device's architecture (no GPU needed) "
+                                           "and keep, per bucket, the best-ranked one ptxas does not spill"),
 ) -> None:
     """Superoptimize a Program with Prism's generator: designs built operator by operator, egglog
     proofs, numeric checks, tuned instances."""
@@ -125,7 +136,7 @@ def optimize_command(
             from prism_serve.optimize.generate.search import optimize
             result = optimize(prog, device, buckets, budget_s=budget, work=work, top=top, max_kernels=max_kernels,
                               max_block_ops=max_block_ops, all_designs=all_designs, workers=workers,
-                              progress=progress)
+                              progress=progress, static_check=static_check)
     except PrismError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

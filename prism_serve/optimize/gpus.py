@@ -77,6 +77,11 @@ class GpuSpec:
     graph_launch_us: float = GRAPH_LAUNCH_US
     source: str = ""  # where the figures come from
 
+    @property
+    def arch(self) -> int:
+        """The compute capability as Triton's `GPUTarget` and ptxas's sm_XY name it: (9, 0) -> 90."""
+        return self.compute_capability[0] * 10 + self.compute_capability[1]
+
     def to_json(self) -> dict:
         return {"name": self.name, "compute_capability": list(self.compute_capability), "sms": self.sms,
                 "mem_bandwidth_gbs": self.mem_bandwidth_gbs, "l2_mb": self.l2_mb,

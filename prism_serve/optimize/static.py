@@ -18,7 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -49,6 +49,11 @@ class KernelFacts:
     @property
     def tensor_core_instructions(self) -> int:
         return self.hgmma + self.hmma
+
+
+def facts_json(facts: Sequence[KernelFacts] | None) -> list[dict] | None:
+    """Facts as stored beside a kernel (None: not compiled)."""
+    return None if facts is None else [asdict(f) for f in facts]
 
 
 def _tool(name: str) -> str:

@@ -1,5 +1,6 @@
-"""Instantiation by tuning: enumerate power-of-two assignments, rank by the cost model,
-and on a real GPU time the top candidates and keep the measured winner."""
+"""Instantiation by tuning: enumerate power-of-two assignments, rank by the cost model, drop
+those ptxas spills for the GPU's target (`screen`, where asked), and on a real GPU time the top
+candidates and keep the measured winner."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from prism_serve.errors import SGraphError
+from prism_serve.errors import CodegenError, SGraphError
 from prism_serve.optimize.cost import kernel_cost, modeled_us, tie_key
 from prism_serve.optimize.gpus import GpuSpec
 from prism_serve.optimize.ir import NUM_TOKENS
 from prism_serve.optimize.sgraph import BlockKernel, Instance, Kernel, SGraph, check_kernel, instantiate
+from prism_serve.optimize.static import KernelFacts, compile_facts
 
 log = logging.getLogger(__name__)
 TOKEN_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -25,6 +27,7 @@ class Candidate:
     num_tokens: int
     modeled_us: float
     measured_us: float | None = None
+    facts: tuple[KernelFacts, ...] | None = None  # ptxas's, per block kernel (None: not compiled)
 
     @property
     def assignment(self) -> dict[str, int]:
@@ -300,7 +303,62 @@ def measure(candidates: Sequence[Candidate], timer: Callable[[Instance, int], fl
     timed = []
     for c in candidates[:top]:
         try:
-            timed.append(Candidate(c.instance, c.num_tokens, c.modeled_us, timer(c.instance, c.num_tokens)))
+            timed.append(Candidate(c.instance, c.num_tokens, c.modeled_us, timer(c.instance, c.num_tokens), c.facts))
         except Exception as exc:  # a compile failure of one candidate must not stop tuning
             log.warning("candidate %s failed on the device: %s", c.assignment, exc)
     return sorted(timed, key=lambda c: c.measured_us)
+
+
+# How far past the candidates it wants `screen` looks down a bucket's ranking for ones ptxas does
+# not spill: the next-ranked instances differ in a tile or the warps, where ptxas's choices jump
+# (issue 13's notes: 4 warps 212 registers, 8 warps 94, for one rmsnorm_linear tile on sm_80).
+SCREEN_DEPTH = 8
+
+
+def screen(ranked: Sequence[Sequence[Candidate]], capability: int, want: int = 1) -> list[list[Candidate]]:
+    """Per bucket's ranking, its first `want` candidates whose block kernels ptxas compiles for
+    sm_`capability` without spilling (`KernelFacts.spills`), in rank order, each carrying its facts.
+    The resource model estimates registers; ptxas decides, and its choices differ between Triton
+    releases (a kernel the model chose spills under Triton 3.6 and not under 3.9), so the
+    compiler this process would launch with has the last word. A bucket whose first
+    want + SCREEN_DEPTH candidates all spill keeps the least-spilling one (ties by rank), with a
+    warning. Compiles in at most two rounds (the first `want` of each bucket, then deeper where
+    they spilled), each in one child process; an instance several buckets rank compiles once.
+    Where this Triton cannot compile for the target (no ptxas in its wheel, an architecture it
+    does not know), the rankings come back unscreened, with a warning."""
+    facts: dict[tuple, tuple[KernelFacts, ...]] = {}
+    seen = [0] * len(ranked)  # how deep each bucket's ranking has been compiled
+    for depth in (want, want + SCREEN_DEPTH):
+        todo = {}
+        for b, cands in enumerate(ranked):
+            if sum(1 for c in cands[:seen[b]] if not _spills(facts[_key(c)])) < want:
+                todo.update((_key(c), c.instance) for c in cands[seen[b]:depth] if _key(c) not in facts)
+                seen[b] = min(depth, len(cands))
+        if not todo:
+            break
+        try:
+            compiled = compile_facts([(inst, capability) for inst in todo.values()])
+        except CodegenError as exc:
+            log.warning("instances not checked by ptxas for sm_%d: %s", capability, exc)
+            return [list(cands) for cands in ranked]
+        facts.update(zip(todo, (tuple(f) for f in compiled)))
+    out = []
+    for b, cands in enumerate(ranked):
+        checked = [Candidate(c.instance, c.num_tokens, c.modeled_us, c.measured_us, facts[_key(c)])
+                   for c in cands[:seen[b]]]
+        clean = [c for c in checked if not _spills(c.facts)][:want]
+        if not clean and checked:
+            least = min(checked, key=lambda c: sum(f.stack_bytes + f.local_bytes for f in c.facts))
+            log.warning("every instance checked at %d tokens spills on sm_%d; keeping %s (%d stack bytes)",
+                        least.num_tokens, capability, least.assignment, sum(f.stack_bytes for f in least.facts))
+            clean = [least]
+        out.append(clean)
+    return out
+
+
+def _key(c: Candidate) -> tuple:
+    return id(c.instance.sgraph), tuple(sorted(c.instance.values.items()))
+
+
+def _spills(facts: tuple[KernelFacts, ...]) -> bool:
+    return any(f.spills for f in facts)

@@ -238,11 +238,11 @@ def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     from prism_serve.optimize.tune import best_modeled, symbol_choices
 
     g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=1024, out=1024))
-    exhaustive = search._instances(g, H100, (1, 16), None, 1)
+    exhaustive = [r[0] for r in search._rankings(g, H100, (1, 16))]
     assert math.prod(len(c) for c in symbol_choices(g).values()) <= search.EXHAUSTIVE_ASSIGNMENTS
     monkeypatch.setattr(search, "EXHAUSTIVE_ASSIGNMENTS", 0)
     monkeypatch.setattr(search, "enumerate_instances", lambda *a: pytest.fail("enumerated"))
-    descended = search._instances(g, H100, (1, 16), None, 1)
+    descended = [r[0] for r in search._rankings(g, H100, (1, 16))]
     assert descended[0].modeled_us == best_modeled(g, H100, 1).modeled_us
     assert descended[1].modeled_us <= best_modeled(g, H100, 16).modeled_us * search.NEAR_TIE
     # the descent can stop at a local optimum (never below the exhaustive best); here, crossing

@@ -61,9 +61,11 @@ from prism_serve.optimize.generate.workers import Config, InlinePool, Pool, defa
 from prism_serve.optimize.gpus import GpuSpec, get_gpu
 from prism_serve.optimize.ir import Program
 from prism_serve.optimize.sgraph import SGraph
+from prism_serve.optimize.static import facts_json
 from prism_serve.optimize.timing import Timer, cuda_timer
-from prism_serve.optimize.tune import (NEAR_TIE, PROBE_TOKENS, SCALE_PROBE, Candidate, best_modeled,
-                                       enumerate_instances, measure, rank, rank_open, symbol_choices)
+from prism_serve.optimize.tune import (NEAR_TIE, PROBE_TOKENS, SCALE_PROBE, SCREEN_DEPTH, Candidate,
+                                       best_modeled, enumerate_instances, measure, rank, rank_open, screen,
+                                       symbol_choices)
 from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,8 @@ class SearchStats:
     open_subtrees: int = 0  # subtrees the work ran out on (more steps would have walked them further)
     search_s: float = 0.0
     verify_s: float = 0.0
+    static_s: float = 0.0  # compiling chosen instances for the GPU's architecture (`static_check`)
+    static_spilled: int = 0  # buckets where every instance `tune.screen` checked spills
     stopped_by_budget: bool = False  # the wall-clock budget cut the search short
 
     def limit(self) -> str:
@@ -112,7 +116,8 @@ class SearchStats:
                 "iterator_maps": self.iterator_maps, "iterator_maps_kept": self.iterator_maps_kept,
                 "rejected": dict(self.rejected), "verified": self.verified, "workers": self.workers,
                 "work": self.work, "steps": self.steps, "open_subtrees": self.open_subtrees,
-                "search_s": self.search_s, "verify_s": self.verify_s, "stopped_by_budget": self.stopped_by_budget}
+                "search_s": self.search_s, "verify_s": self.verify_s, "static_s": self.static_s,
+                "static_spilled": self.static_spilled, "stopped_by_budget": self.stopped_by_budget}
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class Found:
                 "proof": {"ok": self.proof.ok, "reason": self.proof.reason, "seconds": self.proof.seconds},
                 "numeric_error": self.numeric_error,
                 "kernels": [{"num_tokens": c.num_tokens, "params": c.assignment, "modeled_us": c.modeled_us,
-                             "measured_us": c.measured_us} for c in self.kernels]}
+                             "measured_us": c.measured_us, "ptxas": facts_json(c.facts)} for c in self.kernels]}
 
 
 @dataclass(frozen=True)
@@ -302,23 +307,42 @@ def verify_design(prog: Program, design: Design, gpu: GpuSpec) -> tuple[ProofRes
 EXHAUSTIVE_ASSIGNMENTS = 20_000
 
 
-def _instances(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...], timer: Timer | None, top: int
-               ) -> tuple[Candidate, ...]:
-    """A verified design's best instance per bucket, ranked exhaustively (the descent that costs
-    every generated design can stop at a local optimum), the last bucket, which also serves every
-    larger size, by `rank_open`; on a device, the measured best of the `top` modeled ones. A
-    design of more than EXHAUSTIVE_ASSIGNMENTS takes the descent's instance (`_descended`)."""
-    exhaustive = math.prod(len(c) for c in symbol_choices(g).values()) <= EXHAUSTIVE_ASSIGNMENTS
-    instances = enumerate_instances(g, gpu) if exhaustive else None
-    out = []
-    for nt in buckets:
-        if exhaustive:
-            ranked = (rank_open if nt == max(buckets) else rank)(g, gpu, nt, instances)
-        else:
-            ranked = [_descended(g, gpu, nt, open_=nt == max(buckets))]
-        timed = measure(ranked, timer, top) if timer is not None else []
-        out.append(timed[0] if timed else ranked[0])
-    return tuple(out)
+def _rankings(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...]) -> list[list[Candidate]]:
+    """A verified design's instances ranked per bucket, exhaustively (the descent that costs every
+    generated design can stop at a local optimum), the last bucket, which also serves every larger
+    size, by `rank_open`. A design of more than EXHAUSTIVE_ASSIGNMENTS has the descent's instance
+    alone (`_descended`)."""
+    if math.prod(len(c) for c in symbol_choices(g).values()) > EXHAUSTIVE_ASSIGNMENTS:
+        return [[_descended(g, gpu, nt, open_=nt == max(buckets))] for nt in buckets]
+    instances = enumerate_instances(g, gpu)
+    return [(rank_open if nt == max(buckets) else rank)(g, gpu, nt, instances) for nt in buckets]
+
+
+@dataclass(frozen=True)
+class _Verified:
+    """A design that passed both checks, with the head of its instances' ranking per bucket."""
+
+    design: Design
+    sgraph: SGraph
+    proof: ProofResult
+    numeric_error: float
+    rankings: tuple[tuple[Candidate, ...], ...]
+
+
+def _instantiate(verified: list[_Verified], gpu: GpuSpec, timer: Timer | None, top: int, stats: SearchStats,
+                 static_check: bool) -> list[Found]:
+    """Each verified design with its best instance per bucket: with `static_check`, the best-ranked
+    ones ptxas does not spill for `gpu`'s architecture (`tune.screen`, every design's buckets in one
+    go); on a device, the measured best of the `top` modeled ones that are left."""
+    rankings = [list(r) for v in verified for r in v.rankings]
+    if static_check and rankings:
+        t0 = time.perf_counter()
+        rankings = screen(rankings, gpu.arch, want=top if timer is not None else 1)
+        stats.static_s += time.perf_counter() - t0
+        stats.static_spilled += sum(bool(r and r[0].facts and any(f.spills for f in r[0].facts)) for r in rankings)
+    chosen = iter([(measure(r, timer, top) if timer is not None else None) or r[:1] for r in rankings])
+    return [Found(v.design, v.sgraph, v.proof, v.numeric_error, tuple(next(chosen)[0] for _ in v.rankings))
+            for v in verified]
 
 
 def _descended(g: SGraph, gpu: GpuSpec, num_tokens: int, open_: bool) -> Candidate:
@@ -339,10 +363,9 @@ def _descended(g: SGraph, gpu: GpuSpec, num_tokens: int, open_: bool) -> Candida
 
 
 def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdict | None, seconds: float,
-           gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats, timer: Timer | None,
-           measure_top: int) -> Found | None:
-    """Count a verification's verdict; a verified design is instantiated per bucket (timed here,
-    in the driver, when there is a timer)."""
+           gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats, keep: int) -> _Verified | None:
+    """Count a verification's verdict; a verified design comes back with its `keep` best-ranked
+    instances per bucket (`_rankings`), for `_instantiate`."""
     stats.verify_s += seconds
     if not proof.ok:
         stats.rejected["proof"] += 1
@@ -353,7 +376,7 @@ def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdic
         log.warning("numeric check failed for %s: %s", design.describe(), "; ".join(verdict.reasons))
         return None
     stats.verified += 1
-    return Found(design, g, proof, verdict.worst_error, _instances(g, gpu, buckets, timer, measure_top))
+    return _Verified(design, g, proof, verdict.worst_error, tuple(tuple(r[:keep]) for r in _rankings(g, gpu, buckets)))
 
 
 def _generate(pool, gen: KernelGenerator, choices: list, costed: _Costed, work: float, deadline: float,
@@ -457,7 +480,7 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
              max_kernels: int = 2, max_block_ops: int = 8, budget_s: float = 60.0, work: int | None = None,
              top: int = 3, known: Sequence[Design] = (), progress: Progress | None = None, timer: Timer | None = None,
              measure_top: int = 5, all_designs: bool = False, abstract_rule: bool = True,
-             workers: int | None = None) -> OptimizeResult:
+             workers: int | None = None, static_check: bool = False) -> OptimizeResult:
     """Find verified fused kernels for `prog` on `gpu`, fastest first, each instantiated per
     num_tokens bucket. `known` designs (stored by an earlier search, possibly for another Program
     of the same family) are rebuilt and verified instead of searching. Generation spends `work`
@@ -473,7 +496,11 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
 
     `timer(instance, num_tokens) -> us` times candidates on a device; on a CUDA machine it
     defaults to CUDA-event timing of the generated kernel. Without a device kernels are modeled
-    only (`measured_us` is None)."""
+    only (`measured_us` is None).
+
+    `static_check` compiles the chosen instances for the GPU's architecture with this process's
+    Triton and takes, per bucket, the best-ranked one ptxas does not spill (`tune.screen`; no GPU
+    needed), each carrying ptxas's facts (`Candidate.facts`)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
@@ -513,7 +540,10 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
             _generate(pool, gen, choices, costing, work, costing.deadline, bound, progress)
         stats.designs = len(costing.designs)
         costed = costing.ranked()
-        found: list[Found] = []
+        verified: list[_Verified] = []
+        # the instances per bucket `_instantiate` may look at: what it measures, or the one it takes,
+        # and as many again as the static check may go down a ranking for
+        keep = (measure_top if timer is not None else 1) + (SCREEN_DEPTH if static_check else 0)
         longest = 0.0  # the longest verification so far: none starts that would likely end past the deadline
 
         def in_time() -> bool:
@@ -524,17 +554,18 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
             nonlocal longest
             longest = max(longest, seconds)
             g = g or build(prog, design)  # a design a worker costed comes without its sGraph
-            f = _judge(design, g, proof, verdict, seconds, spec, buckets, stats, timer, measure_top)
-            if f:
-                found.append(f)
+            v = _judge(design, g, proof, verdict, seconds, spec, buckets, stats, keep)
+            if v:
+                verified.append(v)
             if progress:
-                progress(f"verified {len(found)}", stats)
-            return all_designs or len(found) < top
+                progress(f"verified {len(verified)}", stats)
+            return all_designs or len(verified) < top
 
         stats.stopped_by_budget |= _verify(pool, costed if all_designs or top > 0 else [], costing.verdicts,
                                            deadline, take, in_time)
     finally:
         pool.close()
+    found = _instantiate(verified, spec, timer, measure_top, stats, static_check)
     stats.search_s = time.perf_counter() - start
     found.sort(key=lambda f: sum(c.measured_us if c.measured_us is not None else c.modeled_us for c in f.kernels))
     return OptimizeResult(prog, spec.name, buckets, tuple(found), {nt: unfused_us(prog, nt, spec) for nt in buckets},
