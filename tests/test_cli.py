@@ -97,7 +97,7 @@ def test_optimize_prints_verified_kernels_and_writes_source_and_json(tmp_path, m
     assert data["found"] and all(f["proof"]["ok"] for f in data["found"])
     assert data["stats"]["verified"] == len(data["found"]) and data["num_tokens"] == [1, 64]
     # the static check is on by default: every chosen instance compiled for the H100's sm_90, none spilling
-    assert "sm_90 registers (stack bytes)" in result.output
+    assert "sm_90 registers (stack bytes)" in result.output and "ptxas check" in result.output
     facts = [f for found in data["found"] for k in found["kernels"] for f in k["ptxas"]]
     assert facts and all(f["capability"] == 90 and f["stack_bytes"] == 0 and f["registers"] > 0 for f in facts)
     sources = sorted((tmp_path / "emit").glob("rms_norm_1_n*.py"))

@@ -144,10 +144,14 @@ def optimize_command(
     s = result.stats
     size = f"{s.designs} designs, {s.kernel_graphs} kernel graphs, {s.block_graphs} block graphs, {s.workers} workers"
     cut = f"; the work ran out with {s.open_subtrees} subtrees left open" if s.open_subtrees else ""
-    typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s), {size}, {s.steps} of {s.work} steps, "
+    checked = f", ptxas check {s.static_s:.1f} s" if static_check else ""
+    typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s{checked}), {size}, "
+               f"{s.steps} of {s.work} steps, "
                "pruned " + ", ".join(f"{k} {v}" for k, v in s.pruned.items()) + cut
                + ("; stopped by the time budget (the result may depend on this machine's speed)"
-                  if s.stopped_by_budget else ""))
+                  if s.stopped_by_budget else "")
+               + (f"; {s.static_spilled} buckets kept an instance that spills (none ranked near it does not)"
+                  if s.static_spilled else ""))
     if emit is not None:
         for path in _emit(result, emit):
             typer.echo(f"wrote {path}")
