@@ -207,10 +207,10 @@ def screened_spills(spilled: list[dict], programs: dict) -> list[dict]:
             gpu = get_gpu(TARGETS[r["sm"]])
             for nt in (n for n in r["buckets"] if n <= DECODE_MAX):
                 taken = screen([rank(g, gpu, nt, enumerate_instances(g, gpu))], r["sm"])[0][0]
+                stack = "not compiled" if taken.facts is None else [f.stack_bytes for f in taken.facts]
                 print(f"screen: sm_{r['sm']} {source} at {nt} tokens: {r['assignment']} spills, "
-                      f"{taken.assignment} taken ({[f.stack_bytes for f in taken.facts]} stack bytes)",
-                      file=sys.stderr)
-                if any(f.spills for f in taken.facts):
+                      f"{taken.assignment} taken (stack bytes: {stack})", file=sys.stderr)
+                if taken.facts is None or any(f.spills for f in taken.facts):
                     out.append(r | {"screened": taken.assignment})
     return out
 

@@ -4,8 +4,10 @@ candidates and keep the measured winner."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import subprocess
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -320,45 +322,91 @@ def screen(ranked: Sequence[Sequence[Candidate]], capability: int, want: int = 1
     sm_`capability` without spilling (`KernelFacts.spills`), in rank order, each carrying its facts.
     The resource model estimates registers; ptxas decides, and its choices differ between Triton
     releases (a kernel the model chose spills under Triton 3.6 and not under 3.9), so the
-    compiler this process would launch with has the last word. A bucket whose first
-    want + SCREEN_DEPTH candidates all spill keeps the least-spilling one (ties by rank), with a
-    warning. Compiles in at most two rounds (the first `want` of each bucket, then deeper where
-    they spilled), each in one child process; an instance several buckets rank compiles once.
-    Where this Triton cannot compile for the target (no ptxas in its wheel, an architecture it
-    does not know), the rankings come back unscreened, with a warning."""
-    facts: dict[tuple, tuple[KernelFacts, ...]] = {}
+    compiler this process would launch with has the last word.
+
+    Compiles in at most two rounds (the first `want` of each bucket, then SCREEN_DEPTH deeper
+    where too few were clean), each in one child process; an instance several buckets rank
+    compiles once. A bucket whose checked candidates all spill keeps the least-spilling one (ties
+    by rank), with a warning. An instance Triton cannot compile for the target is passed over.
+    Where nothing compiles here (no ptxas in the wheel, an architecture this Triton does not
+    know), a bucket takes what was found clean before that, then its unchecked candidates in rank
+    order (facts None), with a warning."""
+    if want < 1:
+        raise SGraphError(f"screen wants at least one candidate per bucket, got {want}")
+    facts: dict[tuple, tuple[KernelFacts, ...] | None] = {}  # None: does not compile for the target
     seen = [0] * len(ranked)  # how deep each bucket's ranking has been compiled
+    unavailable = False
     for depth in (want, want + SCREEN_DEPTH):
-        todo = {}
+        todo, deeper = {}, list(seen)
         for b, cands in enumerate(ranked):
-            if sum(1 for c in cands[:seen[b]] if not _spills(facts[_key(c)])) < want:
+            if len(_clean(cands[:seen[b]], facts)) < want:
                 todo.update((_key(c), c.instance) for c in cands[seen[b]:depth] if _key(c) not in facts)
-                seen[b] = min(depth, len(cands))
+                deeper[b] = min(depth, len(cands))
         if not todo:
             break
-        try:
-            compiled = compile_facts([(inst, capability) for inst in todo.values()])
-        except CodegenError as exc:
+        compiled = _compile(todo, capability)
+        if compiled is None:
+            unavailable = True
+            break
+        facts.update(compiled)
+        seen = deeper
+    return [_pick(cands[:seen[b]], cands[seen[b]:], facts, want, unavailable, capability)
+            for b, cands in enumerate(ranked)]
+
+
+COMPILE_ERRORS = (CodegenError, subprocess.SubprocessError, OSError)
+
+
+def _compile(todo: dict[tuple, Instance], capability: int) -> dict[tuple, tuple[KernelFacts, ...] | None] | None:
+    """ptxas's facts of each instance (None for one that does not compile for sm_`capability`),
+    in one child process, or one each when that fails (one bad kernel fails the batch); None
+    when nothing compiles here (the batch of one, or the first two alone, fail)."""
+    jobs = list(todo.items())
+    try:
+        return {key: tuple(f) for (key, _), f in zip(jobs, compile_facts([(i, capability) for _, i in jobs]))}
+    except COMPILE_ERRORS as exc:
+        if len(jobs) == 1:
             log.warning("instances not checked by ptxas for sm_%d: %s", capability, exc)
-            return [list(cands) for cands in ranked]
-        facts.update(zip(todo, (tuple(f) for f in compiled)))
-    out = []
-    for b, cands in enumerate(ranked):
-        checked = [Candidate(c.instance, c.num_tokens, c.modeled_us, c.measured_us, facts[_key(c)])
-                   for c in cands[:seen[b]]]
-        clean = [c for c in checked if not _spills(c.facts)][:want]
-        if not clean and checked:
-            least = min(checked, key=lambda c: sum(f.stack_bytes + f.local_bytes for f in c.facts))
-            log.warning("every instance checked at %d tokens spills on sm_%d; keeping %s (%d stack bytes)",
-                        least.num_tokens, capability, least.assignment, sum(f.stack_bytes for f in least.facts))
-            clean = [least]
-        out.append(clean)
+            return None
+        log.warning("compiling %d instances for sm_%d failed (%s); compiling them one by one", len(jobs),
+                    capability, exc)
+    out: dict[tuple, tuple[KernelFacts, ...] | None] = {}
+    for key, inst in jobs:
+        try:
+            out[key] = tuple(compile_facts([(inst, capability)])[0])
+        except COMPILE_ERRORS as exc:
+            if len(out) == 1 and out[next(iter(out))] is None:
+                log.warning("instances not checked by ptxas for sm_%d: %s", capability, exc)
+                return None
+            log.warning("instance %s does not compile for sm_%d: %s", inst.values, capability, exc)
+            out[key] = None
     return out
+
+
+def _pick(checked: Sequence[Candidate], unchecked: Sequence[Candidate], facts: dict, want: int,
+          unavailable: bool, capability: int) -> list[Candidate]:
+    """`screen`'s choice for one bucket (see there)."""
+    compiled = [dataclasses.replace(c, facts=facts[_key(c)]) for c in checked if facts[_key(c)] is not None]
+    clean = _clean(compiled, facts)[:want]
+    if len(clean) == want or (clean and not unavailable):
+        return clean
+    if unavailable and (clean or unchecked):
+        return clean + list(unchecked[:want - len(clean)])
+    if clean:
+        return clean
+    if compiled:
+        least = min(compiled, key=lambda c: sum(f.stack_bytes + f.local_bytes for f in c.facts))
+        log.warning("every instance checked at %d tokens spills on sm_%d; keeping %s (%d stack bytes)",
+                    least.num_tokens, capability, least.assignment, sum(f.stack_bytes for f in least.facts))
+        return [least]
+    log.warning("no instance checked compiles for sm_%d; keeping the best-ranked, unchecked", capability)
+    return list(checked[:1])
+
+
+def _clean(cands: Sequence[Candidate], facts: dict) -> list[Candidate]:
+    """Those of `cands` compiled without a spill."""
+    return [c for c in cands if facts.get(_key(c)) is not None and not any(f.spills for f in facts[_key(c)])]
 
 
 def _key(c: Candidate) -> tuple:
     return id(c.instance.sgraph), tuple(sorted(c.instance.values.items()))
-
-
-def _spills(facts: tuple[KernelFacts, ...]) -> bool:
-    return any(f.spills for f in facts)

@@ -249,3 +249,35 @@ def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     # ridges with joint moves, it reaches it; the open bucket trades up to NEAR_TIE for scaling
     assert descended[0].modeled_us == exhaustive[0].modeled_us
     assert exhaustive[1].modeled_us <= descended[1].modeled_us * search.NEAR_TIE
+
+
+def test_with_the_static_check_only_instances_ptxas_does_not_spill_are_measured(monkeypatch):
+    """optimize(static_check=True) with a timer: per bucket, the `measure_top` instances timed are
+    the best-ranked ones that (a stand-in) ptxas does not spill, and the winner carries its facts;
+    without the check, the top `measure_top` of the ranking are timed, as before."""
+    from prism_serve.optimize import tune
+    from prism_serve.optimize.generate import search
+
+    from .test_tune import FakePtxas
+
+    prog = WORKLOADS["silu_and_mul"].program(intermediate=256, dtype="float32")
+    timed = []
+
+    def timer(inst, num_tokens):
+        timed.append((num_tokens, sorted(inst.values.items())))
+        return float(sum(inst.values.values()))
+
+    run = lambda check: optimize(prog, "h100", (1, 16), max_kernels=1, budget_s=300, top=1, workers=1,  # noqa: E731
+                                 timer=timer, measure_top=2, static_check=check)
+    plain = run(False)
+    rankings = search._rankings(plain.best.sgraph, H100, (1, 16))
+    assert sorted(timed) == sorted((c.num_tokens, sorted(c.assignment.items())) for r in rankings for c in r[:2])
+    spilling = [c.assignment for r in rankings for c in r[:2]]
+    monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=spilling))
+    timed.clear()
+    checked = run(True)
+    clean = [[c for c in r if c.assignment not in spilling][:2] for r in rankings]
+    assert sorted(timed) == sorted((c.num_tokens, sorted(c.assignment.items())) for r in clean for c in r)
+    for c in checked.best.kernels:
+        assert c.assignment not in spilling and c.facts is not None and c.measured_us is not None
+    assert checked.stats.static_spilled == 0

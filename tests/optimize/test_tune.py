@@ -147,3 +147,73 @@ def test_descent_crosses_the_ridge_where_single_moves_stall():
     stall = {"BR": 1, "FR": 1, "BT": 8, "G": 16, "F": 32}
     assert modeled_us(instantiate(g, stall, H100), 16, H100) > 1.3 * target
     assert descend(g, H100, 16, stall).modeled_us <= target + 1e-9
+
+
+class FakePtxas:
+    """Stands in for `static.compile_facts`: every instance whose assignment is in `spilling`
+    spills, those in `broken` fail to compile (alone or in a batch), and every call after the
+    first `works` fails (no compiler here). Records each call's assignments."""
+
+    def __init__(self, spilling=(), broken=(), works=None):
+        self.spilling, self.broken, self.works, self.calls = list(spilling), list(broken), works, []
+
+    def __call__(self, jobs):
+        from prism_serve.errors import CodegenError
+        from prism_serve.optimize.static import KernelFacts
+        self.calls.append([inst.values for inst, _ in jobs])
+        if (self.works is not None and len(self.calls) > self.works) or any(i.values in self.broken for i, _ in jobs):
+            raise CodegenError("compiling for an NVIDIA target failed")
+        return [[KernelFacts("k", cc, 4, 40, 16 if inst.values in self.spilling else 0, 0, 0, 0, 0)]
+                for inst, cc in jobs]
+
+
+def _ranking(num_tokens=4):
+    g = oracle(WORKLOADS["silu_and_mul"].program(intermediate=256))
+    return rank(g, H100, num_tokens, enumerate_instances(g, H100))
+
+
+def test_the_screen_goes_down_the_ranking_past_spilling_instances(monkeypatch):
+    from prism_serve.optimize import tune
+    ranked = _ranking()
+    assert len(ranked) > tune.SCREEN_DEPTH
+    ptxas = FakePtxas(spilling=[c.assignment for c in ranked[:3]])
+    monkeypatch.setattr(tune, "compile_facts", ptxas)
+    (one,), (same,) = tune.screen([ranked, ranked], 90)
+    assert one.instance is same.instance is ranked[3].instance
+    assert one.facts[0].stack_bytes == 0 and one.facts[0].capability == 90
+    # the top of both rankings, the shared instance once; then SCREEN_DEPTH deeper, once
+    assert ptxas.calls == [[ranked[0].assignment], [c.assignment for c in ranked[1:1 + tune.SCREEN_DEPTH]]]
+    two, three = tune.screen([ranked], 90, want=2)[0]
+    assert (two.instance, three.instance) == (ranked[3].instance, ranked[4].instance)
+
+
+def test_the_screen_keeps_the_least_spilling_instance_when_all_spill(monkeypatch):
+    from prism_serve.optimize import tune
+    ranked = _ranking()[:3]
+    monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=[c.assignment for c in ranked]))
+    ((kept,),) = tune.screen([ranked], 90)
+    assert kept.instance is ranked[0].instance and kept.facts[0].stack_bytes == 16
+
+
+def test_an_instance_that_does_not_compile_is_passed_over(monkeypatch):
+    from prism_serve.optimize import tune
+    ranked = _ranking()
+    ptxas = FakePtxas(spilling=[ranked[0].assignment], broken=[ranked[1].assignment])
+    monkeypatch.setattr(tune, "compile_facts", ptxas)
+    ((taken,),) = tune.screen([ranked], 90)
+    assert taken.instance is ranked[2].instance and taken.facts is not None
+    assert [ranked[1].assignment] in ptxas.calls  # retried alone after the batch failed
+
+
+def test_without_a_compiler_the_rankings_come_back_unchecked(monkeypatch):
+    from prism_serve.optimize import tune
+    ranked = _ranking()
+    monkeypatch.setattr(tune, "compile_facts", FakePtxas(works=0))
+    assert tune.screen([ranked], 90, want=2) == [ranked[:2]]
+    # what the first round found clean is kept; the rest comes unchecked, in rank order
+    monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=[ranked[0].assignment], works=1))
+    ((first, second),) = tune.screen([ranked], 90, want=2)
+    assert first.instance is ranked[1].instance and first.facts is not None
+    assert second.instance is ranked[2].instance and second.facts is None
+    with pytest.raises(SGraphError, match="at least one"):
+        tune.screen([ranked], 90, want=0)

@@ -500,11 +500,14 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
 
     `static_check` compiles the chosen instances for the GPU's architecture with this process's
     Triton and takes, per bucket, the best-ranked one ptxas does not spill (`tune.screen`; no GPU
-    needed), each carrying ptxas's facts (`Candidate.facts`)."""
+    needed), each carrying ptxas's facts (`Candidate.facts`). It runs after the search, outside
+    `budget_s` (seconds: one or two child processes; `stats.static_s`)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise SGraphError(f"workers must be a positive int, got {workers!r}")
+    if not isinstance(measure_top, int) or measure_top < 1:
+        raise SGraphError(f"measure_top must be a positive int, got {measure_top!r}")
     work = round(WORK_PER_S * budget_s) if work is None else work
     if not isinstance(work, int) or work < 0:
         raise SGraphError(f"work must be a non-negative int of steps, got {work!r}")
