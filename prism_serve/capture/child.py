@@ -22,7 +22,11 @@ if TYPE_CHECKING:  # torch is imported inside the functions, after vLLM's enviro
     import torch
 from pathlib import Path
 
-RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89]  # 7 tokens: its prefill and one decode forward are recorded
+# its prefill and one decode forward are recorded, and warmup checks every bucket range's kernel on
+# both: 40 tokens span a full 32-row token tile (what the larger buckets' kernels tile by) and a
+# partial one, and each smaller tile several times (7 tokens left all but one row tile unchecked)
+RECORD_PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19,
+                 71, 69, 39, 93, 75, 10, 58, 20, 97, 49, 44, 59, 23, 7, 81, 64, 6, 28, 62, 8]
 HOT_PROMPT_LENS = (3, 9, 17, 33, 60)  # mixed lengths, batched
 HOT_MAX_TOKENS = 6
 MAX_MODEL_LEN = 256  # capture needs only short prompts

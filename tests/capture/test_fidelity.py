@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from prism_serve.capture.child import RECORD_PROMPT
 from prism_serve.capture.embedded import embedded_path
 from prism_serve.optimize.reference import evaluate, max_rel_error
 
@@ -33,7 +34,7 @@ def _check_all(result):
 
 
 def test_llama_fidelity(llama_capture):
-    assert llama_capture.recorded_num_tokens == [7, 1]  # the prefill and one decode step
+    assert llama_capture.recorded_num_tokens == [len(RECORD_PROMPT), 1]  # the prefill and one decode step
     assert _check_all(llama_capture) == 15  # 7 per layer + the final norm
 
 
@@ -83,7 +84,8 @@ def test_rotary_regions_match_a_torch_rope(which, request):
             for x, out, heads in ((q, q_out, d["heads"]), (k, k_out, d["kv_heads"])):
                 assert max_rel_error(_rope(x, positions, heads, d["head_dim"], cfg["rope_theta"]), out) < TOL
             assert max_rel_error(q, q_out) > TOL or positions.max() == 0  # the op really rotated
-    assert positions_seen[:2] == [list(range(7)), [7]]  # the recorded prefill, then its decode step
+    n = len(RECORD_PROMPT)
+    assert positions_seen[:2] == [list(range(n)), [n]]  # the recorded prefill, then its decode step
 
 
 def _sdpa(q, k, v, causal: bool) -> torch.Tensor:
@@ -95,7 +97,7 @@ def _sdpa(q, k, v, causal: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
 def test_attention_regions_match_torch_sdpa(which, request):
-    """The prefill is causal attention of the 7-token prompt; its decode step attends to the
+    """The prefill is causal attention of the 40-token prompt; its decode step attends to the
     prompt's cached keys and values (recorded in the prefill) plus its own."""
     res = request.getfixturevalue(f"{which}_capture")
     sites = [i for i in res.instances if i.kind == "attention"]
@@ -103,7 +105,7 @@ def test_attention_regions_match_torch_sdpa(which, request):
     for inst in sites:
         (n0, (q0, k0, v0), (o0,)), (n1, (q1, k1, v1), (o1,)) = inst.recordings
         d = inst.dims
-        assert (n0, n1) == (7, 1) and q0.shape[1:] == (d["heads"], d["head_dim"])
+        assert (n0, n1) == (len(RECORD_PROMPT), 1) and q0.shape[1:] == (d["heads"], d["head_dim"])
         assert k0.shape[1:] == v0.shape[1:] == (d["kv_heads"], d["head_dim"])
         assert max_rel_error(_sdpa(q0, k0, v0, causal=True), o0) < TOL
         assert max_rel_error(_sdpa(q1, torch.cat([k0, k1]), torch.cat([v0, v1]), causal=False), o1) < TOL
