@@ -392,8 +392,6 @@ def _pick(checked: Sequence[Candidate], unchecked: Sequence[Candidate], facts: d
         return clean
     if unavailable and (clean or unchecked):
         return clean + list(unchecked[:want - len(clean)])
-    if clean:
-        return clean
     if compiled:
         least = min(compiled, key=lambda c: sum(f.stack_bytes + f.local_bytes for f in c.facts))
         log.warning("every instance checked at %d tokens spills on sm_%d; keeping %s (%d stack bytes)",
