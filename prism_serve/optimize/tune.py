@@ -254,6 +254,27 @@ def _sweep(best: Candidate, moves: list[dict[str, int]], times: KernelTimes, gpu
     return None if best is start else best
 
 
+def with_neighbours(g: SGraph, gpu: GpuSpec, best: Candidate) -> list[Candidate]:
+    """`best`, then the valid instances one descent move from it (one symbol to any choice, or two
+    symbols of one kernel by at most PAIR_RADIUS choices each), ranked as `rank`: a short ranking
+    for a design too large to enumerate, for `screen` and `measure` to go down."""
+    times = KernelTimes(g, gpu, best.num_tokens)
+    choices = symbol_choices(g)
+    moves = [{s: v} for s in g.symbols for v in choices[s]] + _pair_moves(best.assignment, choices, times)
+    seen = {tuple(sorted(best.assignment.items()))}
+    near = []
+    for m in moves:
+        values = best.assignment | m
+        key = tuple(sorted(values.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        us = times(values)
+        if us is not None:
+            near.append(Candidate(instantiate(g, values, gpu), best.num_tokens, us))
+    return [best, *_ranked(near, gpu)]
+
+
 def enumerate_instances(g: SGraph, gpu: GpuSpec) -> list[Instance]:
     """Every valid power-of-two instance of `g` on `gpu` (those that divide and fit)."""
     choices = symbol_choices(g)

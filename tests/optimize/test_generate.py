@@ -233,16 +233,25 @@ def test_the_generator_builds_gemmas_tanh_gelu_designs(name, dims):
 def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     """Past EXHAUSTIVE_ASSIGNMENTS a verified design's instances are not enumerated (a two-kernel
     design with a split took 25 s of a 60 s budget): each bucket takes the descent's best; the
-    open last bucket the instance that scales, where it ties at the bucket's size."""
+    open last bucket the instance that scales, where it ties at the bucket's size. After it come
+    the instances one move from it, ranked (what the static check and measuring go down): every
+    valid instance that differs in one symbol among them."""
     from prism_serve.optimize.generate import search
-    from prism_serve.optimize.tune import best_modeled, symbol_choices
+    from prism_serve.optimize.tune import best_modeled, enumerate_instances, symbol_choices
 
     g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=1024, out=1024))
     exhaustive = [r[0] for r in search._rankings(g, H100, (1, 16))]
+    every = [i.values for i in enumerate_instances(g, H100)]
     assert math.prod(len(c) for c in symbol_choices(g).values()) <= search.EXHAUSTIVE_ASSIGNMENTS
     monkeypatch.setattr(search, "EXHAUSTIVE_ASSIGNMENTS", 0)
     monkeypatch.setattr(search, "enumerate_instances", lambda *a: pytest.fail("enumerated"))
-    descended = [r[0] for r in search._rankings(g, H100, (1, 16))]
+    rankings = search._rankings(g, H100, (1, 16))
+    for best, *near in rankings:
+        assert [round(c.modeled_us, 6) for c in near] == sorted(round(c.modeled_us, 6) for c in near)
+        keys = [tuple(sorted(c.assignment.items())) for c in near]
+        one_symbol = {tuple(sorted(v.items())) for v in every if sum(v[s] != best.assignment[s] for s in v) == 1}
+        assert len(set(keys)) == len(keys) and one_symbol and one_symbol <= set(keys)
+    descended = [r[0] for r in rankings]
     assert descended[0].modeled_us == best_modeled(g, H100, 1).modeled_us
     assert descended[1].modeled_us <= best_modeled(g, H100, 16).modeled_us * search.NEAR_TIE
     # the descent can stop at a local optimum (never below the exhaustive best); here, crossing

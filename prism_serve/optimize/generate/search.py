@@ -65,7 +65,7 @@ from prism_serve.optimize.static import facts_json
 from prism_serve.optimize.timing import Timer, cuda_timer
 from prism_serve.optimize.tune import (NEAR_TIE, PROBE_TOKENS, SCALE_PROBE, SCREEN_DEPTH, Candidate,
                                        best_modeled, enumerate_instances, measure, rank, rank_open, screen,
-                                       symbol_choices)
+                                       symbol_choices, with_neighbours)
 from prism_serve.optimize.verify import ProofResult, prove_equivalent
 
 log = logging.getLogger(__name__)
@@ -311,9 +311,9 @@ def _rankings(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...]) -> list[list[Ca
     """A verified design's instances ranked per bucket, exhaustively (the descent that costs every
     generated design can stop at a local optimum), the last bucket, which also serves every larger
     size, by `rank_open`. A design of more than EXHAUSTIVE_ASSIGNMENTS has the descent's instance
-    alone (`_descended`)."""
+    (`_descended`) first, then the instances one move from it (`tune.with_neighbours`)."""
     if math.prod(len(c) for c in symbol_choices(g).values()) > EXHAUSTIVE_ASSIGNMENTS:
-        return [[_descended(g, gpu, nt, open_=nt == max(buckets))] for nt in buckets]
+        return [with_neighbours(g, gpu, _descended(g, gpu, nt, open_=nt == max(buckets))) for nt in buckets]
     instances = enumerate_instances(g, gpu)
     return [(rank_open if nt == max(buckets) else rank)(g, gpu, nt, instances) for nt in buckets]
 
