@@ -254,10 +254,11 @@ def _sweep(best: Candidate, moves: list[dict[str, int]], times: KernelTimes, gpu
     return None if best is start else best
 
 
-def with_neighbours(g: SGraph, gpu: GpuSpec, best: Candidate) -> list[Candidate]:
+def with_neighbours(g: SGraph, gpu: GpuSpec, best: Candidate, open_: bool = False) -> list[Candidate]:
     """`best`, then the valid instances one descent move from it (one symbol to any choice, or two
-    symbols of one kernel by at most PAIR_RADIUS choices each), ranked as `rank`: a short ranking
-    for a design too large to enumerate, for `screen` and `measure` to go down."""
+    symbols of one kernel by at most PAIR_RADIUS choices each), ranked as `rank` ranks, or for a
+    bucket that also serves every larger size (`open_`) as `rank_open` ranks around `best`: a
+    short ranking for a design too large to enumerate, for `screen` and `measure` to go down."""
     times = KernelTimes(g, gpu, best.num_tokens)
     choices = symbol_choices(g)
     moves = [{s: v} for s in g.symbols for v in choices[s]] + _pair_moves(best.assignment, choices, times)
@@ -272,7 +273,8 @@ def with_neighbours(g: SGraph, gpu: GpuSpec, best: Candidate) -> list[Candidate]
         us = times(values)
         if us is not None:
             near.append(Candidate(instantiate(g, values, gpu), best.num_tokens, us))
-    return [best, *_ranked(near, gpu)]
+    near = _ranked(near, gpu)
+    return [best, *(_scaling_first(near, gpu, best.modeled_us) if open_ else near)]
 
 
 def enumerate_instances(g: SGraph, gpu: GpuSpec) -> list[Instance]:
@@ -312,11 +314,17 @@ def rank_open(g: SGraph, gpu: GpuSpec, num_tokens: int, instances: Sequence[Inst
     of the best modeled time at `num_tokens` first, ordered by modeled time at
     max(SCALE_PROBE x num_tokens, PROBE_TOKENS) (then as `rank`), the others after, as `rank`."""
     ranked = rank(g, gpu, num_tokens, instances)
-    if not num_tokens:
+    return _scaling_first(ranked, gpu, ranked[0].modeled_us) if num_tokens and ranked else ranked
+
+
+def _scaling_first(ranked: list[Candidate], gpu: GpuSpec, fastest_us: float) -> list[Candidate]:
+    """`ranked` (ranked by `rank`) with those within NEAR_TIE of `fastest_us` first, ordered by
+    modeled time at max(SCALE_PROBE x num_tokens, PROBE_TOKENS), stable (ties stay ranked)."""
+    if not ranked:
         return ranked
-    probe = max(SCALE_PROBE * num_tokens, PROBE_TOKENS)
-    near = [c for c in ranked if c.modeled_us <= ranked[0].modeled_us * NEAR_TIE]
-    first = sorted(near, key=lambda c: round(modeled_us(c.instance, probe, gpu), 6))  # stable: ties stay ranked
+    probe = max(SCALE_PROBE * ranked[0].num_tokens, PROBE_TOKENS)
+    near = [c for c in ranked if c.modeled_us <= fastest_us * NEAR_TIE]
+    first = sorted(near, key=lambda c: round(modeled_us(c.instance, probe, gpu), 6))
     return first + ranked[len(near):]
 
 
@@ -348,10 +356,11 @@ def screen(ranked: Sequence[Sequence[Candidate]], capability: int, want: int = 1
     Compiles in at most two rounds (the first `want` of each bucket, then SCREEN_DEPTH deeper
     where too few were clean), each in one child process; an instance several buckets rank
     compiles once. A bucket whose checked candidates all spill keeps the least-spilling one (ties
-    by rank), with a warning. An instance Triton cannot compile for the target is passed over.
+    by rank), with a warning. An instance Triton cannot compile for the target is passed over;
+    a bucket where none compiled takes its first unchecked candidate (facts None), with a warning.
     Where nothing compiles here (no ptxas in the wheel, an architecture this Triton does not
-    know), a bucket takes what was found clean before that, then its unchecked candidates in rank
-    order (facts None), with a warning."""
+    know: the first round fails), a bucket takes its unchecked candidates in rank order, with a
+    warning."""
     if want < 1:
         raise SGraphError(f"screen wants at least one candidate per bucket, got {want}")
     facts: dict[tuple, tuple[KernelFacts, ...] | None] = {}  # None: does not compile for the target
@@ -363,9 +372,10 @@ def screen(ranked: Sequence[Sequence[Candidate]], capability: int, want: int = 1
             if len(_clean(cands[:seen[b]], facts)) < want:
                 todo.update((_key(c), c.instance) for c in cands[seen[b]:depth] if _key(c) not in facts)
                 deeper[b] = min(depth, len(cands))
-        if not todo:
+        if not todo:  # what the buckets need was compiled for another bucket
+            seen = deeper
             break
-        compiled = _compile(todo, capability)
+        compiled = _compile(todo, capability, works=any(f is not None for f in facts.values()))
         if compiled is None:
             unavailable = True
             break
@@ -378,15 +388,17 @@ def screen(ranked: Sequence[Sequence[Candidate]], capability: int, want: int = 1
 COMPILE_ERRORS = (CodegenError, subprocess.SubprocessError, OSError)
 
 
-def _compile(todo: dict[tuple, Instance], capability: int) -> dict[tuple, tuple[KernelFacts, ...] | None] | None:
+def _compile(todo: dict[tuple, Instance], capability: int, works: bool
+             ) -> dict[tuple, tuple[KernelFacts, ...] | None] | None:
     """ptxas's facts of each instance (None for one that does not compile for sm_`capability`),
-    in one child process, or one each when that fails (one bad kernel fails the batch); None
-    when nothing compiles here (the batch of one, or the first two alone, fail)."""
+    in one child process, or one each when that fails (one bad kernel fails the batch). Unless
+    something compiled before (`works`), None when nothing compiles here (the batch of one, or
+    the first two alone, fail)."""
     jobs = list(todo.items())
     try:
         return {key: tuple(f) for (key, _), f in zip(jobs, compile_facts([(i, capability) for _, i in jobs]))}
     except COMPILE_ERRORS as exc:
-        if len(jobs) == 1:
+        if len(jobs) == 1 and not works:
             log.warning("instances not checked by ptxas for sm_%d: %s", capability, exc)
             return None
         log.warning("compiling %d instances for sm_%d failed (%s); compiling them one by one", len(jobs),
@@ -396,7 +408,7 @@ def _compile(todo: dict[tuple, Instance], capability: int) -> dict[tuple, tuple[
         try:
             out[key] = tuple(compile_facts([(inst, capability)])[0])
         except COMPILE_ERRORS as exc:
-            if len(out) == 1 and out[next(iter(out))] is None:
+            if not works and len(out) == 1 and out[next(iter(out))] is None:
                 log.warning("instances not checked by ptxas for sm_%d: %s", capability, exc)
                 return None
             log.warning("instance %s does not compile for sm_%d: %s", inst.values, capability, exc)
@@ -409,17 +421,18 @@ def _pick(checked: Sequence[Candidate], unchecked: Sequence[Candidate], facts: d
     """`screen`'s choice for one bucket (see there)."""
     compiled = [dataclasses.replace(c, facts=facts[_key(c)]) for c in checked if facts[_key(c)] is not None]
     clean = _clean(compiled, facts)[:want]
+    untried = [c for c in unchecked if _key(c) not in facts]  # some were compiled for another bucket
     if len(clean) == want or (clean and not unavailable):
         return clean
-    if unavailable and (clean or unchecked):
-        return clean + list(unchecked[:want - len(clean)])
+    if unavailable and (clean or untried):
+        return clean + untried[:want - len(clean)]
     if compiled:
         least = min(compiled, key=lambda c: sum(f.stack_bytes + f.local_bytes for f in c.facts))
         log.warning("every instance checked at %d tokens spills on sm_%d; keeping %s (%d stack bytes)",
                     least.num_tokens, capability, least.assignment, sum(f.stack_bytes for f in least.facts))
         return [least]
-    log.warning("no instance checked compiles for sm_%d; keeping the best-ranked, unchecked", capability)
-    return list(checked[:1])
+    log.warning("no instance checked compiles for sm_%d; keeping the next unchecked one", capability)
+    return untried[:1] or list(checked[:1])
 
 
 def _clean(cands: Sequence[Candidate], facts: dict) -> list[Candidate]:

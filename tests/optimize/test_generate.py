@@ -237,6 +237,7 @@ def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     the instances one move from it, ranked (what the static check and measuring go down): every
     valid instance that differs in one symbol among them."""
     from prism_serve.optimize.generate import search
+    from prism_serve.optimize.cost import modeled_us
     from prism_serve.optimize.tune import best_modeled, enumerate_instances, symbol_choices
 
     g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=1024, out=1024))
@@ -245,12 +246,19 @@ def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     assert math.prod(len(c) for c in symbol_choices(g).values()) <= search.EXHAUSTIVE_ASSIGNMENTS
     monkeypatch.setattr(search, "EXHAUSTIVE_ASSIGNMENTS", 0)
     monkeypatch.setattr(search, "enumerate_instances", lambda *a: pytest.fail("enumerated"))
-    rankings = search._rankings(g, H100, (1, 16))
-    for best, *near in rankings:
+    rankings = search._rankings(g, H100, (1, 16), keep=2)
+    assert [len(r) for r in search._rankings(g, H100, (1, 16))] == [1, 1]  # one kept: no neighbours
+    for best, *near in rankings[:1]:  # the open last bucket puts the scaling ones first (below)
         assert [round(c.modeled_us, 6) for c in near] == sorted(round(c.modeled_us, 6) for c in near)
         keys = [tuple(sorted(c.assignment.items())) for c in near]
         one_symbol = {tuple(sorted(v.items())) for v in every if sum(v[s] != best.assignment[s] for s in v) == 1}
         assert len(set(keys)) == len(keys) and one_symbol and one_symbol <= set(keys)
+    # the open bucket: after the descent's instance, the neighbours within NEAR_TIE of it at 16
+    # tokens come first, those that scale best to the probe size first among them
+    best, *near = rankings[1]
+    tied = [c for c in near if c.modeled_us <= best.modeled_us * search.NEAR_TIE]
+    probe = lambda c: round(modeled_us(c.instance, max(16 * 16, 4096), H100), 6)  # noqa: E731
+    assert tied and near[:len(tied)] == sorted(tied, key=probe) and len(near) > len(tied)
     descended = [r[0] for r in rankings]
     assert descended[0].modeled_us == best_modeled(g, H100, 1).modeled_us
     assert descended[1].modeled_us <= best_modeled(g, H100, 16).modeled_us * search.NEAR_TIE

@@ -203,6 +203,26 @@ def test_an_instance_that_does_not_compile_is_passed_over(monkeypatch):
     ((taken,),) = tune.screen([ranked], 90)
     assert taken.instance is ranked[2].instance and taken.facts is not None
     assert [ranked[1].assignment] in ptxas.calls  # retried alone after the batch failed
+    # broken instances first in the deeper round do not make the compiler count as missing
+    ptxas = FakePtxas(spilling=[ranked[0].assignment], broken=[c.assignment for c in ranked[1:3]])
+    monkeypatch.setattr(tune, "compile_facts", ptxas)
+    ((taken,),) = tune.screen([ranked], 90)
+    assert taken.instance is ranked[3].instance and taken.facts is not None
+    # the one deeper instance is broken: the spilling one, whose facts are known, is kept
+    monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=[ranked[0].assignment],
+                                                         broken=[ranked[1].assignment]))
+    ((kept,),) = tune.screen([ranked[:2]], 90)
+    assert kept.instance is ranked[0].instance and kept.facts[0].stack_bytes == 16
+
+
+def test_an_instance_compiled_for_another_bucket_counts(monkeypatch):
+    """Two buckets rank the same two instances in opposite orders; the first spills: both take
+    the clean one, compiled in the first round for the other bucket."""
+    from prism_serve.optimize import tune
+    x, y = _ranking()[:2]
+    monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=[x.assignment]))
+    (a,), (b,) = tune.screen([[x, y], [y, x]], 90)
+    assert a.instance is b.instance is y.instance and a.facts is not None
 
 
 def test_without_a_compiler_the_rankings_come_back_unchecked(monkeypatch):
@@ -210,10 +230,11 @@ def test_without_a_compiler_the_rankings_come_back_unchecked(monkeypatch):
     ranked = _ranking()
     monkeypatch.setattr(tune, "compile_facts", FakePtxas(works=0))
     assert tune.screen([ranked], 90, want=2) == [ranked[:2]]
-    # what the first round found clean is kept; the rest comes unchecked, in rank order
-    monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=[ranked[0].assignment], works=1))
-    ((first, second),) = tune.screen([ranked], 90, want=2)
+    # a compiler that worked and then fails: the deeper instances count as not compiling, one by one
+    ptxas = FakePtxas(spilling=[ranked[0].assignment], works=1)
+    monkeypatch.setattr(tune, "compile_facts", ptxas)
+    ((first,),) = tune.screen([ranked], 90, want=2)
     assert first.instance is ranked[1].instance and first.facts is not None
-    assert second.instance is ranked[2].instance and second.facts is None
+    assert len(ptxas.calls) == 2 + tune.SCREEN_DEPTH
     with pytest.raises(SGraphError, match="at least one"):
         tune.screen([ranked], 90, want=0)

@@ -307,13 +307,16 @@ def verify_design(prog: Program, design: Design, gpu: GpuSpec) -> tuple[ProofRes
 EXHAUSTIVE_ASSIGNMENTS = 20_000
 
 
-def _rankings(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...]) -> list[list[Candidate]]:
+def _rankings(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...], keep: int = 1) -> list[list[Candidate]]:
     """A verified design's instances ranked per bucket, exhaustively (the descent that costs every
     generated design can stop at a local optimum), the last bucket, which also serves every larger
     size, by `rank_open`. A design of more than EXHAUSTIVE_ASSIGNMENTS has the descent's instance
-    (`_descended`) first, then the instances one move from it (`tune.with_neighbours`)."""
+    (`_descended`) first, then, where more than one is kept, the instances one move from it
+    (`tune.with_neighbours`)."""
     if math.prod(len(c) for c in symbol_choices(g).values()) > EXHAUSTIVE_ASSIGNMENTS:
-        return [with_neighbours(g, gpu, _descended(g, gpu, nt, open_=nt == max(buckets))) for nt in buckets]
+        descended = [_descended(g, gpu, nt, open_=nt == max(buckets)) for nt in buckets]
+        return [with_neighbours(g, gpu, d, open_=d.num_tokens == max(buckets)) if keep > 1 else [d]
+                for d in descended]
     instances = enumerate_instances(g, gpu)
     return [(rank_open if nt == max(buckets) else rank)(g, gpu, nt, instances) for nt in buckets]
 
@@ -376,7 +379,8 @@ def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdic
         log.warning("numeric check failed for %s: %s", design.describe(), "; ".join(verdict.reasons))
         return None
     stats.verified += 1
-    return _Verified(design, g, proof, verdict.worst_error, tuple(tuple(r[:keep]) for r in _rankings(g, gpu, buckets)))
+    return _Verified(design, g, proof, verdict.worst_error,
+                     tuple(tuple(r[:keep]) for r in _rankings(g, gpu, buckets, keep)))
 
 
 def _generate(pool, gen: KernelGenerator, choices: list, costed: _Costed, work: float, deadline: float,
