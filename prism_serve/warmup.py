@@ -86,11 +86,13 @@ def bucket_ranges(buckets: list[int]) -> list[tuple[int, int]]:
 
 def model_fingerprint(model_dir: Path, dtype: str = "auto") -> str:
     """What a capture depends on: the config, the weight files (name, size, mtime), the dtype asked
-    of vLLM, the versions."""
+    of vLLM, the prompt whose forwards it records (what warmup checks kernels on), the versions."""
+    from prism_serve.capture.child import RECORD_PROMPT
     from prism_serve.registry.store import current_versions
 
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     h.update(f"dtype:{dtype}".encode())
+    h.update(f"record:{RECORD_PROMPT}".encode())
     for p in sorted(model_dir.iterdir()):
         if p.suffix in (".safetensors", ".bin", ".pt"):
             st = p.stat()

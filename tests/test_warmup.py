@@ -15,7 +15,7 @@ from prism_serve.optimize.generate.design import build
 from prism_serve.optimize.workloads.programs import rmsnorm_linear
 from prism_serve.registry import open_registry
 from prism_serve.registry.store import list_kernels
-from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, warmup
+from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, model_fingerprint, warmup
 
 from .checkpoints import DTYPE
 from .patch.vllm_run import config, run_vllm
@@ -116,6 +116,19 @@ def test_a_rerun_reuses_the_stored_designs_and_capture_still_sees_vllm(warmed):
     # per served kind (capture orders regions by measured time share, so two regions of one kind,
     # one of them skipped, may come in either order)
     assert {r.kind: r.design for r in first.regions if r.status != "skipped"} == {k: r.design for k, r in done.items()}
+
+
+def test_a_capture_recorded_on_another_prompt_is_not_reused(monkeypatch):
+    """The cached capture is keyed by what it depends on, the recorded prompt included: kernels
+    stored after a capture that recorded another prompt are checked again on this one."""
+    from prism_serve.capture import child
+    from prism_serve.capture.embedded import resolve_model
+
+    model = resolve_model(None)
+    key = model_fingerprint(model, "auto")
+    assert model_fingerprint(model, "auto") == key
+    monkeypatch.setattr(child, "RECORD_PROMPT", child.RECORD_PROMPT[:7])
+    assert model_fingerprint(model, "auto") != key
 
 
 def test_bucket_ranges_are_disjoint_and_cover_everything():
