@@ -195,23 +195,28 @@ def tf32_pairs(out: Path) -> int:
 
 def screened_spills(spilled: list[dict], programs: dict) -> list[dict]:
     """Of the spilling model picks at 1-16 tokens, those still spilling after `tune.screen`
-    (what warmup stores on a GPU), each row naming the instance screened in."""
-    out, seen = [], set()
+    (what warmup stores on a GPU), each row naming the instance screened in; all cases' rankings
+    are screened in one call (one or two child processes)."""
+    cases, seen = [], set()
     for r in spilled:
         key = (r["sm"], r["sgraph"], json.dumps(r["assignment"], sort_keys=True), tuple(r["sources"]))
         if key in seen:  # another block kernel of the same instance
             continue
         seen.add(key)
+        gpu = get_gpu(TARGETS[r["sm"]])
         for source in r["sources"]:
             g = oracle(programs[source])
-            gpu = get_gpu(TARGETS[r["sm"]])
-            for nt in (n for n in r["buckets"] if n <= DECODE_MAX):
-                taken = screen([rank(g, gpu, nt, enumerate_instances(g, gpu))], r["sm"])[0][0]
-                stack = "not compiled" if taken.facts is None else [f.stack_bytes for f in taken.facts]
-                print(f"screen: sm_{r['sm']} {source} at {nt} tokens: {r['assignment']} spills, "
-                      f"{taken.assignment} taken (stack bytes: {stack})", file=sys.stderr)
-                if taken.facts is None or any(f.spills for f in taken.facts):
-                    out.append(r | {"screened": taken.assignment})
+            instances = enumerate_instances(g, gpu)
+            cases += [(r, source, nt, rank(g, gpu, nt, instances)) for nt in r["buckets"] if nt <= DECODE_MAX]
+    out = []
+    for sm in sorted({r["sm"] for r, *_ in cases}):
+        here = [c for c in cases if c[0]["sm"] == sm]
+        for (r, source, nt, _), (taken, *_) in zip(here, screen([ranking for *_, ranking in here], sm)):
+            stack = "not compiled" if taken.facts is None else [f.stack_bytes for f in taken.facts]
+            print(f"screen: sm_{sm} {source} at {nt} tokens: {r['assignment']} spills, "
+                  f"{taken.assignment} taken (stack bytes: {stack})", file=sys.stderr)
+            if taken.facts is None or any(f.spills for f in taken.facts):
+                out.append(r | {"screened": taken.assignment})
     return out
 
 
