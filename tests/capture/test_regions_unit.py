@@ -9,6 +9,8 @@ import torch.fx as fx
 from prism_serve.capture import backend
 from prism_serve.capture.regions import find_regions, module_groups
 
+from ..cpu_gemm import onednn_handles
+
 
 vllm_ir = pytest.importorskip("vllm.ir")  # registers vLLM's IR ops, which the graphs call as Dynamo traces them
 rms_norm = torch.ops.vllm_ir.rms_norm.default
@@ -496,12 +498,14 @@ def test_a_half_precision_gemma_norm_gives_the_gemma_kinds_on_the_stored_weight(
     """fp16 / bf16 Gemma: the op's weight w.float() + 1.0 is float32, not x's dtype, so the norm is
     Gemma's (not a plain norm of another dtype's weight) and the regions it starts are the `gemma_`
     kinds, which record the stored weight; in float32 they are the plain kinds (the tests above)."""
-    g, handler = _post_attention_graph(act="gelu_tanh", offset=1.0, dtype=torch.float16)
+    gemm = "onednn" if onednn_handles(torch.float16) else "linear"  # what vLLM runs on this CPU
+    g, handler = _post_attention_graph(act="gelu_tanh", gemm=gemm, offset=1.0, dtype=torch.float16)
     regions, _ = find_regions(g)
     kinds = {r["kind"]: r for r in regions if r["supported"]}
     assert set(kinds) == {"gemma_fused_add_rms_norm", "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_geglu",
                           "geglu", "gelu_tanh_and_mul"}, [(r["kind"], r["reason"]) for r in regions]
     assert kinds["gemma_rmsnorm_geglu"]["dims"] == {"hidden": 16, "intermediate": 24}
     x, res, w = torch.randn(3, 16).half(), torch.randn(3, 16).half(), (torch.rand(16) - 0.5).half()
-    rec = _recorded(monkeypatch, g, "gemma_fused_add_rmsnorm_linear", x, res, w, handler.handler_tensor)
+    weight = handler.handler_tensor if handler else g.find_nodes(op="placeholder")[3].meta["example_value"]
+    rec = _recorded(monkeypatch, g, "gemma_fused_add_rmsnorm_linear", x, res, w, weight)
     torch.testing.assert_close(rec["inputs"][:3], [x, res, w])  # the stored weight, in its own dtype
