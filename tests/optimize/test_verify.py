@@ -15,6 +15,7 @@ from prism_serve.optimize.reference import (
 )
 from prism_serve.optimize.sgraph import BlockKernel, SGraph, instantiate
 from prism_serve.optimize.verify import (
+    ITERATIONS,
     ProofResult,
     _Ctx,
     program_terms,
@@ -82,6 +83,18 @@ def test_proof_is_independent_of_instantiation():
 def test_results_are_cached():
     g = _oracle("swiglu")
     assert prove_equivalent(g) is prove_equivalent(g)
+
+
+def test_a_proof_goes_on_while_its_egraph_grows_to_twice_its_rounds():
+    """rmsnorm_linear's oracle is proven after 8 rounds of the schedule: given 6 it goes on and is
+    proven, given 2 it stops at 4, unproven. A mutant stops where its e-graph stops growing."""
+    g = _oracle("rmsnorm_linear")
+    longer = prove_equivalent(g, iterations=6)
+    assert longer.ok and 6 < longer.iterations <= 12, longer
+    short = prove_equivalent(g, iterations=2)
+    assert not short.ok and short.iterations == 4 and "within 4 iterations" in short.reason
+    mutant = prove_equivalent(MUTANTS["qk_norm_eps_changed"](), iterations=ITERATIONS)
+    assert not mutant.ok and mutant.iterations < 2 * ITERATIONS, mutant
 
 
 def _rms_div(g: SGraph) -> SGraph:
