@@ -17,7 +17,7 @@ from prism_serve.registry import open_registry
 from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, model_fingerprint, warmup
 
-from .checkpoints import DTYPE
+from .checkpoints import DTYPE, WARMUP_BUDGET_S
 from .patch.vllm_run import config, run_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,14 +36,15 @@ def warmed(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("PRISM_SERVE_REGISTRY", "PRISM_SERVE_FORCE")}
     try:
         stages = []
-        first = warmup(None, registry=url, progress=lambda stage, done, total: stages.append(stage), dtype=DTYPE)
-        second = warmup(None, registry=url, dtype=DTYPE)
+        first = warmup(None, registry=url, progress=lambda stage, done, total: stages.append(stage), dtype=DTYPE,
+                       budget_s=WARMUP_BUDGET_S)
+        second = warmup(None, registry=url, dtype=DTYPE, budget_s=WARMUP_BUDGET_S)
         # without the cached capture, with the plugin pointed at the warmed registry and forced on:
         # capture must still see vLLM's own ops, and every plan is reused instead of searched
         for f in (tmp / "cache" / "captures").glob("*.json"):
             f.unlink()
         os.environ.update(PRISM_SERVE_REGISTRY=url, PRISM_SERVE_FORCE="1")
-        third = warmup(None, registry=url, dtype=DTYPE)
+        third = warmup(None, registry=url, dtype=DTYPE, budget_s=WARMUP_BUDGET_S)
     finally:
         for k, v in {"PRISM_SERVE_CACHE": old, **saved}.items():
             if v is None:
@@ -191,7 +192,7 @@ def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, mo
     its projections on its CPU GEMMs' packed weights (AMX on this kind of machine, else oneDNN)."""
     monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
     url = f"sqlite:///{tmp_path / 'registry.db'}"
-    report = warmup(None, registry=url)
+    report = warmup(None, registry=url, budget_s=WARMUP_BUDGET_S)
     assert report.dtype == "bfloat16"
     stored = {r.kind for r in report.regions if r.status in ("verified", "enabled")}
     # the final norm, and the regions on vLLM's CPU GEMMs (oneDNN, or AMX for small bf16 weights)

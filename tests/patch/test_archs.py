@@ -53,7 +53,7 @@ import pytest
 from prism_serve.capture.embedded import resolve_model
 from prism_serve.warmup import model_fingerprint, warmup
 
-from ..checkpoints import ARCH_CONFIGS, config_of, dtype_of, write_checkpoint
+from ..checkpoints import ARCH_CONFIGS, WARMUP_BUDGET_S, config_of, dtype_of, write_checkpoint
 from .vllm_run import config, run_vllm
 
 ARCHS = tuple(ARCH_CONFIGS)
@@ -66,10 +66,6 @@ MLP_KINDS = {"silu_and_mul", "swiglu", "rmsnorm_swiglu", "gelu_tanh_and_mul", "g
 # the module fixture runs a warmup (a capture, a search when the registry has no plan yet) and a
 # vLLM process with four engines: minutes on two busy cores
 pytestmark = pytest.mark.timeout(1800)
-# a third of warmup's default search budget: these tests are about serving each architecture, not
-# about search quality (test_warmup covers the default); on the embedded model the same four
-# regions verify at 20 s as at 60 s, and the searches take 52 s instead of 92 s (2026-12-06)
-SEARCH_BUDGET_S = 20.0
 
 
 def _selected() -> tuple[str, ...]:
@@ -94,7 +90,7 @@ def arch(request, arch_registry, tmp_path_factory):
     old = os.environ.get("PRISM_SERVE_CACHE")
     os.environ["PRISM_SERVE_CACHE"] = str(tmp / "cache")
     try:
-        report = warmup(path, registry=arch_registry, dtype=dtype_of(name), budget_s=SEARCH_BUDGET_S)
+        report = warmup(path, registry=arch_registry, dtype=dtype_of(name), budget_s=WARMUP_BUDGET_S)
         key = model_fingerprint(resolve_model(path), dtype_of(name))
         capture = json.loads((tmp / "cache" / "captures" / f"{key}.json").read_text())
     finally:
