@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections import Counter
 
 import pytest
@@ -238,12 +239,14 @@ def test_the_per_tensor_rules_reject_wrong_designs():
 
 # --- soundness of the abstract-expression rule on small programs -------------------------------
 
-def _scaled_linear() -> Program:
-    """A projection times a constant: loops, loop partials, accumulators and split-K designs."""
-    return Program("scaled_linear", (
-        node("x", "input", shape=(N, 24), dtype="float32"), node("w", "input", shape=(40, 24), dtype="float32"),
-        node("c", "const", value=0.5), node("p", "matmul", "x", "w", transpose_b=True),
-        node("y", "mul", "p", "c")), ("y",))
+def _linear(scale: float | None = None) -> Program:
+    """A projection, times a constant where `scale` is given: loops, loop partials, accumulators and
+    split-K designs; the constant may also be moved across the loop's sum."""
+    nodes = (node("x", "input", shape=(N, 24), dtype="float32"), node("w", "input", shape=(40, 24), dtype="float32"),
+             node("p", "matmul", "x", "w", transpose_b=True))
+    if scale is None:
+        return Program("linear", nodes, ("p",))
+    return Program("scaled_linear", nodes + (node("c", "const", value=scale), node("y", "mul", "p", "c")), ("y",))
 
 
 def _designs(prog: Program, abstract_rule: bool) -> tuple[dict[str, SGraph], SearchStats]:
@@ -251,21 +254,30 @@ def _designs(prog: Program, abstract_rule: bool) -> tuple[dict[str, SGraph], Sea
     return {canonical_hash(g): g for _, _, g in costed.items}, costed.stats
 
 
-def test_the_abstract_expression_rule_is_sound_on_a_loop_program():
-    """Exhaustive runs with and without the rule reach the same designs (canonical hashes), over
-    loop, split-K and whole-row designs; so they verify the same ones (a design's verdict depends
-    on it alone: its proof, and a numeric check seeded by its hash), which the run with the rule
-    does here."""
-    prog = _scaled_linear()
+# the scaled projection's walk without the rule generates 5.2 million candidates (94 s on two cores):
+# set PRISM_SERVE_SLOW_TESTS=1 to run it
+LOOP_PROGRAMS = [_linear()] + ([_linear(scale=0.5)] if os.environ.get("PRISM_SERVE_SLOW_TESTS") == "1" else [])
+
+
+@pytest.mark.parametrize("prog", LOOP_PROGRAMS, ids=lambda p: p.name)
+def test_the_abstract_expression_rule_is_sound_on_a_loop_program(prog):
+    """Exhaustive runs with and without the rule: the run with it reaches every design the run
+    without it reaches but those the proof rejects, over loop, split-K and whole-row designs; a
+    design's verdict depends on it alone (its proof, and a numeric check seeded by its hash), so
+    the run with the rule verifies the same ones, which it does here. (On the plain projection the
+    rule pruned the design that is one library matmul: it took the library op's reduction over whole
+    tensors for a block's slice of the reduced dim.)"""
     (with_rule, on), (without, off) = _designs(prog, True), _designs(prog, False)
-    assert len(with_rule) >= 3 and set(with_rule) == set(without)
+    assert len(with_rule) >= 3 and set(with_rule) <= set(without)
+    for key in set(without) - set(with_rule):
+        assert not prove_equivalent(without[key]).ok, without[key]
     assert not on.stopped_by_budget and not off.stopped_by_budget
     assert on.pruned["abstract_expression"] > 0 and off.pruned["abstract_expression"] == 0
     assert off.generated > on.generated  # the rule cuts the walk earlier
     result = optimize(prog, "h100", (4,), max_kernels=1, max_block_ops=2, budget_s=600, all_designs=True, workers=1)
     verified = {canonical_hash(f.sgraph) for f in result.found}
     assert verified and verified <= set(with_rule)
-    assert any(k.split for f in result.found for k in f.design.kernels)
+    assert any(getattr(k, "split", False) for f in result.found for k in f.design.kernels)
 
 
 def _row_scaled() -> Program:

@@ -178,12 +178,13 @@ class BlockGenerator:
     def __init__(self, oracle: Oracle, outputs: dict[str, TensorType], tensors: dict[str, Value],
                  consts: dict[str, Value], grid: tuple[str, ...], loop: str | None, max_ops: int,
                  written: frozenset[str], allowance: float = math.inf, outputs_only: bool = False,
-                 iterators: str = ALL):
+                 iterators: str = ALL, library: bool = False):
         if iterators not in ITERATOR_SETS:
             raise ValueError(f"iterators must be one of {ITERATOR_SETS}, got {iterators!r}")
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
         self.written, self.allowance, self.outputs_only = written, allowance, outputs_only
         self.iterators = iterators
+        self.library = library  # one library op over whole tensors: a reduction reduces its whole dim
         # float16 operands of tl.dot overflow past 65504 where float32 does not: a matmul of a
         # computed operand is offered on TF32 operands too (bfloat16 has float32's range)
         self.tf32_dots = any(v.type.dtype == "float16" for v in tensors.values())
@@ -479,7 +480,8 @@ class BlockGenerator:
         expr, reduced = _expr(op, a, ins)
         partial = None
         if reduced is not None:
-            if reduced in self.grid and not _is_whole(_reduced_dim(op, a, ins)) and self.oracle.enabled:
+            if (reduced in self.grid and not self.library and not _is_whole(_reduced_dim(op, a, ins))
+                    and self.oracle.enabled):
                 # the block holds a slice of the reduced dim only
                 return None, "abstract_expression"
             if stage == "loop" and reduced == self.loop:

@@ -351,7 +351,7 @@ class KernelGenerator:
     def _library(self, tensors: dict[str, Value], written: frozenset[str], index: int):
         """One IR op over kernel tensors, as a library kernel (same rules as a block op)."""
         gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, {}, tuple(self.ctx.labels), None, 1,
-                             written, iterators=TILES)  # a library op reads whole tensors: no block iterators
+                             written, iterators=TILES, library=True)  # whole tensors: no block iterators
         for op, ins, attrs in gen.source_candidates():
             self._own.generated += 1
             new, rule = gen._op(op, ins, attrs, "lib")
