@@ -35,6 +35,8 @@ from egglog import (
     seq,
 )
 
+from prism_serve.optimize import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
+
 
 class Sym(Expr):
     """A symbolic size: a grid axis or a for-loop range."""

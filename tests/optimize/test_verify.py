@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from prism_serve.optimize.codegen import compile_instance
@@ -95,6 +99,21 @@ def test_a_proof_goes_on_while_its_egraph_grows_to_twice_its_rounds():
     assert not short.ok and short.iterations == 4 and "within 4 iterations" in short.reason
     mutant = prove_equivalent(MUTANTS["qk_norm_eps_changed"](), iterations=ITERATIONS)
     assert not mutant.ok and mutant.iterations < 2 * ITERATIONS, mutant
+
+
+def test_proofs_run_egglog_on_one_thread_unless_told_otherwise():
+    """egglog is deterministic on one thread only (`egglog_threads`): a fresh process that proves
+    runs rayon's pool with one thread, and a RAYON_NUM_THREADS of its own is kept."""
+    code = ("import os; from prism_serve.optimize.verify import prove_equivalent; "
+            "from prism_serve.optimize.workloads.oracles import oracle; "
+            "from prism_serve.optimize.workloads.programs import WORKLOADS; "
+            "assert prove_equivalent(oracle(WORKLOADS['rms_norm'].program(hidden=64))).ok; "
+            "print(os.environ['RAYON_NUM_THREADS'])")
+    env = {k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"}
+    for given, want in ((None, "1"), ("3", "3")):
+        run = subprocess.run([sys.executable, "-c", code], env=env | ({"RAYON_NUM_THREADS": given} if given else {}),
+                             capture_output=True, text=True, timeout=300, check=True)
+        assert run.stdout.split()[-1] == want
 
 
 def _rms_div(g: SGraph) -> SGraph:
