@@ -26,6 +26,7 @@ MAX_TOKENS = 6
 MODES = {"eager": {"enforce_eager": True},
          "compiled": {"enforce_eager": False, "compilation_config": {"mode": 3, "cudagraph_mode": "NONE"}}}
 MARK = "prism-test: config "
+MODELINFOS = ""  # vLLM's model-info cache of this machine (set by `main`)
 
 
 def run(model: str, mode: str, dtype: str = "float32") -> dict:
@@ -101,6 +102,11 @@ def run_config(model: str, config: dict, scratch: str) -> dict:
     caches = os.path.join(scratch, config["name"].replace(" ", "-"))
     os.environ.update(config.get("env", {}), TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
                       VLLM_CACHE_ROOT=os.path.join(caches, "vllm"))
+    # vLLM's model-info cache (what each model class supports, found in a subprocess when cold: 7 s
+    # of each engine's 11 here) is the one a fresh vLLM process on this machine reads; only the
+    # compile caches are the config's own
+    os.makedirs(os.path.join(caches, "vllm"), exist_ok=True)
+    os.symlink(MODELINFOS, os.path.join(caches, "vllm", "modelinfos"))
     print(MARK + config["name"], flush=True)
     undo = inject_faults(config["faults"]) if config.get("faults") else None
     try:
@@ -123,6 +129,11 @@ def run_config(model: str, config: dict, scratch: str) -> dict:
 
 
 def main(model: str, out: str, configs: str) -> int:
+    global MODELINFOS
+    from vllm import envs
+
+    MODELINFOS = os.path.join(envs.VLLM_CACHE_ROOT, "modelinfos")  # vLLM's own, before configs set theirs
+    os.makedirs(MODELINFOS, exist_ok=True)
     os.environ.update(ENV)
     scratch = os.path.join(os.path.dirname(os.path.abspath(out)), f"caches-{os.getpid()}")
     with open(configs) as f:
