@@ -26,7 +26,6 @@ MAX_TOKENS = 6
 MODES = {"eager": {"enforce_eager": True},
          "compiled": {"enforce_eager": False, "compilation_config": {"mode": 3, "cudagraph_mode": "NONE"}}}
 MARK = "prism-test: config "
-MODELINFOS = ""  # vLLM's model-info cache of this machine (set by `main`)
 
 
 def run(model: str, mode: str, dtype: str = "float32") -> dict:
@@ -91,8 +90,9 @@ def inject_faults(spec: dict):
     return undo
 
 
-def run_config(model: str, config: dict, scratch: str) -> dict:
-    """One config, as a fresh process with its settings would run it."""
+def run_config(model: str, config: dict, scratch: str, modelinfos: str) -> dict:
+    """One config, as a fresh process with its settings would run it (`modelinfos`: vLLM's
+    model-info cache of this machine)."""
     from prism_serve import patch
     from prism_serve.patch import STATUS, ops
 
@@ -106,7 +106,7 @@ def run_config(model: str, config: dict, scratch: str) -> dict:
     # of each engine's 11 here) is the one a fresh vLLM process on this machine reads; only the
     # compile caches are the config's own
     os.makedirs(os.path.join(caches, "vllm"), exist_ok=True)
-    os.symlink(MODELINFOS, os.path.join(caches, "vllm", "modelinfos"))
+    os.symlink(modelinfos, os.path.join(caches, "vllm", "modelinfos"))
     print(MARK + config["name"], flush=True)
     undo = inject_faults(config["faults"]) if config.get("faults") else None
     try:
@@ -129,15 +129,14 @@ def run_config(model: str, config: dict, scratch: str) -> dict:
 
 
 def main(model: str, out: str, configs: str) -> int:
-    global MODELINFOS
     from vllm import envs
 
-    MODELINFOS = os.path.join(envs.VLLM_CACHE_ROOT, "modelinfos")  # vLLM's own, before configs set theirs
-    os.makedirs(MODELINFOS, exist_ok=True)
+    modelinfos = os.path.join(envs.VLLM_CACHE_ROOT, "modelinfos")  # vLLM's own, before configs set theirs
+    os.makedirs(modelinfos, exist_ok=True)
     os.environ.update(ENV)
     scratch = os.path.join(os.path.dirname(os.path.abspath(out)), f"caches-{os.getpid()}")
     with open(configs) as f:
-        results = {c["name"]: run_config(model, c, scratch) for c in json.load(f)}
+        results = {c["name"]: run_config(model, c, scratch, modelinfos) for c in json.load(f)}
     with open(out, "w") as f:
         json.dump(results, f)
     return 0
