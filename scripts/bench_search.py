@@ -28,6 +28,7 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the numeric check runs through the interpreter on CPUs
 
+from prism_serve.optimize.canonical import canonical_hash  # noqa: E402
 from prism_serve.optimize.gpus import get_gpu  # noqa: E402
 from prism_serve.optimize.generate.search import optimize  # noqa: E402
 from prism_serve.optimize.tune import rank  # noqa: E402
@@ -52,6 +53,8 @@ def bench(name: str, device: str, budget: float, work: int | None, workers: int 
             "pruned": dict(s.pruned), "iterator_maps": s.iterator_maps, "iterator_maps_kept": s.iterator_maps_kept,
             "rejected": dict(s.rejected), "verified": s.verified,
             "stopped_by_budget": s.stopped_by_budget,
+            # every verified design's canonical hash, fastest first: what a refactor must leave unchanged
+            "verified_hashes": [canonical_hash(f.sgraph) for f in result.found],
             "best_design": result.found[0].design.describe() if result.found else None,
             "best_design_json": result.found[0].design.to_json() if result.found else None,
             "best_params": best.assignment if best else None,
