@@ -33,7 +33,7 @@ from functools import cached_property
 from egglog import EGraph, Expr, StringLike, eq, relation, rewrite, rule, ruleset, seq
 from egglog.bindings import EggSmolError
 
-from prism_serve.optimize import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
+from prism_serve.optimize.verify import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
 
 Term = tuple
 BINARY = ("add", "sub", "mul", "div")

@@ -92,7 +92,7 @@ from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
 from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, iterator_ref,
                                                   read_labels, tensor_of)
-from prism_serve.optimize.ir import NUM_TOKENS, TF32, Node, TensorType, infer_type, is_tf32
+from prism_serve.optimize.ir.program import NUM_TOKENS, TF32, Node, TensorType, infer_type, is_tf32
 
 # Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
 # answer it, but which queries that cache holds depends on what else the process walked).

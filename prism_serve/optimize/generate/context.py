@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from prism_serve.optimize.generate.abstract import Oracle, Term
 from prism_serve.optimize.generate.block import Value
 from prism_serve.optimize.generate.design import program_context
-from prism_serve.optimize.ir import Program, TensorType
+from prism_serve.optimize.ir.program import Program, TensorType
 
 
 @dataclass

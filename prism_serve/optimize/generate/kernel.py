@@ -54,7 +54,7 @@ from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads,
                                                   writes)
-from prism_serve.optimize.ir import NUM_TOKENS
+from prism_serve.optimize.ir.program import NUM_TOKENS
 
 LIBRARY = "library"  # the first-kernel group of library ops (see `KernelGenerator.groups`)
 # Steps charged per design handed out, against one per block-walk state: costing a design (a
@@ -139,7 +139,7 @@ class KernelGenerator:
         return out
 
     def _outputs_labels(self) -> list[Value]:
-        from prism_serve.optimize.labels import index_labels
+        from prism_serve.optimize.ir.labels import index_labels
         labels = index_labels(self.ctx.flat)
         return [Value(o, t, labels.dims[o], ()) for o, t in self.ctx.outputs.items()]
 
@@ -378,5 +378,5 @@ def _dead_kernel(kernels: tuple, outputs) -> bool:
 
 
 def _reduced(ctx: Context):
-    from prism_serve.optimize.labels import index_labels
+    from prism_serve.optimize.ir.labels import index_labels
     return index_labels(ctx.flat).reduced.values()

@@ -8,8 +8,8 @@ derived from the generated block graph, not enumerated operator by operator.
 
 from __future__ import annotations
 
-from prism_serve.optimize.ir import Node, node
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, TensorDecl, to_expr
+from prism_serve.optimize.ir.program import Node, node
+from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, TensorDecl, to_expr
 
 
 def split_kernel(k: BlockKernel, spec, i: int, tensors: dict, types: dict

@@ -26,8 +26,8 @@ from typing import Callable
 
 import sympy
 
-from prism_serve.optimize.ir import NUM_TOKENS, Node
-from prism_serve.optimize.sgraph import BlockKernel, SGraph, TensorDecl, to_expr
+from prism_serve.optimize.ir.program import NUM_TOKENS, Node
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph, TensorDecl, to_expr
 
 
 COMMUTATIVE = ("add", "mul")

@@ -8,9 +8,10 @@ abstract expressions among them, are in `generate/block.py`.)
 from __future__ import annotations
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, SGraph, instantiate, to_expr
-from prism_serve.optimize.tune import finest_assignment
+from prism_serve.optimize.instantiate.tune import finest_assignment
+from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, SGraph, to_expr
+from prism_serve.optimize.target.gpus import GpuSpec
+from prism_serve.optimize.target.instance import instantiate
 
 
 def shape(g: SGraph) -> str | None:

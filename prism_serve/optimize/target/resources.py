@@ -63,10 +63,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.codegen import MIN_DOT as MMA_MIN
-from prism_serve.optimize.codegen import pow2
-from prism_serve.optimize.ir import is_tf32
-from prism_serve.optimize.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
+from prism_serve.optimize.ir.program import is_tf32
+from prism_serve.optimize.ir.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
 
 # Architectural limits of every NVIDIA GPU from compute capability 5.0 to 10.0 (CUDA C++
 # Programming Guide, "Technical Specifications per Compute Capability"): 64 K 32-bit
@@ -100,6 +98,7 @@ REG_WEIGHTS = {
 # were tried; 128 fits best, and an unbounded chain overestimates K = 512 tiles 2.5x).
 CHAIN_K_WINDOW = 128
 MMA_M, MMA_N = 16, 8  # mma.sync m16n8k16: one warp instruction's output tile
+MMA_MIN = 16  # tl.dot needs every dim >= 16 on GPUs; smaller products use broadcast-and-sum
 CP_ASYNC_MIN_BYTES = 4  # cp.async moves 4, 8 or 16 bytes per thread (PTX ISA, cp.async)
 VECTOR_BYTES = 16  # widest load per thread (ld.global.v4.b32 / cp.async 16 bytes)
 # The estimate may use this share of a thread's register cap. Where the estimate leaves ptxas
@@ -107,6 +106,11 @@ VECTOR_BYTES = 16  # widest load per thread (ld.global.v4.b32 / cp.async 16 byte
 # (164 and 187 of 255 registers) compiled to exactly 255, and at 75 % the tuner chose them; at 65 %
 # it does not, and no chosen kernel spills.
 SPILL_HEADROOM = 0.65
+
+
+def pow2(n: int) -> int:
+    """The power of two Triton pads a tile dim of `n` to."""
+    return 1 << (n - 1).bit_length()
 
 
 @dataclass(frozen=True)

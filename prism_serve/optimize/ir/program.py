@@ -241,11 +241,6 @@ class Program:
             "outputs": list(self.outputs),
         }
 
-    @staticmethod
-    def from_json(data: Any) -> "Program":
-        """Parse untrusted JSON against the schema (`optimize.schema`); errors name the field."""
-        from prism_serve.optimize.schema import program_from_json
-        return program_from_json(data)
 
 
 def bind_shape(shape: Shape, num_tokens: int) -> tuple[int, ...]:

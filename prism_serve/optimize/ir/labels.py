@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Program
+from prism_serve.optimize.ir.program import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Program
 
 Label = str | None
 

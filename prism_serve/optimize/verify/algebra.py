@@ -35,7 +35,7 @@ from egglog import (
     seq,
 )
 
-from prism_serve.optimize import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
+from prism_serve.optimize.verify import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
 
 
 class Sym(Expr):

@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prism_serve.optimize.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, Program, is_tf32
-from prism_serve.optimize.reference import expand_composites
-from prism_serve.optimize.resources import KernelResources, blocks_per_sm
-from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance, Kernel, sym
+from prism_serve.optimize.ir.program import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, Program, is_tf32
+from prism_serve.optimize.ir.reference import expand_composites
+from prism_serve.optimize.ir.sgraph import BYTES, BlockKernel, Kernel, sym
+from prism_serve.optimize.target.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
+from prism_serve.optimize.target.instance import Instance
+from prism_serve.optimize.target.resources import KernelResources, blocks_per_sm
 
 LAUNCH_US = GRAPH_LAUNCH_US  # the default mode's launch cost (CUDA-graph replay), for bounds
 SECTOR_BYTES = 32  # DRAM / L2 access granularity (CUDA C++ Best Practices Guide, "Coalesced Access")

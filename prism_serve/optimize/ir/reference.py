@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 import torch
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, bind_shape, node
+from prism_serve.optimize.ir.program import NUM_TOKENS, Node, Program, bind_shape, node
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

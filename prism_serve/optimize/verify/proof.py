@@ -1,7 +1,7 @@
 """Stage 2 verification: an egglog proof that an sGraph computes its Program, for every
 instantiation of its symbols at once.
 
-Both sides become abstract expressions of `prism_serve.optimize.algebra`: the Program (after
+Both sides become abstract expressions of `prism_serve.optimize.verify.algebra`: the Program (after
 expanding composites) over whole tensors; the sGraph in the parallel algebra, where a load is
 a `part` of a tensor per mapped grid axis / for-loop, an accumulator a reduction over the
 loop's parts, a store an `assemble` (or a `replicate` where the map is None). Symbols stay
@@ -20,11 +20,11 @@ import sympy
 from egglog import EGraph, eq
 from egglog.bindings import EggSmolError
 
-from prism_serve.optimize import algebra as A
-from prism_serve.optimize.algebra import Sym, T
-from prism_serve.optimize.ir import Node
-from prism_serve.optimize.reference import expand_composites
-from prism_serve.optimize.sgraph import BlockKernel, SGraph, tile_shape
+from prism_serve.optimize.ir.program import Node
+from prism_serve.optimize.ir.reference import expand_composites
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph, tile_shape
+from prism_serve.optimize.verify import algebra as A
+from prism_serve.optimize.verify.algebra import Sym, T
 
 log = logging.getLogger(__name__)
 MAX_RANK = 6

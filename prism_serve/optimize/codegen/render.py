@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from prism_serve.errors import CodegenError
-from prism_serve.optimize.gpus import GPU_NAME
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node, code_spelling, is_tf32
-from prism_serve.optimize.schema import NAME
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, launch_dims, sym, tile_shape
+from prism_serve.optimize.ir.program import ELEMENTWISE_BINARY, NUM_TOKENS, Node, code_spelling, is_tf32
+from prism_serve.optimize.ir.schema import NAME
+from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, LibraryKernel, launch_dims, sym, tile_shape
+from prism_serve.optimize.target.gpus import GPU_NAME
+from prism_serve.optimize.target.instance import Instance
+from prism_serve.optimize.target.resources import MMA_MIN, pow2
 
 CODEGEN_VERSION = 3
 BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
@@ -35,12 +37,7 @@ UNARY = {"exp": "tl.exp({})", "silu": "{0} * tl.sigmoid({0})", "square": "{0} * 
 TORCH_UNARY = {"exp": "torch.exp({})", "silu": "torch.nn.functional.silu({})", "square": "{0} * {0}",
                "gelu_tanh": "torch.nn.functional.gelu({}, approximate='tanh')",
                "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})"}
-MIN_DOT = 16  # tl.dot needs every dim >= 16 on GPUs; smaller products use broadcast-and-sum
 TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
-
-
-def pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def ident(name: str) -> str:
@@ -177,7 +174,7 @@ class _KernelWriter:
             if fmap == d:
                 starts.append(f"it * {tile[d]}")
                 loop_dep = True
-            extent = max(pow2(tile[d]), MIN_DOT) if token_dims[d] else pow2(tile[d])
+            extent = max(pow2(tile[d]), MMA_MIN) if token_dims[d] else pow2(tile[d])
             conds = []
             if extent != tile[d]:
                 conds.append(f"tl.arange(0, {extent}) < {tile[d]}")
@@ -299,9 +296,9 @@ class _KernelWriter:
             b2 = f"tl.trans({b2})"
         nn = bk if tb else bn
         tf32 = is_tf32(n.attrs)
-        if min(m, kk, nn) >= MIN_DOT and tf32 and not self.interpret:
+        if min(m, kk, nn) >= MMA_MIN and tf32 and not self.interpret:
             expr = f'tl.dot({a2}.to(tl.float32), {b2}.to(tl.float32), input_precision="tf32")'
-        elif min(m, kk, nn) >= MIN_DOT and not tf32 and self.dot_dtype != "tl.float32":
+        elif min(m, kk, nn) >= MMA_MIN and not tf32 and self.dot_dtype != "tl.float32":
             expr = f"tl.dot({a2}.to({self.dot_dtype}), {b2}.to({self.dot_dtype}))"
         else:
             # operands rounded as tl.dot takes them (to TF32 as the GPU's cvt.rna.tf32.f32 does, or to
@@ -311,7 +308,7 @@ class _KernelWriter:
                 a2, b2 = f"_round_tf32({a2})", f"_round_tf32({b2})"
             elif self.half:
                 a2, b2 = self._to_half(a2), self._to_half(b2)
-            if min(m, kk, nn) >= MIN_DOT:
+            if min(m, kk, nn) >= MMA_MIN:
                 expr = f'tl.dot({a2}, {b2}, input_precision="ieee")'
             else:
                 expr = f"tl.sum(({a2})[:, :, None] * ({b2})[None, :, :], axis=1)"
@@ -325,7 +322,7 @@ class _KernelWriter:
         self.values[n.name] = Value(var, dims, (None,) * (rank - 2) + (a.masks[-2], nmask))
 
     def accum_init(self, n: Node, depth: int) -> None:
-        shape = tuple(max(pow2(self.inst.concrete(d)), MIN_DOT) if self.padded_token and d == sym(self.padded_token)
+        shape = tuple(max(pow2(self.inst.concrete(d)), MMA_MIN) if self.padded_token and d == sym(self.padded_token)
                       else pow2(self.inst.concrete(d)) for d in self.g.block_types(self.k)[n.name].shape)
         init = 'float("-inf")' if n.attr("kind") == "max" else "0.0"
         self.emit(f"{ident(n.name)} = tl.full({shape}, {init}, tl.float32)", depth)
