@@ -131,13 +131,13 @@ def test_fp16_rmsnorm_linear_search_rejects_the_overflowing_form_and_wins_with_i
 def test_no_verification_starts_without_room_for_the_longest_so_far(monkeypatch):
     """A verification starts only while the budget has room for the longest one so far: one that
     (as reported) took longer than the whole budget leaves no room for a second."""
-    from prism_serve.optimize.pipeline import search
+    from prism_serve.optimize.pipeline import stages
 
     prog = WORKLOADS["rms_norm"].program(hidden=40, dtype="float32")
-    real = search.verify_design
+    real = stages.verify_design
     runs = {}
     for took in (None, 1e6):
-        monkeypatch.setattr(search, "verify_design", lambda p, d, g, took=took: (
+        monkeypatch.setattr(stages, "verify_design", lambda p, d, g, took=took: (
             lambda proof, verdict, s: (proof, verdict, s if took is None else took))(*real(p, d, g)))
         runs[took] = optimize(prog, "h100", (4,), max_kernels=1, max_block_ops=6, budget_s=300, top=3, workers=1)
     assert len(runs[None].found) >= 2 and not runs[None].stats.stopped_by_budget

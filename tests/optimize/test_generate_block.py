@@ -15,7 +15,7 @@ from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build
 from prism_serve.optimize.ir.canonical import canonical_hash
 from prism_serve.optimize.ir.program import TF32
-from prism_serve.optimize.pipeline.search import _check_numerics
+from prism_serve.optimize.pipeline.stages import _check_numerics
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.optimize.workloads.programs import WORKLOADS

@@ -130,7 +130,7 @@ def test_the_cost_rules_threshold_is_the_best_design_of_fewer_kernels_that_verif
     for stage 2; with no time left to verify, nothing is cut."""
     from types import SimpleNamespace
 
-    from prism_serve.optimize.pipeline import search
+    from prism_serve.optimize.pipeline import stages
 
     prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
     costed = _listing(prog, get_gpu("h100"), 2, 3)
@@ -144,7 +144,7 @@ def test_the_cost_rules_threshold_is_the_best_design_of_fewer_kernels_that_verif
         ok = SimpleNamespace(ok=design != failing)
         return ok, ok, 0.0
 
-    monkeypatch.setattr(search, "verify_design", verify)
+    monkeypatch.setattr(stages, "verify_design", verify)
     assert costed.best_us(2) == one[1][0] >= one[0][0]
     assert asked == [failing, one[1][1]] and set(costed.verdicts) == set(asked)
     assert costed.best_us(1) == float("inf")  # no design of fewer than one kernel

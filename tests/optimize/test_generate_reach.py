@@ -26,7 +26,8 @@ from prism_serve.optimize.ir.labels import index_labels
 from prism_serve.optimize.ir.program import NUM_TOKENS, Program, TensorType, node
 from prism_serve.optimize.ir.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
 from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, SGraph, TensorDecl
-from prism_serve.optimize.pipeline.search import MAX_GRID, SearchStats, _check_numerics, optimize
+from prism_serve.optimize.pipeline.search import MAX_GRID, SearchStats, optimize
+from prism_serve.optimize.pipeline.stages import _check_numerics
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.verify.proof import prove_equivalent
