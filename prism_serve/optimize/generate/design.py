@@ -32,6 +32,7 @@ from typing import Any
 from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.ir import schema as T
 from prism_serve.optimize.ir.labels import Labels, index_labels
+from prism_serve.optimize.ir.ops import OPS, Kind, Op, of_kind, symbols
 from prism_serve.optimize.ir.program import (NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType, infer_type, is_tf32,
                                              node)
 from prism_serve.optimize.ir.reference import expand_composites
@@ -39,10 +40,12 @@ from prism_serve.optimize.ir.sgraph import (ACCUM_KINDS, MAX_GRID_AXES, BlockKer
                                             SGraph, TensorDecl, to_expr)
 
 DESIGN_VERSION = 1
-UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt", "square")  # the ops a design's kernels may run
-BINARY = ("add", "sub", "mul", "div")
-COMMUTATIVE = ("add", "mul")
-DESIGN_OPS = UNARY + BINARY + REDUCTIONS + ("matmul",)
+# the ops a design's kernels may run; unary in the generator's enumeration order: the function
+# symbols of the algebras first, then the ops they expand (square)
+UNARY = symbols() + tuple(op for op in of_kind(Kind.UNARY) if op not in symbols())
+BINARY = of_kind(Kind.BINARY)
+COMMUTATIVE = tuple(op for op in BINARY if OPS[op].commutative)
+DESIGN_OPS = UNARY + BINARY + REDUCTIONS + of_kind(Kind.MATMUL)
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,7 @@ def program_context(prog: Program) -> tuple[Program, Labels, dict[str, KTensor],
     tensors = {n.name: KTensor(n.name, flat.types[n.name], labels.dims[n.name]) for n in flat.inputs}
     consts = {n.name: n.attr("value") for n in flat.nodes if n.op == "const"}
     for n in flat.nodes:  # a mean over a loop accumulates as a sum times 1/size
-        if n.op == "mean":
+        if n.op == Op.MEAN:
             consts[f"inv.{labels.reduced[n.name][0]}"] = 1.0 / flat.types[n.inputs[0]].shape[n.attr("dim")]
     return flat, labels, tensors, consts
 
@@ -273,17 +276,17 @@ def _operand(s: str, local: dict, tensors: dict[str, KTensor], spec: BlockSpec):
 
 def op_labels(op: str, attrs: dict, ins: list[tuple]) -> tuple:
     """Labels of an op's result from its operands' (the operands' labels must already agree)."""
-    if op in ("add", "sub", "mul", "div"):
+    if op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV):
         a, b = ins
         return tuple(reversed([(a[-i] if i <= len(a) else None) or (b[-i] if i <= len(b) else None)
                                for i in range(1, max(len(a), len(b)) + 1)]))
-    if op in ("sum", "mean", "max"):
+    if op in (Op.SUM, Op.MEAN, Op.MAX):
         x, d = ins[0], attrs["dim"] % len(ins[0])
         return x[:d] + ((None,) if attrs["keepdim"] else ()) + x[d + 1:]
-    if op == "matmul":
+    if op == Op.MATMUL:
         a, b = ins
         bn = b[-2] if attrs["transpose_b"] else b[-1]
-        batch = op_labels("add", {}, [a[:-2], b[:-2]])
+        batch = op_labels(Op.ADD, {}, [a[:-2], b[:-2]])
         return batch + (a[-2], bn)
     return ins[0]
 

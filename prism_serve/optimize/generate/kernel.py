@@ -54,6 +54,7 @@ from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads,
                                                   writes)
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import NUM_TOKENS
 
 LIBRARY = "library"  # the first-kernel group of library ops (see `KernelGenerator.groups`)
@@ -74,7 +75,7 @@ class KernelGenerator:
         # Program has (an MLP with its RMSNorm has 9), its own fused form among them, and one more
         # per matmul, for a factor moved past it (1/rms after both of an MLP's projections: 11)
         self.alone_ops = max(max_block_ops, sum(n.op not in ("input", "const") for n in ctx.flat.nodes)
-                             + sum(n.op == "matmul" for n in ctx.flat.nodes))
+                             + sum(n.op == Op.MATMUL for n in ctx.flat.nodes))
         self.deadline = deadline  # wall clock (perf_counter): a safety net, past it the walk stops
         self.bound = bound
         self.best_us = math.inf  # the best modeled design with fewer kernels than the current depth

@@ -19,6 +19,7 @@ from typing import Any
 from prism_serve.errors import PrismError, ProgramError, SGraphError
 from prism_serve.optimize.ir import dims as D
 from prism_serve.optimize.ir import sgraph as S
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import (
     ARITY,
     DEFAULTS,
@@ -204,8 +205,8 @@ _VALUE = lambda v, w, e: float_in(v, -1e30, 1e30, w, e)  # noqa: E731
 ATTR_SCHEMA: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
     "input": ({"shape": _shape, "dtype": OneOf(DTYPES)}, {}),
     "const": ({"value": _VALUE}, {}),
-    "matmul": ({}, {"transpose_b": boolean, "precision": OneOf((TF32,))}),
-    "rms_norm": ({"eps": _EPS}, {}),
+    Op.MATMUL: ({}, {"transpose_b": boolean, "precision": OneOf((TF32,))}),
+    Op.RMS_NORM: ({"eps": _EPS}, {}),
     "load": ({"tensor": name, "imap": _map}, {"fmap": _opt_index}),
     "store": ({"tensor": name, "omap": _map}, {"fmap": _opt_index}),
     "accum": ({"kind": OneOf(ACCUM_KINDS)}, {}),

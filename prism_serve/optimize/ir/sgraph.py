@@ -36,11 +36,12 @@ import sympy
 
 from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.ir.dims import parse_dim, render
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import NUM_TOKENS, Node, Program, TensorType, code_spelling, infer_type
 
 SGRAPH_VERSION = 1
 TOKENS = sympy.Symbol(NUM_TOKENS, positive=True, integer=True)
-ACCUM_KINDS = ("sum", "mean", "max", "rescaled_sum")
+ACCUM_KINDS = (Op.SUM, Op.MEAN, Op.MAX, "rescaled_sum")
 BLOCK_OPS = ("load", "accum", "store")
 Expr = sympy.Expr
 
@@ -308,13 +309,13 @@ def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, writ
                 raise _fail(at, "rescaled_sum takes (value, max accumulator); other kinds take one input")
             if kind == "rescaled_sum":
                 m = k.by_name[n.inputs[1]]
-                if m.op != "accum" or m.attr("kind") != "max":
+                if m.op != "accum" or m.attr("kind") != Op.MAX:
                     raise _fail(at, f"rescales by '{m.name}', which is not a max accumulator")
             types[n.name] = types[n.inputs[0]]
         else:
             if k.stages[n.name] == "loop":
                 bad = [s for s in n.inputs if k.stages[s] == "post" and
-                       not (k.by_name[s].op == "accum" and k.by_name[s].attr("kind") == "max")]
+                       not (k.by_name[s].op == "accum" and k.by_name[s].attr("kind") == Op.MAX)]
                 if bad:
                     raise _fail(at, f"uses post-loop values {bad} inside the loop")
             try:

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from prism_serve.errors import SGraphError
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import is_tf32
 from prism_serve.optimize.ir.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
 
@@ -290,7 +291,7 @@ def _analyse(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool):
 
 
 def _dots(k: BlockKernel, padded_of: dict) -> tuple[str, ...]:
-    return tuple(n.name for n in k.nodes if n.op == "matmul" and min(_matmul_dims(padded_of, n)) >= MMA_MIN)
+    return tuple(n.name for n in k.nodes if n.op == Op.MATMUL and min(_matmul_dims(padded_of, n)) >= MMA_MIN)
 
 
 def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ...],
@@ -307,9 +308,9 @@ def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
             loads.append((size * BYTES.get(types[n.name].dtype, 4), k.stages[n.name] == "loop"))
         elif n.op == "accum" and n.inputs[0] not in dots:
             accums.append(size)
-        elif n.op in ("sum", "mean", "max"):
+        elif n.op in (Op.SUM, Op.MEAN, Op.MAX):
             reduced.append(math.prod(padded_of[n.inputs[0]]))
-        elif n.op == "matmul":
+        elif n.op == Op.MATMUL:
             m, kk, nn = _matmul_dims(padded_of, n)
             if n.name not in dots:
                 products.append((m, kk, nn))
@@ -339,7 +340,7 @@ def _operand_chain(by_name: dict, padded_of: dict, start: str, elements: int) ->
         if name in chain or name not in padded_of or math.prod(padded_of[name]) < elements:
             continue
         chain.add(name)
-        if by_name[name].op not in ("load", "matmul", "accum"):
+        if by_name[name].op not in ("load", Op.MATMUL, "accum"):
             stack.extend(by_name[name].inputs)
     return chain
 
@@ -353,7 +354,7 @@ def _smem(g: SGraph, k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
             for s in n.inputs:
                 stages = 2 if k.stages[s] == "loop" else 1
                 smem += math.prod(padded_of[s]) * BYTES.get(types[s].dtype, 4) * stages
-        elif n.op in ("sum", "mean", "max") and n.inputs[0] in padded_of:
+        elif n.op in (Op.SUM, Op.MEAN, Op.MAX) and n.inputs[0] in padded_of:
             smem = max(smem, 4 * warps * math.prod(padded_of[n.name]))
     return smem
 
@@ -363,7 +364,7 @@ def _resources(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool) 
     dots = _dots(k, padded_of)
     demand = _register_demand(k, types, padded_of, dots, values)
     largest = max(((n, math.prod(p)) for n, p in padded_of.items()), key=lambda t: t[1], default=("", 0))
-    batched = next((n.name for n in k.nodes if n.op == "matmul"
+    batched = next((n.name for n in k.nodes if n.op == Op.MATMUL
                     and any(d != 1 for s in n.inputs for d in dims_of[s][:-2])), None)
     warps = choose_warps(demand)
     return KernelResources(_smem(g, k, types, padded_of, dots, warps), demand, largest, batched, pad, dots, warps)
@@ -382,10 +383,10 @@ def _kernel_resources(g: SGraph, k: BlockKernel, assignment: tuple[tuple[str, in
     values = dict(assignment)
     plain = _resources(g, k, values, False)
     tok = token_symbol(k)
-    if tok is None or values.get(tok, MMA_MIN) >= MMA_MIN or not any(n.op == "matmul" for n in k.nodes):
+    if tok is None or values.get(tok, MMA_MIN) >= MMA_MIN or not any(n.op == Op.MATMUL for n in k.nodes):
         return plain
     types = g.block_types(k)
-    if any(n.op in ("sum", "mean", "max") and types[n.inputs[0]].shape[n.attr("dim")] == sym(tok)
+    if any(n.op in (Op.SUM, Op.MEAN, Op.MAX) and types[n.inputs[0]].shape[n.attr("dim")] == sym(tok)
            for n in k.nodes):
         return plain  # padded rows must never enter a reduction over tokens
     padded = _resources(g, k, values, True)
