@@ -31,7 +31,7 @@ def _rounded_by_helper(x):
     import triton
     import triton.language as tl
 
-    from prism_serve.optimize.codegen import render as codegen
+    import prism_serve.optimize.codegen.render as codegen
     scope = {"triton": triton, "tl": tl}
     exec(compile("\n".join(codegen.ROUND_BF16) + "\n\n@triton.jit\ndef _apply(x_ptr, y_ptr, N: tl.constexpr):\n"
                  "    o = tl.arange(0, N)\n    tl.store(y_ptr + o, _round_bf16(tl.load(x_ptr + o)))\n",
