@@ -246,6 +246,7 @@ def term_parts(t: Term):
 
 
 _AC: dict[Term, Term] = {}
+_AC_MAX = 1 << 20  # terms; the memo is emptied when full (pure: what is dropped is recomputed alike)
 
 
 def ac_form(t: Term) -> Term:
@@ -273,6 +274,8 @@ def ac_form(t: Term) -> Term:
             out = (head, t[1], ac_form(t[2]))
         else:
             out = (head,) + tuple(ac_form(a) for a in t[1:])
+        if len(_AC) >= _AC_MAX:
+            _AC.clear()
         _AC[t] = out
     return out
 

@@ -651,6 +651,7 @@ def _binary(a: Value, b: Value) -> Iterator[tuple[str, tuple, tuple]]:
 
 
 _BROADCASTS: dict[tuple, bool] = {}
+_MEMO_MAX = 1 << 20  # entries of `_BROADCASTS` and `_TAGS`; each is emptied when full (pure memos)
 
 
 def _broadcasts(x: tuple, y: tuple) -> bool:
@@ -658,6 +659,8 @@ def _broadcasts(x: tuple, y: tuple) -> bool:
     key = (x, y)
     ok = _BROADCASTS.get(key)
     if ok is None:
+        if len(_BROADCASTS) >= _MEMO_MAX:
+            _BROADCASTS.clear()
         ok = _BROADCASTS[key] = all(not p or not q or p == q for p, q in zip(reversed(x), reversed(y)))
     return ok
 
@@ -668,6 +671,8 @@ _TAGS: dict[int, frozenset] = {}
 def _tags(v: Value) -> frozenset:
     tags = _TAGS.get(v.eid)
     if tags is None:
+        if len(_TAGS) >= _MEMO_MAX:
+            _TAGS.clear()
         tags = _TAGS[v.eid] = op_tags(v.expr)
     return tags
 

@@ -196,6 +196,7 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
 
 
 _CACHE: dict[str, ProofResult] = {}
+_CACHE_MAX = 4096  # proofs; emptied when full (a proof is a pure function of its key)
 
 
 def _key(g: SGraph, iterations: int) -> str:
@@ -255,5 +256,7 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
     reason = "proven" if not failed else f"outputs {failed} not proven equal within {rounds} iterations"
     result = ProofResult(not failed, reason, seconds, rounds, size, len(ctx.facts), tuple(g.program.outputs))
     log.debug("proof of %s: %s in %.2fs", g.name, reason, seconds)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
     _CACHE[key] = result
     return result
