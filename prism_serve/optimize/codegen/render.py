@@ -19,8 +19,8 @@ from types import ModuleType
 
 from prism_serve.errors import CodegenError
 from prism_serve.optimize.ir.ops import OPS, Op
-from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Node, code_spelling,
-                                             is_tf32)
+from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Node,
+                                             code_spelling, is_tf32)
 from prism_serve.optimize.ir.schema import NAME
 from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, LibraryKernel, launch_dims, sym, tile_shape
 from prism_serve.optimize.target.gpus import GPU_NAME
@@ -254,7 +254,7 @@ class _KernelWriter:
         elif op in ELEMENTWISE_UNARY:
             self.emit(f"{var} = {OPS[op].triton.format(srcs[0].var)}", depth)
             self.values[n.name] = Value(var, srcs[0].dims, srcs[0].masks)
-        elif op in (Op.SUM, Op.MEAN, Op.MAX):
+        elif op in REDUCTIONS:
             v, dim, keep = srcs[0], typed(n.attr("dim"), int) % len(srcs[0].dims), typed(n.attr("keepdim"), bool)
             x = self._masked(v, dim, 'float("-inf")' if op == Op.MAX else "0.0")
             fn = "tl.max" if op == Op.MAX else "tl.sum"

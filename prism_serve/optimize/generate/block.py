@@ -93,7 +93,7 @@ from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_p
 from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, iterator_ref,
                                                   read_labels, tensor_of)
 from prism_serve.optimize.ir.ops import OPS, Op
-from prism_serve.optimize.ir.program import NUM_TOKENS, TF32, Node, TensorType, infer_type, is_tf32
+from prism_serve.optimize.ir.program import NUM_TOKENS, REDUCTIONS, TF32, Node, TensorType, infer_type, is_tf32
 
 # Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
 # answer it, but which queries that cache holds depends on what else the process walked).
@@ -389,7 +389,7 @@ class BlockGenerator:
             yield u, (f,), ()
         for d, lb in enumerate(f.labels):
             if lb is not None:
-                for r in (Op.SUM, Op.MEAN, Op.MAX):
+                for r in REDUCTIONS:
                     yield r, (f,), (("dim", d - len(f.labels)), ("keepdim", True))
         yield from self._pairs(f, partners)
 
@@ -701,7 +701,7 @@ def _labels(op: str, a: dict, ins: tuple[Value, ...]) -> tuple | None:
         return tuple(reversed(out))
     if op in UNARY:
         return ins[0].labels
-    if op in (Op.SUM, Op.MEAN, Op.MAX):
+    if op in REDUCTIONS:
         x, d = ins[0].labels, a["dim"] % len(ins[0].labels)
         return x[:d] + (None,) + x[d + 1:]
     if op == Op.MATMUL:
@@ -718,7 +718,7 @@ def _labels(op: str, a: dict, ins: tuple[Value, ...]) -> tuple | None:
 
 def _reduced_dim(op: str, a: dict, ins: tuple[Value, ...]) -> str | None:
     """The label of the dim a reduction or a matmul reduces, as its operand carries it."""
-    if op in (Op.SUM, Op.MEAN, Op.MAX):
+    if op in REDUCTIONS:
         return ins[0].labels[a["dim"] % len(ins[0].labels)]
     return ins[0].labels[-1] if op == Op.MATMUL else None
 
@@ -727,12 +727,12 @@ def _expr(op: str, a: dict, ins: tuple[Value, ...]) -> tuple[Term, str | None]:
     """The abstract expression of an op, and the label it reduces (if any)."""
     e = [v.expr for v in ins]
     if OPS[op].expands_to:  # square: x * x
-        return (str(OPS[op].expands_to), e[0], e[0]), None
+        return (OPS[op].expands_to, e[0], e[0]), None
     if op in UNARY:
         return (op, e[0]), None
     if op in BINARY:
         return (op, e[0], e[1]), None
     lb = base_label(_reduced_dim(op, a, ins))
-    if op in (Op.SUM, Op.MEAN, Op.MAX):
+    if op in REDUCTIONS:
         return (op, lb, e[0]), lb
     return (Op.SUM, lb, (Op.MUL, e[0], e[1])), lb

@@ -34,7 +34,7 @@ def program_terms(flat: Program, labels) -> dict[str, Term]:
         elif n.op == "const":
             t = ("const", n.name)
         elif OPS[n.op].expands_to:  # square: x * x
-            t = (str(OPS[n.op].expands_to), e[0], e[0])
+            t = (OPS[n.op].expands_to, e[0], e[0])
         elif n.op in BINARY:
             t = (n.op, e[0], e[1])
         elif n.op in UNARY:

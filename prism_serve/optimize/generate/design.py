@@ -33,8 +33,8 @@ from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.ir import schema as T
 from prism_serve.optimize.ir.labels import Labels, index_labels
 from prism_serve.optimize.ir.ops import OPS, Kind, Op, of_kind, symbols
-from prism_serve.optimize.ir.program import (NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType, infer_type, is_tf32,
-                                             node)
+from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType,
+                                             infer_type, is_tf32, node)
 from prism_serve.optimize.ir.reference import expand_composites
 from prism_serve.optimize.ir.sgraph import (ACCUM_KINDS, MAX_GRID_AXES, BlockKernel, GridAxis, Kernel, LibraryKernel,
                                             SGraph, TensorDecl, to_expr)
@@ -276,11 +276,11 @@ def _operand(s: str, local: dict, tensors: dict[str, KTensor], spec: BlockSpec):
 
 def op_labels(op: str, attrs: dict, ins: list[tuple]) -> tuple:
     """Labels of an op's result from its operands' (the operands' labels must already agree)."""
-    if op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV):
+    if op in ELEMENTWISE_BINARY:
         a, b = ins
         return tuple(reversed([(a[-i] if i <= len(a) else None) or (b[-i] if i <= len(b) else None)
                                for i in range(1, max(len(a), len(b)) + 1)]))
-    if op in (Op.SUM, Op.MEAN, Op.MAX):
+    if op in REDUCTIONS:
         x, d = ins[0], attrs["dim"] % len(ins[0])
         return x[:d] + ((None,) if attrs["keepdim"] else ()) + x[d + 1:]
     if op == Op.MATMUL:

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import Enum
 from typing import Any, Callable, Mapping
 
 
-class Op(StrEnum):
-    """Every IR op's name. A member is its name everywhere: equal, hashed, formatted and repr'd as
-    the plain string (`node` stores the plain string), so terms and sort keys built with it are
-    the same as with the string."""
-
-    def __repr__(self) -> str:
-        return str.__repr__(self)
+class Op:
+    """Every IR op's name, as the plain string a `Node.op` holds (constants, not an Enum: the
+    generator compares ops millions of times, and a plain string hashes and prints as itself)."""
 
     INPUT = "input"
     CONST = "const"
@@ -71,7 +67,7 @@ GELU_TANH_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
 class OpDef:
     """One IR op. Templates take the operands' expressions as ``{0}``, ``{1}``."""
 
-    name: str
+    name: str  # an `Op`
     kind: Kind
     arity: int | tuple[int, ...]
     attrs: Mapping[str, type] = field(default_factory=dict)  # required, with their Python types
@@ -131,7 +127,7 @@ DEFINITIONS: tuple[OpDef, ...] = (
           torch_source="torch.amax", tag="max"),
     OpDef(Op.RMS_NORM, Kind.COMPOSITE, (1, 2), {"eps": float}),
 )
-OPS: Mapping[str, OpDef] = {str(d.name): d for d in DEFINITIONS}  # plain names as keys: error messages show them
+OPS: Mapping[str, OpDef] = {d.name: d for d in DEFINITIONS}
 
 
 def of_kind(*kinds: Kind) -> tuple[str, ...]:

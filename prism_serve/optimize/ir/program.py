@@ -64,7 +64,7 @@ class Node:
         return dict(self.attrs)[key]
 
 
-def node(name: str, op: str | Op, *inputs: str, **attrs: Any) -> Node:
+def node(name: str, op: str, *inputs: str, **attrs: Any) -> Node:
     """Build a node with normalised attributes (shapes as tuples, floats as floats)."""
     norm = {}
     for key, value in (DEFAULTS.get(op, {}) | attrs).items():
@@ -73,7 +73,7 @@ def node(name: str, op: str | Op, *inputs: str, **attrs: Any) -> Node:
         elif key in ("eps", "value"):
             value = float(value)
         norm[key] = value
-    return Node(name, str(op), tuple(inputs), tuple(sorted(norm.items())))  # an `Op` as its plain name
+    return Node(name, op, tuple(inputs), tuple(sorted(norm.items())))
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ from typing import Mapping
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.ir.ops import Op
-from prism_serve.optimize.ir.program import is_tf32
+from prism_serve.optimize.ir.program import REDUCTIONS, is_tf32
 from prism_serve.optimize.ir.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
 
 # Architectural limits of every NVIDIA GPU from compute capability 5.0 to 10.0 (CUDA C++
@@ -308,7 +308,7 @@ def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
             loads.append((size * BYTES.get(types[n.name].dtype, 4), k.stages[n.name] == "loop"))
         elif n.op == "accum" and n.inputs[0] not in dots:
             accums.append(size)
-        elif n.op in (Op.SUM, Op.MEAN, Op.MAX):
+        elif n.op in REDUCTIONS:
             reduced.append(math.prod(padded_of[n.inputs[0]]))
         elif n.op == Op.MATMUL:
             m, kk, nn = _matmul_dims(padded_of, n)
@@ -354,7 +354,7 @@ def _smem(g: SGraph, k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
             for s in n.inputs:
                 stages = 2 if k.stages[s] == "loop" else 1
                 smem += math.prod(padded_of[s]) * BYTES.get(types[s].dtype, 4) * stages
-        elif n.op in (Op.SUM, Op.MEAN, Op.MAX) and n.inputs[0] in padded_of:
+        elif n.op in REDUCTIONS and n.inputs[0] in padded_of:
             smem = max(smem, 4 * warps * math.prod(padded_of[n.name]))
     return smem
 
@@ -386,7 +386,7 @@ def _kernel_resources(g: SGraph, k: BlockKernel, assignment: tuple[tuple[str, in
     if tok is None or values.get(tok, MMA_MIN) >= MMA_MIN or not any(n.op == Op.MATMUL for n in k.nodes):
         return plain
     types = g.block_types(k)
-    if any(n.op in (Op.SUM, Op.MEAN, Op.MAX) and types[n.inputs[0]].shape[n.attr("dim")] == sym(tok)
+    if any(n.op in REDUCTIONS and types[n.inputs[0]].shape[n.attr("dim")] == sym(tok)
            for n in k.nodes):
         return plain  # padded rows must never enter a reduction over tokens
     padded = _resources(g, k, values, True)

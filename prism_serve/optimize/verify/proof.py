@@ -21,7 +21,7 @@ from egglog import EGraph, eq
 from egglog.bindings import EggSmolError
 
 from prism_serve.optimize.ir.ops import OPS, Op
-from prism_serve.optimize.ir.program import Node
+from prism_serve.optimize.ir.program import REDUCTIONS, Node
 from prism_serve.optimize.ir.reference import expand_composites
 from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph, tile_shape
 from prism_serve.optimize.verify import algebra as A
@@ -89,7 +89,7 @@ def _op(n: Node, args: list[T], shapes: list[tuple], ctx: _Ctx) -> T:
         return getattr(args[0], op)()
     if op == Op.MATMUL:
         return args[0].mm(args[1].tr() if n.attr("transpose_b") else args[1])
-    if op in (Op.SUM, Op.MEAN, Op.MAX):
+    if op in REDUCTIONS:
         d = _neg(n.attr("dim"), len(shapes[0]))
         out = args[0].max(d) if op == Op.MAX else args[0].sum(d)
         if op == Op.MEAN:
