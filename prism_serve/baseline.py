@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch
 
-from prism_serve.optimize.cost import modeled_us, unfused_us
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import NUM_TOKENS, Program, node
-from prism_serve.optimize.reference import as_torch_function
-from prism_serve.optimize.sgraph import instantiate
+from prism_serve.optimize.instantiate.cost import modeled_us, unfused_us
+from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
+from prism_serve.optimize.ir.reference import as_torch_function
+from prism_serve.optimize.target.gpus import GpuSpec
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads import programs
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.region_table import KINDS, SERVED_ADD

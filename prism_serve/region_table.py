@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Callable
 
-from prism_serve.optimize.ir import Program
+from prism_serve.optimize.ir.program import Program
 from prism_serve.optimize.workloads import programs
 
 # vLLM's kernels, as `vllm_path` names them: its fused norm kernels, its activation kernels, its GEMM,

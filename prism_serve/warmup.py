@@ -283,9 +283,9 @@ def run_status(outcomes: list[RegionOutcome]) -> str:
 
 def _warm_region(region, captured, model: str, reg, device, device_type: str, env, run_id: int,
                  budget_s: float) -> RegionOutcome:
-    from prism_serve.optimize.gpus import get_gpu
-    from prism_serve.optimize.generate.search import optimize
-    from prism_serve.optimize.static import facts_json
+    from prism_serve.optimize.instantiate.static import facts_json
+    from prism_serve.optimize.pipeline.search import optimize
+    from prism_serve.optimize.target.gpus import get_gpu
     from prism_serve.patch.table import CPU_BOUNDS_GPU
     from prism_serve.registry.gate import admit
     from prism_serve.registry.store import KernelResult, add_kernels
@@ -384,8 +384,8 @@ def _check_against_vllm(prog, kernels: dict, captured, device_type: str
     import torch
 
     from prism_serve.errors import CodegenError
-    from prism_serve.optimize.codegen import compile_instance
-    from prism_serve.optimize.reference import agreement_limit, evaluate, max_rel_error
+    from prism_serve.optimize.codegen.render import compile_instance
+    from prism_serve.optimize.ir.reference import agreement_limit, evaluate, max_rel_error
 
     forwards = [(inputs, outputs) for inst in captured.instances
                 if inst.program is not None and inst.program.canonical_hash == prog.canonical_hash
@@ -412,9 +412,9 @@ def _time_against_vllm(prog, kernels: dict) -> tuple[str, dict]:
     """On the GPU: median time of what the plugin runs for each range's kernel (`baseline.served`)
     and of vLLM's own path (`baseline.baseline`), at the range's tuned size, on the same inputs."""
     from prism_serve.baseline import baseline, served
-    from prism_serve.optimize.codegen import compile_instance
-    from prism_serve.optimize.reference import random_inputs
-    from prism_serve.optimize.timing import median_us
+    from prism_serve.optimize.codegen.render import compile_instance
+    from prism_serve.optimize.instantiate.timing import median_us
+    from prism_serve.optimize.ir.reference import random_inputs
 
     vllm = baseline(prog)
     out = {}

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console
 from rich.table import Table
 
-from prism_serve.optimize.gpus import GPUS
+from prism_serve.optimize.target.gpus import GPUS
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 from prism_serve.registry import DeviceInfo, KernelResult, Versions, open_registry

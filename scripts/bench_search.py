@@ -28,10 +28,10 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the numeric check runs through the interpreter on CPUs
 
-from prism_serve.optimize.canonical import canonical_hash  # noqa: E402
-from prism_serve.optimize.gpus import get_gpu  # noqa: E402
-from prism_serve.optimize.generate.search import optimize  # noqa: E402
-from prism_serve.optimize.tune import rank  # noqa: E402
+from prism_serve.optimize.instantiate.tune import rank  # noqa: E402
+from prism_serve.optimize.ir.canonical import canonical_hash  # noqa: E402
+from prism_serve.optimize.pipeline.search import optimize  # noqa: E402
+from prism_serve.optimize.target.gpus import get_gpu  # noqa: E402
 from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, get_workload  # noqa: E402
 

@@ -39,10 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 from prism_serve.capture.embedded import EMBEDDED, embedded_path  # noqa: E402
 from prism_serve.errors import SGraphError  # noqa: E402
-from prism_serve.optimize.gpus import get_gpu  # noqa: E402
-from prism_serve.optimize.sgraph import BlockKernel, instantiate  # noqa: E402
-from prism_serve.optimize.static import compile_facts, compiler_versions  # noqa: E402
-from prism_serve.optimize.tune import enumerate_instances, rank, screen  # noqa: E402
+from prism_serve.optimize.instantiate.static import compile_facts, compiler_versions  # noqa: E402
+from prism_serve.optimize.instantiate.tune import enumerate_instances, rank, screen  # noqa: E402
+from prism_serve.optimize.ir.sgraph import BlockKernel  # noqa: E402
+from prism_serve.optimize.target.gpus import get_gpu  # noqa: E402
+from prism_serve.optimize.target.instance import instantiate  # noqa: E402
 from prism_serve.optimize.workloads.designs import on_tf32  # noqa: E402
 from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, WORKLOADS  # noqa: E402
@@ -122,7 +123,7 @@ def fit(sample: Path) -> int:
     """Refit REG_WEIGHTS on `sample` (see the module doc) and print them with the fit's errors."""
     import numpy as np
 
-    from prism_serve.optimize.resources import REG_WEIGHTS, _resources
+    from prism_serve.optimize.target.resources import REG_WEIGHTS, _resources
     programs = {source: prog for source, prog, _ in cases(False)}
     graphs: dict = {}
     rows = [json.loads(line) for line in sample.read_text().splitlines() if line.strip()]
@@ -152,7 +153,7 @@ def fit(sample: Path) -> int:
 
 def tf32_pairs(out: Path) -> int:
     """Compile kernel pairs, as built and on TF32 operands, and write their registers (module doc)."""
-    from prism_serve.optimize.resources import kernel_resources
+    from prism_serve.optimize.target.resources import kernel_resources
     rng = random.Random(0)
     jobs, meta = [], []
     for name in ("rmsnorm_linear", "rmsnorm_mlp"):

@@ -46,16 +46,16 @@ if INTERPRET:
 import torch  # noqa: E402
 
 from prism_serve.baseline import baseline, served, served_modeled_us, vllm_modeled_us  # noqa: E402
-from prism_serve.optimize.codegen import compile_instance  # noqa: E402
-from prism_serve.optimize.cost import unfused_us  # noqa: E402
-from prism_serve.optimize.gpus import get_gpu  # noqa: E402
+from prism_serve.optimize.codegen.render import compile_instance  # noqa: E402
 from prism_serve.optimize.generate.design import Design, build  # noqa: E402
-from prism_serve.optimize.reference import (TOLERANCE, TORCH_DTYPES, as_torch_function, evaluate,  # noqa: E402
-                                            max_rel_error, random_inputs)
-from prism_serve.optimize.ir import NUM_TOKENS  # noqa: E402
-from prism_serve.optimize.cost import modeled_us  # noqa: E402
-from prism_serve.optimize.timing import graph_us, median_us, rotation, spearman  # noqa: E402
-from prism_serve.optimize.tune import measure, rank  # noqa: E402
+from prism_serve.optimize.instantiate.cost import unfused_us  # noqa: E402
+from prism_serve.optimize.instantiate.cost import modeled_us  # noqa: E402
+from prism_serve.optimize.instantiate.timing import graph_us, median_us, rotation, spearman  # noqa: E402
+from prism_serve.optimize.instantiate.tune import measure, rank  # noqa: E402
+from prism_serve.optimize.ir.program import NUM_TOKENS  # noqa: E402
+from prism_serve.optimize.ir.reference import (TOLERANCE, TORCH_DTYPES, as_torch_function, evaluate,  # noqa: E402
+                                               max_rel_error, random_inputs)
+from prism_serve.optimize.target.gpus import get_gpu  # noqa: E402
 from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import WORKLOADS  # noqa: E402
 from prism_serve.region_table import KINDS  # noqa: E402
@@ -93,7 +93,7 @@ def device_spec():
 def probe_device(spec):
     """The spec built from this GPU's measured bandwidth and launch latencies (None where the
     probe failed), and what to record of it beside the table's spec."""
-    from prism_serve.optimize.devbench import measured_spec
+    from prism_serve.optimize.instantiate.devbench import measured_spec
     try:
         measured = measured_spec()
     except Exception as exc:  # a probe failure is a finding; the table's spec still prices every case

@@ -4,10 +4,10 @@ modeled by the cost model that prices prism's kernels."""
 import pytest
 
 from prism_serve.baseline import baseline, served_modeled_us, vllm_modeled_us
-from prism_serve.optimize.cost import unfused_us
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import NUM_TOKENS, Program, node
-from prism_serve.optimize.reference import evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.instantiate.cost import unfused_us
+from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
+from prism_serve.optimize.ir.reference import evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.workloads import programs
 from prism_serve.region_table import KINDS
 

@@ -122,8 +122,8 @@ def test_optimize_rejects_bad_programs_with_one_line_naming_the_node(tmp_path):
 def test_optimize_all_lists_every_verified_design_of_the_generator_with_its_hash(tmp_path, monkeypatch):
     """`optimize W --all --json F` (#11 item 6): the generator's every verified design, each with
     the canonical hash of its sGraph, the same set as the library call lists."""
-    from prism_serve.optimize import canonical_hash
-    from prism_serve.optimize.generate.search import optimize
+    from prism_serve.optimize.ir.canonical import canonical_hash
+    from prism_serve.optimize.pipeline.search import optimize
     from prism_serve.optimize.workloads.programs import WORKLOADS
 
     monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))

@@ -23,7 +23,7 @@ import torch
 
 from prism_serve.capture.embedded import resolve_model
 from prism_serve.errors import PrismError
-from prism_serve.optimize.ir import Program
+from prism_serve.optimize.ir.program import Program
 from prism_serve.region_table import KINDS
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ from prism_serve.errors import PrismError, ProgramError
 
 
 def _program(target: str, shapes: list[str]):
-    from prism_serve.optimize.ir import Program
+    from prism_serve.optimize.ir.program import Program
+    from prism_serve.optimize.ir.schema import program_from_json
     from prism_serve.optimize.workloads.programs import WORKLOADS
 
     path = Path(target)
@@ -25,7 +26,7 @@ def _program(target: str, shapes: list[str]):
             raise ProgramError("--shape sets a workload's dims; a program file already fixes them")
         if not path.is_file():
             raise ProgramError(f"program file {target} does not exist")
-        return Program.from_json(path.read_text()), ()
+        return program_from_json(path.read_text()), ()
     if target not in WORKLOADS:
         raise ProgramError(f"{target!r} is neither a workload ({', '.join(WORKLOADS)}) nor a program .json file")
     dims = {}
@@ -44,9 +45,9 @@ def _program(target: str, shapes: list[str]):
 def _table(result) -> Table:
     """The verified designs, with their canonical hash."""
     from prism_serve.baseline import served_modeled_us, vllm_modeled_us
-    from prism_serve.optimize import canonical_hash
-    from prism_serve.optimize.gpus import get_gpu
-    from prism_serve.optimize.sgraph import BlockKernel
+    from prism_serve.optimize.ir.canonical import canonical_hash
+    from prism_serve.optimize.ir.sgraph import BlockKernel
+    from prism_serve.optimize.target.gpus import get_gpu
     from prism_serve.region_table import KINDS
 
     buckets, prog = result.num_tokens, result.program
@@ -86,7 +87,7 @@ def _us(value: float | None) -> str:
 
 
 def _emit(result, directory: Path) -> list[Path]:
-    from prism_serve.optimize.codegen import render
+    from prism_serve.optimize.codegen.render import render
 
     directory.mkdir(parents=True, exist_ok=True)
     written = []
@@ -133,7 +134,7 @@ def optimize_command(
         with console.status("searching") as status:
             def progress(message: str, stats) -> None:
                 status.update(f"{message}: {sum(stats.pruned.values())} pruned, {stats.verified} verified")
-            from prism_serve.optimize.generate.search import optimize
+            from prism_serve.optimize.pipeline.search import optimize
             result = optimize(prog, device, buckets, budget_s=budget, work=work, top=top, max_kernels=max_kernels,
                               max_block_ops=max_block_ops, all_designs=all_designs, workers=workers,
                               progress=progress, static_check=static_check)

@@ -28,10 +28,10 @@ def run_demo(workload: str, num_tokens: list[int], console: Console, gpu: str = 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # must be set before any kernel module is loaded
-    from prism_serve.optimize.codegen import compile_instance, load, render
-    from prism_serve.optimize.gpus import get_gpu
-    from prism_serve.optimize.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
-    from prism_serve.optimize.sgraph import BlockKernel
+    from prism_serve.optimize.codegen.render import compile_instance, load, render
+    from prism_serve.optimize.ir.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
+    from prism_serve.optimize.ir.sgraph import BlockKernel
+    from prism_serve.optimize.target.gpus import get_gpu
     from prism_serve.optimize.workloads.oracles import fitting_instance, oracle
 
     w = get_workload(workload)

@@ -25,7 +25,7 @@ def current_device(use_vllm: bool = True, *, measure: bool = False,
     import torch
     if torch.cuda.is_available():
         if measure:
-            from prism_serve.optimize.devbench import measured_spec
+            from prism_serve.optimize.instantiate.devbench import measured_spec
             return DeviceInfo.from_spec(measured_spec(), measured=True), "cuda"
         return served_gpu(torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability()), registry), "cuda"
     return DeviceInfo.cpu(platform.machine()), "cpu"
@@ -50,7 +50,7 @@ def served_gpu(device_name: str, capability: tuple[int, int], registry: str | No
     on this kind of GPU): the known table's spec, else a fingerprint of name and capability with
     no SM count, which no kernel matches. torch is not asked: its device query creates a CUDA
     context, which vLLM's API server must not hold."""
-    from prism_serve.optimize.gpus import GPUS, canonical_name
+    from prism_serve.optimize.target.gpus import GPUS, canonical_name
     from prism_serve.registry.db import open_registry, resolve_url
     from prism_serve.registry.store import stored_gpu
 

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.sgraph import instantiate
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
 from prism_serve.region_table import KINDS
 from prism_serve.registry.gate import admit

@@ -126,7 +126,7 @@ def build_table(kernels, device_type: str, spec=None, timeout_s: float = LOAD_TI
     one of the region table's exact programs is skipped; one whose load raised anything (SystemExit too),
     ended the child or overran `timeout_s` (or came after `budget_s` in all) is refused, with its
     reason. Nothing here raises for a bad kernel, and only KeyboardInterrupt gets through."""
-    from prism_serve.optimize.gpus import get_gpu
+    from prism_serve.optimize.target.gpus import get_gpu
     from prism_serve.patch.bounded import run_each
 
     if spec is None and device_type == "cpu":
@@ -183,7 +183,7 @@ def _prepare(k, spec) -> dict:
     a kernel for vLLM. Returns JSON data only. The proof is not re-run here (importing egglog alone
     takes seconds at every vLLM start): every write path re-proves through `registry.gate`, and a
     row whose own record says its proof failed is refused."""
-    from prism_serve.optimize.codegen import load, render
+    from prism_serve.optimize.codegen.render import load, render
     from prism_serve.registry.errors import RegistryError
     from prism_serve.registry.store import kernel_instance
 
@@ -203,7 +203,7 @@ def _prepare(k, spec) -> dict:
 
 def _import(got: dict) -> Callable:
     """In vLLM's process: the launcher of source that loaded cleanly in the child."""
-    from prism_serve.optimize.codegen import load
+    from prism_serve.optimize.codegen.render import load
 
     if got.get("op") not in KINDS or got.get("dtype") not in TORCH_DTYPES or not isinstance(got.get("source"), str):
         raise KernelRefused("its load answered an unknown op, dtype or source")

@@ -19,10 +19,9 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from prism_serve.errors import PrismError
-from prism_serve.optimize import schema as T
-from prism_serve.optimize.gpus import GPU_NAME, GpuSpec
-from prism_serve.optimize.ir import DTYPES, Program
-from prism_serve.optimize.sgraph import SGraph
+from prism_serve.optimize.ir import schema as T
+from prism_serve.optimize.ir.program import DTYPES
+from prism_serve.optimize.target.gpus import GPU_NAME, GpuSpec
 from prism_serve.registry.errors import RegistryError
 from prism_serve.registry.models import DEVICE_KINDS, STATUSES
 from prism_serve.registry.store import (
@@ -122,8 +121,8 @@ def record_to_result(rec: Any, where: str) -> KernelResult:
         _optional(rec.get(key), T.float_in, 0.0, MAX_US, f"{where}.{key}", E)
     _optional(rec.get("modeled_speedup"), T.float_in, 0.0, MAX_US, f"{where}.modeled_speedup", E)
     try:
-        program = Program.from_json(prog["ir"])
-        sgraph = SGraph.from_json(sg["json"])
+        program = T.program_from_json(prog["ir"])
+        sgraph = T.sgraph_from_json(sg["json"])
     except PrismError as exc:
         raise E(f"{where}: {exc}") from None
     stated = matching(prog["hash"], HASH, f"{where}.program.hash")

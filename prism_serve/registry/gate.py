@@ -42,7 +42,7 @@ def check_device() -> str:
     """Where the numeric check runs: the interpreter when TRITON_INTERPRET=1, else the GPU."""
     import torch
 
-    from prism_serve.optimize.codegen import interpreting
+    from prism_serve.optimize.codegen.render import interpreting
     if interpreting():
         return "cpu"
     if torch.cuda.is_available():
@@ -61,7 +61,7 @@ class Gate:
 
     def proof(self, r: KernelResult, key: str) -> dict:
         if key not in self.proofs:
-            from prism_serve.optimize.verify import prove_equivalent
+            from prism_serve.optimize.verify.proof import prove_equivalent
             try:
                 p = prove_equivalent(r.sgraph)
             except Exception as exc:  # noqa: BLE001 - an sGraph from elsewhere the prover chokes on is refused
@@ -73,7 +73,7 @@ class Gate:
         return self.proofs[key]
 
     def numeric(self, r: KernelResult, key: str) -> dict:
-        from prism_serve.optimize.gpus import get_gpu
+        from prism_serve.optimize.target.gpus import get_gpu
         from prism_serve.patch.table import CPU_BOUNDS_GPU
         bound = r.device.name if r.device.kind == "gpu" else CPU_BOUNDS_GPU
         ckey = (key, canonical_json(r.params), bound)
@@ -93,8 +93,8 @@ class Gate:
 
     @staticmethod
     def _run(r: KernelResult, spec) -> dict | str:
-        from prism_serve.optimize.check import CHECK_TOKENS, check_numerics
-        from prism_serve.optimize.sgraph import instantiate
+        from prism_serve.optimize.target.instance import instantiate
+        from prism_serve.optimize.verify.check import CHECK_TOKENS, check_numerics
         inst = instantiate(r.sgraph, r.params, spec)
         device = check_device()
         start = time.perf_counter()

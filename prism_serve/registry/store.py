@@ -19,10 +19,11 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, contains_eager
 
 from prism_serve.errors import PrismError
-from prism_serve.optimize.codegen import CODEGEN_VERSION
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import DTYPES, Program
-from prism_serve.optimize.sgraph import SGraph
+from prism_serve.optimize.codegen.render import CODEGEN_VERSION
+from prism_serve.optimize.ir.program import DTYPES, Program
+from prism_serve.optimize.ir.schema import sgraph_from_json
+from prism_serve.optimize.ir.sgraph import SGraph
+from prism_serve.optimize.target.gpus import GpuSpec
 from prism_serve.registry.errors import RegistryError
 from prism_serve.registry.models import (
     STATUSES,
@@ -181,7 +182,7 @@ def upsert_device(session: Session, d: DeviceInfo, keep_existing: bool = False) 
 
 def device_spec(device: Device) -> GpuSpec:
     """The GPU spec of a stored device: its measured spec (typed and checked), else the known table's."""
-    from prism_serve.optimize.gpus import get_gpu
+    from prism_serve.optimize.target.gpus import get_gpu
     if device.spec is not None:
         try:
             return GpuSpec.from_json(device.spec)
@@ -496,7 +497,7 @@ def finish_warmup(session: Session, run_id: int, status: str, summary: dict[str,
 
 def decode_params(k: Kernel) -> dict[str, int]:
     """The stored instantiation, parsed as typed values (`optimize.schema`)."""
-    from prism_serve.optimize.schema import params_from_json
+    from prism_serve.optimize.ir.schema import params_from_json
     return params_from_json(k.params_json, f"kernel {k.id}", RegistryError)
 
 
@@ -504,7 +505,7 @@ def decode_sgraph(k: Kernel) -> SGraph:
     """Rebuild the stored sGraph through the typed loader; Triton source is then regenerated from
     it (never read from the store)."""
     try:
-        return SGraph.from_json(k.sgraph.sgraph_json)
+        return sgraph_from_json(k.sgraph.sgraph_json)
     except PrismError as exc:
         raise RegistryError(f"kernel {k.id}: stored sGraph is invalid: {exc}") from None
 
@@ -514,7 +515,7 @@ def kernel_instance(k: Kernel, spec: GpuSpec | None = None):
 
     The GPU spec is the kernel's own device unless given (CPU kernels need one: the spec only
     bounds the tile sizes checked here)."""
-    from prism_serve.optimize.sgraph import instantiate
+    from prism_serve.optimize.target.instance import instantiate
     try:
         spec = spec or device_spec(k.device)
         return instantiate(decode_sgraph(k), decode_params(k), spec)

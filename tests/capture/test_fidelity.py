@@ -10,7 +10,7 @@ import torch
 
 from prism_serve.capture.child import RECORD_PROMPT
 from prism_serve.capture.embedded import embedded_path
-from prism_serve.optimize.reference import evaluate, max_rel_error
+from prism_serve.optimize.ir.reference import evaluate, max_rel_error
 
 TOL = 1e-5
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from prism_serve.optimize.reference import evaluate, max_rel_error
+from prism_serve.optimize.ir.reference import evaluate, max_rel_error
 
 
 def test_real_weights_are_loaded_and_programs_match(real_capture, real_checkpoint):

@@ -10,10 +10,10 @@ from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import build
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _Costed, _generate
-from prism_serve.optimize.generate.workers import Config, InlinePool, Pool
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import Program
+from prism_serve.optimize.ir.program import Program
+from prism_serve.optimize.pipeline.search import MAX_GRID, SearchStats, _Costed, _generate
+from prism_serve.optimize.pipeline.workers import Config, InlinePool, Pool
+from prism_serve.optimize.target.gpus import GpuSpec
 
 
 def generate(prog: Program, gpu: GpuSpec, buckets: tuple[int, ...], *, max_kernels: int, max_block_ops: int,

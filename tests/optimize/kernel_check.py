@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.reference import TOLERANCE, TORCH_DTYPES, evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import Instance
+from prism_serve.optimize.codegen.render import compile_instance
+from prism_serve.optimize.ir.reference import TOLERANCE, TORCH_DTYPES, evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.target.instance import Instance
 
 
 def check_instance(inst: Instance, num_tokens: int, dtype: str) -> list[float]:

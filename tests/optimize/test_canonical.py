@@ -11,9 +11,10 @@ import sympy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prism_serve.optimize import canonical_hash
-from prism_serve.optimize.ir import Node, node
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, LibraryKernel, SGraph, TensorDecl, sym, to_expr
+from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.ir.program import Node, node
+from prism_serve.optimize.ir.schema import sgraph_from_json
+from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, LibraryKernel, SGraph, TensorDecl, sym, to_expr
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
@@ -164,4 +165,4 @@ def test_a_second_recomputing_kernel_changes_the_hash():
 def test_hash_is_stable_text(name):
     h = canonical_hash(BUILT[name])
     assert len(h) == 32 and int(h, 16) >= 0
-    assert canonical_hash(SGraph.from_json(BUILT[name].to_json())) == h
+    assert canonical_hash(sgraph_from_json(BUILT[name].to_json())) == h

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from prism_serve.optimize.check import _largest_surviving, _outliers, _survives, check_numerics
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import node
-from prism_serve.optimize.reference import random_inputs
-from prism_serve.optimize.sgraph import BlockKernel, SGraph, instantiate
+from prism_serve.optimize.ir.program import node
+from prism_serve.optimize.ir.reference import random_inputs
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.verify.check import _largest_surviving, _outliers, _survives, check_numerics
 from prism_serve.optimize.workloads.designs import on_tf32, rms_then_projection
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from prism_serve.optimize.codegen import render
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.sgraph import instantiate
+from prism_serve.optimize.codegen.render import render
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import Program, node
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, instantiate
+from prism_serve.optimize.ir.program import Program, node
+from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, SGraph
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from tests.optimize.kernel_check import check_instance
 
 
@@ -30,7 +31,7 @@ def _rounded_by_helper(x):
     import triton
     import triton.language as tl
 
-    from prism_serve.optimize import codegen
+    import prism_serve.optimize.codegen.render as codegen
     scope = {"triton": triton, "tl": tl}
     exec(compile("\n".join(codegen.ROUND_BF16) + "\n\n@triton.jit\ndef _apply(x_ptr, y_ptr, N: tl.constexpr):\n"
                  "    o = tl.arange(0, N)\n    tl.store(y_ptr + o, _round_bf16(tl.load(x_ptr + o)))\n",
@@ -58,9 +59,9 @@ def test_bf16_rounding_in_interpret_mode_is_to_nearest_even_as_on_the_gpu():
 def test_a_bf16_attention_kernel_in_the_interpreter_is_as_close_to_exact_as_torch_eager():
     """With the interpreter's truncation the hand-built bf16 qk_norm_attention erred 0.006 to 0.013
     against the exact result over these seeds, where torch's eager bf16 path erred 0.004 to 0.006."""
-    from prism_serve.optimize.codegen import compile_instance
-    from prism_serve.optimize.reference import as_torch_function, evaluate, max_rel_error, random_inputs
-    from prism_serve.optimize.tune import rank
+    from prism_serve.optimize.codegen.render import compile_instance
+    from prism_serve.optimize.instantiate.tune import rank
+    from prism_serve.optimize.ir.reference import as_torch_function, evaluate, max_rel_error, random_inputs
     from prism_serve.optimize.workloads.oracles import oracle
     from prism_serve.optimize.workloads.programs import WORKLOADS
 
@@ -84,8 +85,8 @@ def test_no_tokens_skip_the_token_kernels_and_still_run_the_library_ops_after_th
     launches no blocks and still returns the matmul's (empty) output, as torch would."""
     import sympy
 
-    from prism_serve.optimize.codegen import compile_instance
-    from prism_serve.optimize.sgraph import TOKENS, LibraryKernel, TensorDecl
+    from prism_serve.optimize.codegen.render import compile_instance
+    from prism_serve.optimize.ir.sgraph import TOKENS, LibraryKernel, TensorDecl
 
     prog = Program("norm_then_matmul", (
         node("x", "input", shape=("num_tokens", 48), dtype="float32"), node("w", "input", shape=(40, 48), dtype="float32"),

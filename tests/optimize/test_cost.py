@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.codegen import render
-from prism_serve.optimize.cost import _time_us, block_kernel_cost, instance_cost, modeled_us
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.sgraph import instantiate
-from prism_serve.optimize.tune import rank
+from prism_serve.optimize.codegen.render import render
+from prism_serve.optimize.instantiate.cost import _time_us, block_kernel_cost, instance_cost, modeled_us
+from prism_serve.optimize.instantiate.tune import rank
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.designs import on_tf32
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS

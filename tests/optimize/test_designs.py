@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from prism_serve.optimize import canonical_hash
-from prism_serve.optimize.check import check_numerics
-from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import node
-from prism_serve.optimize.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, instantiate
-from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.optimize.codegen.render import compile_instance
+from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.ir.program import node
+from prism_serve.optimize.ir.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, SGraph
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.verify.check import check_numerics
+from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.optimize.workloads import designs as D
 from prism_serve.optimize.workloads.oracles import load, store
 from prism_serve.optimize.workloads.programs import WORKLOADS

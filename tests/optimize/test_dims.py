@@ -11,8 +11,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.dims import MAX_DEPTH, parse_dim, render
-from prism_serve.optimize.sgraph import sym
+from prism_serve.optimize.ir.dims import MAX_DEPTH, parse_dim, render
+from prism_serve.optimize.ir.sgraph import sym
 
 NAMES = ("S", "F", "BT", "num_tokens")
 

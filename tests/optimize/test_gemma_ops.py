@@ -14,12 +14,13 @@ import math
 import pytest
 import torch
 
-from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import NUM_TOKENS, Program, node
-from prism_serve.optimize.reference import evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, instantiate
-from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.optimize.codegen.render import compile_instance
+from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
+from prism_serve.optimize.ir.reference import evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, SGraph
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.optimize.workloads import programs
 from prism_serve.optimize.workloads.oracles import default_assignment, load, oracle, store
 

@@ -9,17 +9,18 @@ import pytest
 import torch
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize import canonical_hash, prune
+from prism_serve.optimize.codegen.render import compile_instance
 from prism_serve.optimize.generate.block import RULES, BlockGenerator, Value
 from prism_serve.optimize.generate.context import make_context, program_terms
 from prism_serve.optimize.generate.design import Design, build
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.labels import index_labels
-from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.reference import TOLERANCE, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import instantiate
-from prism_serve.optimize.generate.search import optimize
-from prism_serve.optimize.tune import rank
+from prism_serve.optimize.instantiate import prune
+from prism_serve.optimize.instantiate.tune import rank
+from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.ir.labels import index_labels
+from prism_serve.optimize.ir.reference import TOLERANCE, max_rel_error, random_inputs
+from prism_serve.optimize.pipeline.search import optimize
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, WORKLOADS
 
@@ -130,13 +131,13 @@ def test_fp16_rmsnorm_linear_search_rejects_the_overflowing_form_and_wins_with_i
 def test_no_verification_starts_without_room_for_the_longest_so_far(monkeypatch):
     """A verification starts only while the budget has room for the longest one so far: one that
     (as reported) took longer than the whole budget leaves no room for a second."""
-    from prism_serve.optimize.generate import search
+    from prism_serve.optimize.pipeline import stages
 
     prog = WORKLOADS["rms_norm"].program(hidden=40, dtype="float32")
-    real = search.verify_design
+    real = stages.verify_design
     runs = {}
     for took in (None, 1e6):
-        monkeypatch.setattr(search, "verify_design", lambda p, d, g, took=took: (
+        monkeypatch.setattr(stages, "verify_design", lambda p, d, g, took=took: (
             lambda proof, verdict, s: (proof, verdict, s if took is None else took))(*real(p, d, g)))
         runs[took] = optimize(prog, "h100", (4,), max_kernels=1, max_block_ops=6, budget_s=300, top=3, workers=1)
     assert len(runs[None].found) >= 2 and not runs[None].stats.stopped_by_budget
@@ -236,9 +237,9 @@ def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     open last bucket the instance that scales, where it ties at the bucket's size. After it come
     the instances one move from it, ranked (what the static check and measuring go down): every
     valid instance that differs in one symbol among them."""
-    from prism_serve.optimize.generate import search
-    from prism_serve.optimize.cost import modeled_us
-    from prism_serve.optimize.tune import best_modeled, enumerate_instances, symbol_choices
+    from prism_serve.optimize.instantiate.cost import modeled_us
+    from prism_serve.optimize.instantiate.tune import best_modeled, enumerate_instances, symbol_choices
+    from prism_serve.optimize.pipeline import search
 
     g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=1024, out=1024))
     exhaustive = [r[0] for r in search._rankings(g, H100, (1, 16))]
@@ -272,8 +273,8 @@ def test_with_the_static_check_only_instances_ptxas_does_not_spill_are_measured(
     """optimize(static_check=True) with a timer: per bucket, the `measure_top` instances timed are
     the best-ranked ones that (a stand-in) ptxas does not spill, and the winner carries its facts;
     without the check, the top `measure_top` of the ranking are timed, as before."""
-    from prism_serve.optimize import tune
-    from prism_serve.optimize.generate import search
+    from prism_serve.optimize.instantiate import tune
+    from prism_serve.optimize.pipeline import search
 
     from .test_tune import FakePtxas
 

@@ -9,15 +9,15 @@ import itertools
 
 import pytest
 
-from prism_serve.optimize import canonical_hash
 from prism_serve.optimize.generate.abstract import Oracle, ac_form, fits, leaves
 from prism_serve.optimize.generate.block import ALL, BINARY, ROWS, TILES, UNARY, BlockGenerator, _labels
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build
-from prism_serve.optimize.generate.search import _check_numerics
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import TF32
-from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.ir.program import TF32
+from prism_serve.optimize.pipeline.stages import _check_numerics
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
 H100 = get_gpu("h100")

@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from prism_serve.optimize import canonical_hash
 from prism_serve.optimize.generate.bound import DesignBound, touched
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import LibrarySpec, build
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.generate.search import DEPTH_SHARE, MAX_GRID, SearchStats, _Costed, optimize
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.tune import best_modeled
+from prism_serve.optimize.instantiate.tune import best_modeled
+from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.pipeline.search import DEPTH_SHARE, MAX_GRID, SearchStats, _Costed, optimize
+from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.workloads.programs import WORKLOADS
 from .generation import generate
 
@@ -130,7 +130,7 @@ def test_the_cost_rules_threshold_is_the_best_design_of_fewer_kernels_that_verif
     for stage 2; with no time left to verify, nothing is cut."""
     from types import SimpleNamespace
 
-    from prism_serve.optimize.generate import search
+    from prism_serve.optimize.pipeline import stages
 
     prog = WORKLOADS["silu_and_mul"].program(intermediate=40, dtype="float32")
     costed = _listing(prog, get_gpu("h100"), 2, 3)
@@ -144,7 +144,7 @@ def test_the_cost_rules_threshold_is_the_best_design_of_fewer_kernels_that_verif
         ok = SimpleNamespace(ok=design != failing)
         return ok, ok, 0.0
 
-    monkeypatch.setattr(search, "verify_design", verify)
+    monkeypatch.setattr(stages, "verify_design", verify)
     assert costed.best_us(2) == one[1][0] >= one[0][0]
     assert asked == [failing, one[1][1]] and set(costed.verdicts) == set(asked)
     assert costed.best_us(1) == float("inf")  # no design of fewer than one kernel

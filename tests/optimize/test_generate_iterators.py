@@ -13,9 +13,9 @@ from prism_serve.errors import SGraphError
 from prism_serve.optimize.generate.block import ALL, ROWS, TILES, BlockGenerator, input_iterators
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, iterator_maps, tensor_of
-from prism_serve.optimize.generate.search import _check_numerics
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.optimize.pipeline.stages import _check_numerics
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
 GRID, LOOP = ("num_tokens", "w0"), "x1"

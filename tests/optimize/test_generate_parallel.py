@@ -13,14 +13,14 @@ import time
 import pytest
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize import canonical_hash
+from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, LibrarySpec
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.generate.bound import DesignBound
-from prism_serve.optimize.generate.search import GRACE_S, MAX_GRID, optimize
-from prism_serve.optimize.generate.workers import Config, Pool, default_workers
-from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.pipeline.search import GRACE_S, MAX_GRID, optimize
+from prism_serve.optimize.pipeline.workers import Config, Pool, default_workers
+from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.workloads.programs import WORKLOADS
 from .generation import generate
 

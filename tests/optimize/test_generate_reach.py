@@ -13,21 +13,24 @@ from collections import Counter
 import pytest
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize import canonical_hash, prune
+from prism_serve.optimize.codegen.render import compile_instance
 from prism_serve.optimize.generate.abstract import Term
-from prism_serve.optimize.generate.context import Context, make_context
 from prism_serve.optimize.generate.block import Value, input_iterators
+from prism_serve.optimize.generate.context import Context, make_context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, build, iterator_maps, op_labels,
                                                   program_context, tensor_of)
 from prism_serve.optimize.generate.kernel import DEEP_PENDING, LIBRARY, KernelGenerator
-from prism_serve.optimize.generate.search import MAX_GRID, SearchStats, _check_numerics, optimize
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import NUM_TOKENS, Program, TensorType, node
-from prism_serve.optimize.labels import index_labels
-from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, SGraph, TensorDecl, instantiate
-from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.optimize.instantiate import prune
+from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.ir.labels import index_labels
+from prism_serve.optimize.ir.program import NUM_TOKENS, Program, TensorType, node
+from prism_serve.optimize.ir.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
+from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, SGraph, TensorDecl
+from prism_serve.optimize.pipeline.search import MAX_GRID, SearchStats, optimize
+from prism_serve.optimize.pipeline.stages import _check_numerics
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.optimize.workloads import designs as D
 from prism_serve.optimize.workloads.oracles import ORACLES, load, oracle, store
 from prism_serve.optimize.workloads.programs import WORKLOADS

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from prism_serve.errors import PrismError, SGraphError
-from prism_serve.optimize.devbench import COPY_BYTES, measure
-from prism_serve.optimize.gpus import GPUS, GpuSpec, get_gpu, spec_from_device
+from prism_serve.optimize.instantiate.devbench import COPY_BYTES, measure
+from prism_serve.optimize.target.gpus import GPUS, GpuSpec, get_gpu, spec_from_device
 
 
 def _props(**over):
@@ -61,9 +61,9 @@ def test_a_stored_gpu_name_is_a_slug_and_generated_source_renders_nothing_else(t
     import dataclasses
 
     from prism_serve.errors import CodegenError
-    from prism_serve.optimize.codegen import render
-    from prism_serve.optimize.gpus import canonical_name
-    from prism_serve.optimize.sgraph import instantiate
+    from prism_serve.optimize.codegen.render import render
+    from prism_serve.optimize.target.gpus import canonical_name
+    from prism_serve.optimize.target.instance import instantiate
     from prism_serve.optimize.workloads.oracles import default_assignment, oracle
     from prism_serve.optimize.workloads.programs import WORKLOADS
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.sgraph import SGraph, instantiate
+from prism_serve.optimize.ir.schema import sgraph_from_json
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import ORACLES, default_assignment, oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
@@ -91,6 +92,6 @@ def test_split_kv_loop_with_several_steps():
 def test_oracle_json_round_trip(name):
     dims = dict(kv_len=64, head_dim=32) if "attention" in name else {}
     g = oracle(WORKLOADS[name].program(**dims))
-    again = SGraph.from_json(g.to_json())
+    again = sgraph_from_json(g.to_json())
     assert again == g
     assert again.to_json() == g.to_json()

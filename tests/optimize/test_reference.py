@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.reference import (TOLERANCE, agreement_limit, as_torch_function, evaluate, expand_composites,
-                                           max_rel_error, random_inputs)
+from prism_serve.optimize.ir.reference import (TOLERANCE, agreement_limit, as_torch_function, evaluate, expand_composites,
+                                               max_rel_error, random_inputs)
 from prism_serve.optimize.workloads.programs import WORKLOADS, EPS
 
 TOKENS = (1, 5, 7)
@@ -145,7 +145,7 @@ def test_two_roundings_of_one_answer_agree_within_the_limit_and_a_wrong_answer_d
 
 def test_unseeded_inputs_leave_torchs_global_generator_alone():
     """An unseeded draw takes its seed from the OS: the caller's seeded stream goes on as it would."""
-    from prism_serve.optimize.reference import random_inputs
+    from prism_serve.optimize.ir.reference import random_inputs
 
     prog = WORKLOADS["rms_norm"].program(hidden=64)
     torch.manual_seed(0)

@@ -2,10 +2,10 @@
 
 import pytest
 
-from prism_serve.optimize.codegen import render
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.resources import REG_WEIGHTS, blocked_per_thread, kernel_resources, mma_warps
-from prism_serve.optimize.sgraph import instantiate
+from prism_serve.optimize.codegen.render import render
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.target.resources import REG_WEIGHTS, blocked_per_thread, kernel_resources, mma_warps
 from prism_serve.optimize.workloads.designs import on_tf32
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS

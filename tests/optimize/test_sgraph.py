@@ -4,9 +4,11 @@ import pytest
 import sympy
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import node
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, GridAxis, SGraph, TensorDecl, instantiate, sym
+from prism_serve.optimize.ir.program import node
+from prism_serve.optimize.ir.schema import sgraph_from_json
+from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, GridAxis, SGraph, TensorDecl, sym
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import accum, load, oracle, store
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
@@ -108,19 +110,19 @@ def test_token_axis_masks_the_last_block():
 def test_json_errors_are_clear():
     g = oracle(WORKLOADS["rms_norm"].program(hidden=64))
     with pytest.raises(SGraphError, match="does not parse"):
-        SGraph.from_json("{not json")
+        sgraph_from_json("{not json")
     data = g.to_json()
     data["sgraph_version"] = 99
     with pytest.raises(SGraphError, match="version 99"):
-        SGraph.from_json(data)
+        sgraph_from_json(data)
     data = g.to_json()
     del data["kernels"][0]["grid"]
     with pytest.raises(SGraphError, match="malformed sGraph JSON"):
-        SGraph.from_json(data)
+        sgraph_from_json(data)
 
 
 def test_big_tiles_launch_more_warps_and_the_codegen_says_so():
-    from prism_serve.optimize.codegen import render
+    from prism_serve.optimize.codegen.render import render
 
     narrow = oracle(WORKLOADS["rms_norm"].program(hidden=1024))
     g = oracle(WORKLOADS["rms_norm"].program(hidden=8192))
@@ -133,7 +135,7 @@ def test_big_tiles_launch_more_warps_and_the_codegen_says_so():
 
 
 def test_more_than_three_grid_axes_fold_onto_launch_dim_1():
-    from prism_serve.optimize.sgraph import launch_dims
+    from prism_serve.optimize.ir.sgraph import launch_dims
     assert launch_dims(3) == ((0,), (1,), (2,))
     assert launch_dims(5) == ((0,), (1, 2, 3), (4,))
     prog = WORKLOADS["silu_and_mul"].program(intermediate=64)
@@ -152,7 +154,7 @@ def test_more_than_three_grid_axes_fold_onto_launch_dim_1():
 
 
 def _row_program():
-    from prism_serve.optimize.ir import Program
+    from prism_serve.optimize.ir.program import Program
     return Program("p", (node("x", "input", shape=("num_tokens", 8), dtype="float32"), node("two", "const", value=2.0),
                          node("t", "mul", "x", "x"), node("y", "add", "t", "x")), ("y",))
 

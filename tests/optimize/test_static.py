@@ -5,11 +5,11 @@ estimate is within 25 % of ptxas's count (issue 13's target, over all kernels in
 
 import pytest
 
-from prism_serve.optimize.codegen import render
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.sgraph import instantiate
-from prism_serve.optimize.static import compile_facts, compiler_versions
-from prism_serve.optimize.tune import Candidate, enumerate_instances, rank, screen
+from prism_serve.optimize.codegen.render import render
+from prism_serve.optimize.instantiate.static import compile_facts, compiler_versions
+from prism_serve.optimize.instantiate.tune import Candidate, enumerate_instances, rank, screen
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.designs import on_tf32
 from prism_serve.optimize.workloads.oracles import oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS

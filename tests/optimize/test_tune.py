@@ -3,10 +3,10 @@
 import pytest
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.cost import instance_cost, modeled_us, unfused_us
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.sgraph import instantiate
-from prism_serve.optimize.tune import best_modeled, enumerate_instances, measure, order, rank
+from prism_serve.optimize.instantiate.cost import instance_cost, modeled_us, unfused_us
+from prism_serve.optimize.instantiate.tune import best_modeled, enumerate_instances, measure, order, rank
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 
@@ -93,8 +93,8 @@ def test_the_open_bucket_takes_the_near_tie_that_scales_to_more_tokens():
     """The last bucket's kernel serves every larger size: tuned at 8 tokens, silu_and_mul's best
     modeled instance (many one-column blocks, a hair faster) is 10x slower at 4096 tokens than one
     within NEAR_TIE of it; `rank_open` takes the latter, and is `rank` where nothing nears a tie."""
-    from prism_serve.optimize.cost import modeled_us
-    from prism_serve.optimize.tune import NEAR_TIE, PROBE_TOKENS, rank_open
+    from prism_serve.optimize.instantiate.cost import modeled_us
+    from prism_serve.optimize.instantiate.tune import NEAR_TIE, PROBE_TOKENS, rank_open
 
     g = oracle(WORKLOADS["silu_and_mul"].program(intermediate=256, dtype="float32"))
     plain, open_ = rank(g, H100, 8), rank_open(g, H100, 8)
@@ -113,7 +113,7 @@ def test_kernel_times_are_the_modeled_time_of_the_instance_or_none_where_it_does
     import itertools
     import random
 
-    from prism_serve.optimize.tune import KernelTimes, symbol_choices
+    from prism_serve.optimize.instantiate.tune import KernelTimes, symbol_choices
     from prism_serve.optimize.workloads.designs import gqa_decode
 
     g = gqa_decode(WORKLOADS["attention"].program())
@@ -139,7 +139,7 @@ def test_descent_crosses_the_ridge_where_single_moves_stall():
     descent stalled at (8-token blocks, 16 output tiles, 32 loop steps; 18.39 us) no single move
     helps, while the instance of 16-token blocks, 64 output tiles and 8 loop steps models at 13.75
     us; joint moves of two symbols of one kernel reach it."""
-    from prism_serve.optimize.tune import descend
+    from prism_serve.optimize.instantiate.tune import descend
     from prism_serve.optimize.workloads.designs import rms_then_projection
 
     g = rms_then_projection(WORKLOADS["rmsnorm_linear"].program())
@@ -159,7 +159,7 @@ class FakePtxas:
 
     def __call__(self, jobs):
         from prism_serve.errors import CodegenError
-        from prism_serve.optimize.static import KernelFacts
+        from prism_serve.optimize.instantiate.static import KernelFacts
         self.calls.append([inst.values for inst, _ in jobs])
         if (self.works is not None and len(self.calls) > self.works) or any(i.values in self.broken for i, _ in jobs):
             raise CodegenError("compiling for an NVIDIA target failed")
@@ -173,7 +173,7 @@ def _ranking(num_tokens=4):
 
 
 def test_the_screen_goes_down_the_ranking_past_spilling_instances(monkeypatch):
-    from prism_serve.optimize import tune
+    from prism_serve.optimize.instantiate import tune
     ranked = _ranking()
     assert len(ranked) > tune.SCREEN_DEPTH
     ptxas = FakePtxas(spilling=[c.assignment for c in ranked[:3]])
@@ -188,7 +188,7 @@ def test_the_screen_goes_down_the_ranking_past_spilling_instances(monkeypatch):
 
 
 def test_the_screen_keeps_the_least_spilling_instance_when_all_spill(monkeypatch):
-    from prism_serve.optimize import tune
+    from prism_serve.optimize.instantiate import tune
     ranked = _ranking()[:3]
     monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=[c.assignment for c in ranked]))
     ((kept,),) = tune.screen([ranked], 90)
@@ -196,7 +196,7 @@ def test_the_screen_keeps_the_least_spilling_instance_when_all_spill(monkeypatch
 
 
 def test_an_instance_that_does_not_compile_is_passed_over(monkeypatch):
-    from prism_serve.optimize import tune
+    from prism_serve.optimize.instantiate import tune
     ranked = _ranking()
     ptxas = FakePtxas(spilling=[ranked[0].assignment], broken=[ranked[1].assignment])
     monkeypatch.setattr(tune, "compile_facts", ptxas)
@@ -218,7 +218,7 @@ def test_an_instance_that_does_not_compile_is_passed_over(monkeypatch):
 def test_an_instance_compiled_for_another_bucket_counts(monkeypatch):
     """Two buckets rank the same two instances in opposite orders; the first spills: both take
     the clean one, compiled in the first round for the other bucket."""
-    from prism_serve.optimize import tune
+    from prism_serve.optimize.instantiate import tune
     x, y = _ranking()[:2]
     monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=[x.assignment]))
     (a,), (b,) = tune.screen([[x, y], [y, x]], 90)
@@ -226,7 +226,7 @@ def test_an_instance_compiled_for_another_bucket_counts(monkeypatch):
 
 
 def test_without_a_compiler_the_rankings_come_back_unchecked(monkeypatch):
-    from prism_serve.optimize import tune
+    from prism_serve.optimize.instantiate import tune
     ranked = _ranking()
     monkeypatch.setattr(tune, "compile_facts", FakePtxas(works=0))
     assert tune.screen([ranked], 90, want=2) == [ranked[:2]]

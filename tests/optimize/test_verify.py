@@ -8,17 +8,18 @@ import sys
 
 import pytest
 
-from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import node
-from prism_serve.optimize.reference import (
+from prism_serve.optimize.codegen.render import compile_instance
+from prism_serve.optimize.ir.program import node
+from prism_serve.optimize.ir.reference import (
     TOLERANCE,
     evaluate,
     max_rel_error,
     random_inputs,
 )
-from prism_serve.optimize.sgraph import BlockKernel, SGraph, instantiate
-from prism_serve.optimize.verify import (
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.verify.proof import (
     ITERATIONS,
     ProofResult,
     _Ctx,
@@ -104,7 +105,7 @@ def test_a_proof_goes_on_while_its_egraph_grows_to_twice_its_rounds():
 def test_proofs_run_egglog_on_one_thread_unless_told_otherwise():
     """egglog is deterministic on one thread only (`egglog_threads`): a fresh process that proves
     runs rayon's pool with one thread, and a RAYON_NUM_THREADS of its own is kept."""
-    code = ("import os; from prism_serve.optimize.verify import prove_equivalent; "
+    code = ("import os; from prism_serve.optimize.verify.proof import prove_equivalent; "
             "from prism_serve.optimize.workloads.oracles import oracle; "
             "from prism_serve.optimize.workloads.programs import WORKLOADS; "
             "assert prove_equivalent(oracle(WORKLOADS['rms_norm'].program(hidden=64))).ok; "
@@ -203,7 +204,7 @@ def test_no_egraph_is_left_for_another_thread_to_drop(monkeypatch):
     import sys
     import threading
 
-    from prism_serve.optimize.verify import prove_equivalent
+    from prism_serve.optimize.verify.proof import prove_equivalent
     from prism_serve.optimize.workloads import programs
     from prism_serve.optimize.workloads.oracles import oracle
 

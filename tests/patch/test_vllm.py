@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from prism_serve.capture.embedded import embedded_path
-from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.workloads import programs
 from prism_serve.patch import seed
 from prism_serve.patch.device import current_device

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from prism_serve.optimize.gpus import GPUS
+from prism_serve.optimize.target.gpus import GPUS
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
 from prism_serve.optimize.workloads.programs import WORKLOADS
 from prism_serve.registry.store import DeviceInfo, KernelResult, Versions

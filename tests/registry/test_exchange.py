@@ -8,8 +8,8 @@ import json
 import pytest
 
 from prism_serve.registry import RegistryError, exchange, open_registry
-from prism_serve.registry.gate import admit
 from prism_serve.registry.exchange import export_document, import_results, parse_export, read_export
+from prism_serve.registry.gate import admit
 from prism_serve.registry.store import add_kernel, counts, list_kernels
 from tests.registry.factory import DEVICES, result
 
@@ -131,7 +131,7 @@ def test_an_import_leaves_the_registrys_kernel_and_its_sgraphs_proof_as_they_are
 def test_an_imported_kernel_carries_the_versions_it_was_checked_with_here(doc, tmp_path):
     """The gate rebuilds and checks every imported kernel with this machine's software: the record's
     claimed versions (an old codegen, which `registry gc --incompatible` would then remove) are not kept."""
-    from prism_serve.optimize.codegen import CODEGEN_VERSION
+    from prism_serve.optimize.codegen.render import CODEGEN_VERSION
     from prism_serve.registry.store import current_versions
 
     doc["records"] = [r for r in doc["records"] if r["program"]["ir"]["name"] == "rms_norm"]
@@ -152,7 +152,7 @@ def test_a_kernel_warmed_on_a_gpu_the_table_lacks_travels_with_its_measured_spec
     kernel for a GPU the known table lacks; an import never replaces a spec measured here."""
     import dataclasses
 
-    from prism_serve.optimize.gpus import GPUS
+    from prism_serve.optimize.target.gpus import GPUS
     from prism_serve.registry.store import DeviceInfo, device_spec
 
     l20 = dataclasses.replace(GPUS["l40s"], name="l20", sms=92, mem_bandwidth_gbs=864.0, source="driver")

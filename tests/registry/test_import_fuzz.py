@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from prism_serve.optimize.check import check_numerics
-from prism_serve.optimize.codegen import render
-from prism_serve.optimize.schema import NAME
-from prism_serve.optimize.verify import prove_equivalent
+from prism_serve.optimize.codegen.render import render
+from prism_serve.optimize.ir.schema import NAME
+from prism_serve.optimize.verify.check import check_numerics
+from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.registry import open_registry
 from prism_serve.registry.gate import IMPORTED_REASON
 from prism_serve.registry.store import decode_sgraph, kernel_instance, list_kernels

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prism_serve.optimize.codegen import render
+from prism_serve.optimize.codegen.render import render
 from prism_serve.registry import RegistryError, load_device, open_registry, resolve_url
 from prism_serve.registry.models import Base
 from prism_serve.registry.store import DeviceInfo, add_kernel, kernel_instance
@@ -61,7 +61,7 @@ def test_triton_source_is_regenerated_from_stored_data(tmp_path):
 def test_a_measured_device_spec_is_stored_and_used_for_its_kernels(tmp_path):
     """A GPU the known table lacks: its measured spec is stored with its row (typed JSON) and
     instantiates its kernels; a stored spec that fails the checks is a clear registry error."""
-    from prism_serve.optimize.gpus import GPUS
+    from prism_serve.optimize.target.gpus import GPUS
     from prism_serve.registry.store import device_spec, get_kernel
 
     spec = dataclasses.replace(GPUS["h100"], name="rtx-pro-6000", sms=188, mem_bandwidth_gbs=1700.0,

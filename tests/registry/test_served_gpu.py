@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from prism_serve.optimize.gpus import GPUS, SGraphError, get_gpu
+from prism_serve.optimize.target.gpus import GPUS, SGraphError, get_gpu
 from prism_serve.patch import device as device_mod
 from prism_serve.patch.plugin import plan
 from prism_serve.registry import open_registry

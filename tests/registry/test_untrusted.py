@@ -13,10 +13,11 @@ import time
 import pytest
 
 from prism_serve.errors import CodegenError
-from prism_serve.optimize.codegen import render
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import node
-from prism_serve.optimize.sgraph import SGraph, instantiate
+from prism_serve.optimize.codegen.render import render
+from prism_serve.optimize.ir.program import node
+from prism_serve.optimize.ir.sgraph import SGraph
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
 from prism_serve.registry import open_registry
 from prism_serve.registry.gate import IMPORTED_REASON
 from prism_serve.registry.store import add_kernel, best_kernel, list_kernels

@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
 from prism_serve.baseline import served_modeled_us, vllm_modeled_us
-from prism_serve.optimize.gpus import get_gpu
+from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.registry import open_registry
 from prism_serve.registry.cli import registry_app
 from prism_serve.registry.store import add_kernel

@@ -2,7 +2,7 @@
 
 import json
 
-from prism_serve.optimize.generate.search import WORK_PER_S
+from prism_serve.optimize.pipeline.search import WORK_PER_S
 from scripts.bench_search import main
 
 

@@ -33,14 +33,21 @@ from functools import cached_property
 from egglog import EGraph, Expr, StringLike, eq, relation, rewrite, rule, ruleset, seq
 from egglog.bindings import EggSmolError
 
-from prism_serve.optimize import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
+from prism_serve.optimize.ir.ops import OPS, ROOT, Kind, Op, of_kind, symbols
+from prism_serve.optimize.verify import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
 
 Term = tuple
-BINARY = ("add", "sub", "mul", "div")
-UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt")
-REDUCE = ("sum", "mean", "max")
+BINARY = of_kind(Kind.BINARY)
+UNARY = symbols()  # the unary ops with a function symbol of their own (square is expanded to x * x)
+REDUCE = of_kind(Kind.REDUCE)
 QUERY_ITERATIONS = 2
 TARGET_ITERATIONS = 12
+
+
+def _unary_method():
+    def method(self) -> Abs: ...
+
+    return method
 
 
 class AbsLabel(Expr):
@@ -64,15 +71,8 @@ class Abs(Expr):
 
     def __truediv__(self, other: Abs) -> Abs: ...
 
-    def exp(self) -> Abs: ...
-
-    def silu(self) -> Abs: ...
-
-    def gelu_tanh(self) -> Abs: ...
-
-    def sqrt(self) -> Abs: ...
-
-    def rsqrt(self) -> Abs: ...
+    # one method per unary function symbol of the op registry, named as the op
+    locals().update({op: _unary_method() for op in UNARY})
 
     def rsum(self, lb: AbsLabel) -> Abs: ...
 
@@ -83,8 +83,8 @@ class Abs(Expr):
 
 indep = relation("abs_indep", Abs, AbsLabel)
 within = relation("abs_within", Abs)
-_OPS = {"add": Abs.__add__, "sub": Abs.__sub__, "mul": Abs.__mul__, "div": Abs.__truediv__}
-_RED = {"sum": "rsum", "mean": "rmean", "max": "rmax"}
+_OPS = {op: getattr(Abs, OPS[op].egg) for op in BINARY}
+_RED = {Op.SUM: "rsum", Op.MEAN: "rmean", Op.MAX: "rmax"}
 
 
 @ruleset
@@ -159,11 +159,11 @@ def _symbols(t: Term) -> frozenset:
     head = t[0]
     if head in ("var", "const"):
         return frozenset([t])
-    if head == "mean":  # the rules equate a mean with a sum times the constant inv.<label>
-        return _symbols(t[2]) | {("sum", t[1]), ("const", f"inv.{t[1]}")}
+    if head == Op.MEAN:  # the rules equate a mean with a sum times the constant inv.<label>
+        return _symbols(t[2]) | {(Op.SUM, t[1]), ("const", f"inv.{t[1]}")}
     if head in REDUCE:
         return _symbols(t[2]) | {(head, t[1])}
-    own = {head} if head in ("exp", "silu", "gelu_tanh", "add", "sub") else set()
+    own = {head} if _TAGGED.get(head) == head and head in BINARY + UNARY else set()
     return frozenset(own).union(*(_symbols(a) for a in t[1:]))
 
 
@@ -176,13 +176,12 @@ def op_tags(t: Term) -> frozenset:
     if head in ("var", "const"):
         return frozenset()
     if head in REDUCE:
-        return frozenset({("max" if head == "max" else "sum", t[1])}) | op_tags(t[2])
+        return frozenset({(Op.MAX if head == Op.MAX else Op.SUM, t[1])}) | op_tags(t[2])
     own = {(_TAGGED[head],)} if head in _TAGGED else set()
     return frozenset(own).union(*(op_tags(a) for a in t[1:]))
 
 
-_TAGGED = {"sqrt": "root", "rsqrt": "root", "exp": "exp", "silu": "silu", "gelu_tanh": "gelu_tanh", "add": "add",
-           "sub": "sub", "max": "max"}
+_TAGGED = {op: d.tag for op, d in OPS.items() if d.tag}  # sqrt and rsqrt: ROOT; exp, silu, ..., add, sub, max: own
 
 
 def leaves(t: Term, tags: frozenset = frozenset()) -> Counter:
@@ -227,13 +226,13 @@ def _operand_signatures(t: Term) -> tuple:
     x / sqrt(y)): its divisor is equal to one of those. Heads the rules create or rebuild
     (add, mul, sum, mean) sign nothing."""
     head = t[0]
-    if head in ("sub", "exp", "silu", "gelu_tanh"):
+    if _TAGGED.get(head) == head and head in BINARY + UNARY and not OPS[head].created_by_rules:  # sub, exp, silu, ...
         return ((head,) + tuple(_frozen(leaves(a)) for a in t[1:]),)
-    if head in ("sqrt", "rsqrt"):
-        return (("root", _frozen(leaves(t[1]))), ("divisor", _frozen(leaves(("sqrt", t[1])))))
-    if head == "max":
-        return (("max", t[1], _frozen(leaves(t[2]))),)
-    if head == "div":
+    if _TAGGED.get(head) == ROOT:
+        return ((ROOT, _frozen(leaves(t[1]))), ("divisor", _frozen(leaves((Op.SQRT, t[1])))))
+    if head == Op.MAX:
+        return ((Op.MAX, t[1], _frozen(leaves(t[2]))),)
+    if head == Op.DIV:
         return (("divisor", _frozen(leaves(t[2]))),)
     return ()
 
@@ -247,6 +246,7 @@ def term_parts(t: Term):
 
 
 _AC: dict[Term, Term] = {}
+_AC_MAX = 1 << 20  # terms; the memo is emptied when full (pure: what is dropped is recomputed alike)
 
 
 def ac_form(t: Term) -> Term:
@@ -257,7 +257,7 @@ def ac_form(t: Term) -> Term:
         head = t[0]
         if head in ("var", "const"):
             out = t
-        elif head in ("add", "mul"):
+        elif head in (Op.ADD, Op.MUL):
             ops: list[Term] = []
             stack = [t]
             while stack:
@@ -274,6 +274,8 @@ def ac_form(t: Term) -> Term:
             out = (head, t[1], ac_form(t[2]))
         else:
             out = (head,) + tuple(ac_form(a) for a in t[1:])
+        if len(_AC) >= _AC_MAX:
+            _AC.clear()
         _AC[t] = out
     return out
 
@@ -434,9 +436,7 @@ class _TextForm:
     def __init__(self, egraph: EGraph):
         name = lambda fn: egraph._callable_to_egg(fn)[1]  # noqa: E731
         self.ops = {op: name(getattr(Abs, attr)) for op, attr in
-                    {"add": "__add__", "sub": "__sub__", "mul": "__mul__", "div": "__truediv__", "exp": "exp",
-                     "silu": "silu", "gelu_tanh": "gelu_tanh", "sqrt": "sqrt", "rsqrt": "rsqrt", "var": "var",
-                     "const": "const", "sum": "rsum", "mean": "rmean", "max": "rmax"}.items()}
+                    {**{op: OPS[op].egg for op in BINARY + UNARY}, "var": "var", "const": "const", **_RED}.items()}
         self.label = name(AbsLabel)
         self.within = name(within)
         self._cache: dict[Term, str] = {}

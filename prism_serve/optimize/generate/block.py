@@ -92,7 +92,8 @@ from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
 from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, iterator_ref,
                                                   read_labels, tensor_of)
-from prism_serve.optimize.ir import NUM_TOKENS, TF32, Node, TensorType, infer_type, is_tf32
+from prism_serve.optimize.ir.ops import OPS, Op
+from prism_serve.optimize.ir.program import NUM_TOKENS, REDUCTIONS, TF32, Node, TensorType, infer_type, is_tf32
 
 # Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
 # answer it, but which queries that cache holds depends on what else the process walked).
@@ -388,7 +389,7 @@ class BlockGenerator:
             yield u, (f,), ()
         for d, lb in enumerate(f.labels):
             if lb is not None:
-                for r in ("sum", "mean", "max"):
+                for r in REDUCTIONS:
                     yield r, (f,), (("dim", d - len(f.labels)), ("keepdim", True))
         yield from self._pairs(f, partners)
 
@@ -404,9 +405,9 @@ class BlockGenerator:
                 if len(x.labels) >= 2 and len(y.labels) >= 2 and x.labels[-1] is not None:
                     for tb in (False, True):
                         if (y.labels[-1] if tb else y.labels[-2]) == x.labels[-1]:
-                            yield "matmul", (x, y), (("transpose_b", tb),)
+                            yield Op.MATMUL, (x, y), (("transpose_b", tb),)
                             if self.tf32_dots and (_may_leave_half(x) or _may_leave_half(y)):
-                                yield "matmul", (x, y), (("precision", TF32), ("transpose_b", tb))
+                                yield Op.MATMUL, (x, y), (("precision", TF32), ("transpose_b", tb))
 
     def _key(self, v: Value) -> tuple:
         """The canonical order of values (see ``canonical``): a node of the Program as written
@@ -468,7 +469,7 @@ class BlockGenerator:
             return None, "shape"
         if NUM_TOKENS in labels and NUM_TOKENS not in self.grid:
             return None, "shape"
-        if op == "matmul" and any(lb is not None and lb not in self.grid for lb in labels[:-2]):
+        if op == Op.MATMUL and any(lb is not None and lb not in self.grid for lb in labels[:-2]):
             return None, "shape"
         stages = {v.stage for v in ins}
         if "loop" in stages and any(v.stage == "post" and not v.running_max for v in ins):
@@ -485,20 +486,20 @@ class BlockGenerator:
                 # the block holds a slice of the reduced dim only
                 return None, "abstract_expression"
             if stage == "loop" and reduced == self.loop:
-                if op == "mean":  # accumulate it as a sum, times the constant 1/size after the loop
+                if op == Op.MEAN:  # accumulate it as a sum, times the constant 1/size after the loop
                     return None, "schedule"
-                partial = "sum" if op == "matmul" else op
+                partial = Op.SUM if op == Op.MATMUL else op
         return Value(name, t, labels, expr, stage, partial, next(iter(rescales), None),
                      tf32=is_tf32(attrs)), None
 
     def _accum(self, v: Value, name: str):
         kind = v.partial
         if v.rescale:
-            if kind != "sum":
+            if kind != Op.SUM:
                 return None, "schedule", None
             kind = "rescaled_sum"
         bop = BlockOp(name, "accum", (v.ref,) + ((v.rescale,) if v.rescale else ()), (("kind", kind),))
-        return Value(name, v.type, v.labels, v.expr, "post", None, None, kind == "max"), None, bop
+        return Value(name, v.type, v.labels, v.expr, "post", None, None, kind == Op.MAX), None, bop
 
     # --- completion ------------------------------------------------------
     def _complete(self, ops: tuple, values: tuple, uses: dict) -> Completion | None:
@@ -650,6 +651,7 @@ def _binary(a: Value, b: Value) -> Iterator[tuple[str, tuple, tuple]]:
 
 
 _BROADCASTS: dict[tuple, bool] = {}
+_MEMO_MAX = 1 << 20  # entries of `_BROADCASTS` and `_TAGS`; each is emptied when full (pure memos)
 
 
 def _broadcasts(x: tuple, y: tuple) -> bool:
@@ -657,6 +659,8 @@ def _broadcasts(x: tuple, y: tuple) -> bool:
     key = (x, y)
     ok = _BROADCASTS.get(key)
     if ok is None:
+        if len(_BROADCASTS) >= _MEMO_MAX:
+            _BROADCASTS.clear()
         ok = _BROADCASTS[key] = all(not p or not q or p == q for p, q in zip(reversed(x), reversed(y)))
     return ok
 
@@ -667,6 +671,8 @@ _TAGS: dict[int, frozenset] = {}
 def _tags(v: Value) -> frozenset:
     tags = _TAGS.get(v.eid)
     if tags is None:
+        if len(_TAGS) >= _MEMO_MAX:
+            _TAGS.clear()
         tags = _TAGS[v.eid] = op_tags(v.expr)
     return tags
 
@@ -695,15 +701,15 @@ def _labels(op: str, a: dict, ins: tuple[Value, ...]) -> tuple | None:
         return tuple(reversed(out))
     if op in UNARY:
         return ins[0].labels
-    if op in ("sum", "mean", "max"):
+    if op in REDUCTIONS:
         x, d = ins[0].labels, a["dim"] % len(ins[0].labels)
         return x[:d] + (None,) + x[d + 1:]
-    if op == "matmul":
+    if op == Op.MATMUL:
         x, y = ins[0].labels, ins[1].labels
         k, n = (y[-1], y[-2]) if a["transpose_b"] else (y[-2], y[-1])
         if x[-1] != k or x[-1] is None:
             return None
-        batch = _labels("add", {}, (Value("", ins[0].type, x[:-2], ()), Value("", ins[1].type, y[:-2], ())))
+        batch = _labels(Op.ADD, {}, (Value("", ins[0].type, x[:-2], ()), Value("", ins[1].type, y[:-2], ())))
         if batch is None:
             return None
         return batch + (x[-2], n)
@@ -712,21 +718,21 @@ def _labels(op: str, a: dict, ins: tuple[Value, ...]) -> tuple | None:
 
 def _reduced_dim(op: str, a: dict, ins: tuple[Value, ...]) -> str | None:
     """The label of the dim a reduction or a matmul reduces, as its operand carries it."""
-    if op in ("sum", "mean", "max"):
+    if op in REDUCTIONS:
         return ins[0].labels[a["dim"] % len(ins[0].labels)]
-    return ins[0].labels[-1] if op == "matmul" else None
+    return ins[0].labels[-1] if op == Op.MATMUL else None
 
 
 def _expr(op: str, a: dict, ins: tuple[Value, ...]) -> tuple[Term, str | None]:
     """The abstract expression of an op, and the label it reduces (if any)."""
     e = [v.expr for v in ins]
-    if op == "square":
-        return ("mul", e[0], e[0]), None
+    if OPS[op].expands_to:  # square: x * x
+        return (OPS[op].expands_to, e[0], e[0]), None
     if op in UNARY:
         return (op, e[0]), None
     if op in BINARY:
         return (op, e[0], e[1]), None
     lb = base_label(_reduced_dim(op, a, ins))
-    if op in ("sum", "mean", "max"):
+    if op in REDUCTIONS:
         return (op, lb, e[0]), lb
-    return ("sum", lb, ("mul", e[0], e[1])), lb
+    return (Op.SUM, lb, (Op.MUL, e[0], e[1])), lb

@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from prism_serve.optimize.cost import launch_us
 from prism_serve.optimize.generate.design import BlockSpec, KernelSpec, reads, writes
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import NUM_TOKENS, TensorType
-from prism_serve.optimize.sgraph import BYTES
+from prism_serve.optimize.instantiate.cost import launch_us
+from prism_serve.optimize.ir.program import NUM_TOKENS, TensorType
+from prism_serve.optimize.ir.sgraph import BYTES
+from prism_serve.optimize.target.gpus import GpuSpec
 
 
 def touched(spec: KernelSpec) -> frozenset[str]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prism_serve.optimize.generate.abstract import Oracle, Term
+from prism_serve.optimize.generate.abstract import BINARY, REDUCE, UNARY, Oracle, Term
 from prism_serve.optimize.generate.block import Value
 from prism_serve.optimize.generate.design import program_context
-from prism_serve.optimize.ir import Program, TensorType
+from prism_serve.optimize.ir.ops import OPS, Op
+from prism_serve.optimize.ir.program import Program, TensorType
 
 
 @dataclass
@@ -32,16 +33,16 @@ def program_terms(flat: Program, labels) -> dict[str, Term]:
             t = ("var", n.name)
         elif n.op == "const":
             t = ("const", n.name)
-        elif n.op == "square":
-            t = ("mul", e[0], e[0])
-        elif n.op in ("add", "sub", "mul", "div"):
+        elif OPS[n.op].expands_to:  # square: x * x
+            t = (OPS[n.op].expands_to, e[0], e[0])
+        elif n.op in BINARY:
             t = (n.op, e[0], e[1])
-        elif n.op in ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt"):
+        elif n.op in UNARY:
             t = (n.op, e[0])
-        elif n.op in ("sum", "mean", "max"):
+        elif n.op in REDUCE:
             t = (n.op, labels.reduced[n.name][0], e[0])
-        elif n.op == "matmul":
-            t = ("sum", labels.reduced[n.name][0], ("mul", e[0], e[1]))
+        elif n.op == Op.MATMUL:
+            t = (Op.SUM, labels.reduced[n.name][0], (Op.MUL, e[0], e[1]))
         else:
             raise AssertionError(n.op)
         terms[n.name] = t

@@ -30,16 +30,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_serve.errors import ProgramError, SGraphError
-from prism_serve.optimize.ir import NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType, infer_type, node, is_tf32
-from prism_serve.optimize.labels import Labels, index_labels
-from prism_serve.optimize.reference import expand_composites
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, Kernel, LibraryKernel, SGraph, TensorDecl, to_expr
+from prism_serve.optimize.ir import schema as T
+from prism_serve.optimize.ir.labels import Labels, index_labels
+from prism_serve.optimize.ir.ops import OPS, Kind, Op, of_kind, symbols
+from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType,
+                                             infer_type, is_tf32, node)
+from prism_serve.optimize.ir.reference import expand_composites
+from prism_serve.optimize.ir.sgraph import (ACCUM_KINDS, MAX_GRID_AXES, BlockKernel, GridAxis, Kernel, LibraryKernel,
+                                            SGraph, TensorDecl, to_expr)
 
 DESIGN_VERSION = 1
-UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt", "square")  # the ops a design's kernels may run
-BINARY = ("add", "sub", "mul", "div")
-COMMUTATIVE = ("add", "mul")
-DESIGN_OPS = UNARY + BINARY + REDUCTIONS + ("matmul",)
+# the ops a design's kernels may run; unary in the generator's enumeration order: the function
+# symbols of the algebras first, then the ops they expand (square)
+UNARY = symbols() + tuple(op for op in of_kind(Kind.UNARY) if op not in symbols())
+BINARY = of_kind(Kind.BINARY)
+COMMUTATIVE = tuple(op for op in BINARY if OPS[op].commutative)
+DESIGN_OPS = UNARY + BINARY + REDUCTIONS + of_kind(Kind.MATMUL)
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,7 @@ class Design:
 
     @staticmethod
     def from_json(data: Any) -> "Design":
-        """Typed parsing of stored JSON (`schema.design_from_json`): a design is untrusted data."""
-        from prism_serve.optimize.schema import design_from_json
+        """Typed parsing of stored JSON (`design_from_json`): a design is untrusted data."""
         return design_from_json(data)
 
 
@@ -237,7 +242,7 @@ def program_context(prog: Program) -> tuple[Program, Labels, dict[str, KTensor],
     tensors = {n.name: KTensor(n.name, flat.types[n.name], labels.dims[n.name]) for n in flat.inputs}
     consts = {n.name: n.attr("value") for n in flat.nodes if n.op == "const"}
     for n in flat.nodes:  # a mean over a loop accumulates as a sum times 1/size
-        if n.op == "mean":
+        if n.op == Op.MEAN:
             consts[f"inv.{labels.reduced[n.name][0]}"] = 1.0 / flat.types[n.inputs[0]].shape[n.attr("dim")]
     return flat, labels, tensors, consts
 
@@ -271,17 +276,17 @@ def _operand(s: str, local: dict, tensors: dict[str, KTensor], spec: BlockSpec):
 
 def op_labels(op: str, attrs: dict, ins: list[tuple]) -> tuple:
     """Labels of an op's result from its operands' (the operands' labels must already agree)."""
-    if op in ("add", "sub", "mul", "div"):
+    if op in ELEMENTWISE_BINARY:
         a, b = ins
         return tuple(reversed([(a[-i] if i <= len(a) else None) or (b[-i] if i <= len(b) else None)
                                for i in range(1, max(len(a), len(b)) + 1)]))
-    if op in ("sum", "mean", "max"):
+    if op in REDUCTIONS:
         x, d = ins[0], attrs["dim"] % len(ins[0])
         return x[:d] + ((None,) if attrs["keepdim"] else ()) + x[d + 1:]
-    if op == "matmul":
+    if op == Op.MATMUL:
         a, b = ins
         bn = b[-2] if attrs["transpose_b"] else b[-1]
-        batch = op_labels("add", {}, [a[:-2], b[:-2]])
+        batch = op_labels(Op.ADD, {}, [a[:-2], b[:-2]])
         return batch + (a[-2], bn)
     return ins[0]
 
@@ -387,3 +392,62 @@ def stages(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, str]:
                 src.append(out[s])
         out[o.name] = "loop" if "loop" in src else "post" if "post" in src else "pre"
     return out
+
+
+# --- the typed loader of stored designs ------------------------------------------------
+
+REF = re.compile(rf"(@{T.NAME.pattern}(:whole|:row|:[0-9-]{{1,{MAX_GRID_AXES}}}/[0-9-])?|#{T.NAME.pattern}|{T.NAME.pattern})")
+_DESIGN_ATTRS: dict[str, T.Check] = {"dim": T.DIM_ATTR, "keepdim": T.boolean, "transpose_b": T.boolean,
+                                     "precision": T.OneOf((TF32,)), "kind": T.OneOf(ACCUM_KINDS), "tensor": T.name}
+MAX_BLOCK_OPS = 64
+
+
+def _design_attrs(raw: Any, where: str) -> tuple:
+    E = SGraphError
+    if not isinstance(raw, dict) or len(raw) > len(_DESIGN_ATTRS):
+        raise E(f"{where}: attrs must be an object of known attributes, got {T.show(raw)}")
+    for k in raw:
+        if k not in _DESIGN_ATTRS:
+            raise E(f"{where}: unknown attribute {T.show(k)}")
+    return tuple(sorted((k, _DESIGN_ATTRS[k](v, f"{where}: {k}", E)) for k, v in raw.items()))
+
+
+def _ref(value: Any, where: str) -> str:
+    if type(value) is not str or not REF.fullmatch(value):
+        raise SGraphError(f"{where} must be a block value, @tensor[:whole|:row|:<imap>/<fmap>] or #constant, got {T.show(value)}")
+    return value
+
+
+def design_from_json(data: Any) -> Design:
+    """A stored generator design (warmup replays it for the new shapes; what it builds is then
+    proven and checked like a searched one)."""
+    E = SGraphError
+    T.fields(data, ("design_version", "kernels"), (), "design JSON", E)
+    if type(data["design_version"]) is not int or data["design_version"] != DESIGN_VERSION:
+        raise E(f"design JSON has version {T.show(data['design_version'])}, expected {DESIGN_VERSION}")
+    kernels = []
+    for i, k in enumerate(T.listed(data["kernels"], 1, T.MAX_KERNELS, "design JSON: 'kernels'", E)):
+        where = f"design JSON kernel {i}"
+        kind = T.one_of(T.fields(k, ("kind",), ("out", "op", "inputs", "attrs", "grid", "loop", "split", "ops"),
+                             where, E)["kind"], ("library", "block"), f"{where}: kind", E)
+        if kind == "library":
+            T.fields(k, ("kind", "out", "op", "inputs", "attrs"), (), where, E)
+            kernels.append(LibrarySpec(
+                T.name(k["out"], f"{where}: out", E), T.one_of(k["op"], DESIGN_OPS, f"{where}: op", E),
+                tuple(T.name(x, f"{where}: input", E) for x in T.listed(k["inputs"], 1, T.MAX_INPUTS, f"{where}: inputs", E)),
+                _design_attrs(k["attrs"], where)))
+            continue
+        T.fields(k, ("kind", "grid", "loop", "split", "ops"), (), where, E)
+        block_ops = []
+        for j, o in enumerate(T.listed(k["ops"], 1, MAX_BLOCK_OPS, f"{where}: ops", E)):
+            at = f"{where} op {j}"
+            T.fields(o, ("name", "op", "inputs", "attrs"), (), at, E)
+            block_ops.append(BlockOp(
+                T.name(o["name"], f"{at}: name", E), T.one_of(o["op"], DESIGN_OPS + ("accum", "store"), f"{at}: op", E),
+                tuple(_ref(x, f"{at}: input") for x in T.listed(o["inputs"], 1, T.MAX_INPUTS, f"{at}: inputs", E)),
+                _design_attrs(o["attrs"], at)))
+        kernels.append(BlockSpec(
+            tuple(T.name(g, f"{where}: grid label", E) for g in T.listed(k["grid"], 1, MAX_GRID_AXES, f"{where}: grid", E)),
+            None if k["loop"] is None else T.name(k["loop"], f"{where}: loop label", E),
+            tuple(block_ops), T.boolean(k["split"], f"{where}: split", E)))
+    return Design(tuple(kernels))

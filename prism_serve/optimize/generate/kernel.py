@@ -54,7 +54,8 @@ from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads,
                                                   writes)
-from prism_serve.optimize.ir import NUM_TOKENS
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.program import NUM_TOKENS
 
 LIBRARY = "library"  # the first-kernel group of library ops (see `KernelGenerator.groups`)
 # Steps charged per design handed out, against one per block-walk state: costing a design (a
@@ -74,7 +75,7 @@ class KernelGenerator:
         # Program has (an MLP with its RMSNorm has 9), its own fused form among them, and one more
         # per matmul, for a factor moved past it (1/rms after both of an MLP's projections: 11)
         self.alone_ops = max(max_block_ops, sum(n.op not in ("input", "const") for n in ctx.flat.nodes)
-                             + sum(n.op == "matmul" for n in ctx.flat.nodes))
+                             + sum(n.op == Op.MATMUL for n in ctx.flat.nodes))
         self.deadline = deadline  # wall clock (perf_counter): a safety net, past it the walk stops
         self.bound = bound
         self.best_us = math.inf  # the best modeled design with fewer kernels than the current depth
@@ -139,7 +140,7 @@ class KernelGenerator:
         return out
 
     def _outputs_labels(self) -> list[Value]:
-        from prism_serve.optimize.labels import index_labels
+        from prism_serve.optimize.ir.labels import index_labels
         labels = index_labels(self.ctx.flat)
         return [Value(o, t, labels.dims[o], ()) for o, t in self.ctx.outputs.items()]
 
@@ -378,5 +379,5 @@ def _dead_kernel(kernels: tuple, outputs) -> bool:
 
 
 def _reduced(ctx: Context):
-    from prism_serve.optimize.labels import index_labels
+    from prism_serve.optimize.ir.labels import index_labels
     return index_labels(ctx.flat).reduced.values()

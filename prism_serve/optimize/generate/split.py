@@ -8,8 +8,9 @@ derived from the generated block graph, not enumerated operator by operator.
 
 from __future__ import annotations
 
-from prism_serve.optimize.ir import Node, node
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, TensorDecl, to_expr
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.program import Node, node
+from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, TensorDecl, to_expr
 
 
 def split_kernel(k: BlockKernel, spec, i: int, tensors: dict, types: dict
@@ -46,15 +47,15 @@ def split_kernel(k: BlockKernel, spec, i: int, tensors: dict, types: dict
     read = {s for n in post + stores for s in n.inputs}
     for a in accs:
         b, kind = a.name, a.attr("kind")
-        if kind == "max":  # the rescaling weights; the global max itself only where the epilogue reads it
-            combine += [node(f"{b}_gmax", "max", f"{b}_parts", dim=0, keepdim=True),
-                        node(f"{b}_dm", "sub", f"{b}_parts", f"{b}_gmax"), node(f"{b}_w", "exp", f"{b}_dm"),
-                        *([node(b, "max", f"{b}_parts", dim=0)] if b in read else [])]
+        if kind == Op.MAX:  # the rescaling weights; the global max itself only where the epilogue reads it
+            combine += [node(f"{b}_gmax", Op.MAX, f"{b}_parts", dim=0, keepdim=True),
+                        node(f"{b}_dm", Op.SUB, f"{b}_parts", f"{b}_gmax"), node(f"{b}_w", Op.EXP, f"{b}_dm"),
+                        *([node(b, Op.MAX, f"{b}_parts", dim=0)] if b in read else [])]
     for a in accs:
         b, kind = a.name, a.attr("kind")
         if kind == "rescaled_sum":
-            combine += [node(f"{b}_rs", "mul", f"{b}_parts", f"{a.inputs[1]}_w"), node(b, "sum", f"{b}_rs", dim=0)]
-        elif kind in ("sum", "mean"):
+            combine += [node(f"{b}_rs", Op.MUL, f"{b}_parts", f"{a.inputs[1]}_w"), node(b, Op.SUM, f"{b}_rs", dim=0)]
+        elif kind in (Op.SUM, Op.MEAN):
             combine.append(node(b, kind, f"{b}_parts", dim=0))
     need = {s for n in post for s in n.inputs}
     pre = []

@@ -25,8 +25,8 @@ from functools import partial
 from typing import Callable
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.ir import TF32, Node, Program, node
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
+from prism_serve.optimize.ir.program import TF32, Node, Program, node
+from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
 from prism_serve.optimize.workloads.oracles import _eps, _rms_nodes, _rstd_of_sum, accum, load, store
 
 PROJECTIONS = {"rmsnorm_linear": ("w",), "rmsnorm_mlp": ("w_up", "w_gate")}

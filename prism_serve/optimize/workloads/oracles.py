@@ -10,9 +10,10 @@ from dataclasses import replace
 from typing import Callable
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.ir import Node, Program, node
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.sgraph import BlockKernel, GridAxis, Instance, SGraph, TensorDecl, instantiate, to_expr
+from prism_serve.optimize.ir.program import Node, Program, node
+from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
+from prism_serve.optimize.target.gpus import GpuSpec
+from prism_serve.optimize.target.instance import Instance, instantiate
 
 TOKEN_BLOCK = "BT"
 ONE_PER_BLOCK = ("B", "H")  # grid axes over batch and heads: one batch entry / head per block

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.ir import NUM_TOKENS as N
-from prism_serve.optimize.ir import Node, Program, node
+from prism_serve.optimize.ir.program import NUM_TOKENS as N
+from prism_serve.optimize.ir.program import Node, Program, node
 
 EPS = 1e-6
 

@@ -26,11 +26,12 @@ from typing import Callable
 
 import sympy
 
-from prism_serve.optimize.ir import NUM_TOKENS, Node
-from prism_serve.optimize.sgraph import BlockKernel, SGraph, TensorDecl, to_expr
+from prism_serve.optimize.ir.ops import OPS
+from prism_serve.optimize.ir.program import NUM_TOKENS, Node
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph, TensorDecl, to_expr
 
 
-COMMUTATIVE = ("add", "mul")
+COMMUTATIVE = tuple(op for op, d in OPS.items() if d.commutative)
 
 
 def _digest(payload) -> str:

@@ -2,7 +2,7 @@
 
 Two sources. On a device, `spec_from_device` reads the driver (SM count, shared memory,
 registers, L2, clock) and takes memory bandwidth and launch latency from a short
-microbenchmark (`prism_serve.optimize.devbench`). Offline (`--device h100`), `KNOWN` below is
+microbenchmark (`prism_serve.optimize.instantiate.devbench`). Offline (`--device h100`), `KNOWN` below is
 the one table of published figures, each row citing its datasheet; per-architecture limits
 come from `ARCH`.
 """

@@ -11,11 +11,12 @@ import numpy
 import torch
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.codegen import compile_instance
-from prism_serve.optimize.gpus import get_gpu
-from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, node
-from prism_serve.optimize.reference import TOLERANCE, TORCH_DTYPES, evaluate, fresh_seed, max_rel_error, random_inputs
-from prism_serve.optimize.sgraph import Instance, SGraph, instantiate
+from prism_serve.optimize.codegen.render import compile_instance
+from prism_serve.optimize.ir.program import NUM_TOKENS, Node, Program, node
+from prism_serve.optimize.ir.reference import TOLERANCE, TORCH_DTYPES, evaluate, fresh_seed, max_rel_error, random_inputs
+from prism_serve.optimize.ir.sgraph import SGraph
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import Instance, instantiate
 
 SMALL_DIM = 48  # not a power of two, so padding and masks are exercised
 

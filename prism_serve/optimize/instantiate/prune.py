@@ -8,9 +8,11 @@ abstract expressions among them, are in `generate/block.py`.)
 from __future__ import annotations
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, SGraph, instantiate, to_expr
-from prism_serve.optimize.tune import finest_assignment
+from prism_serve.optimize.instantiate.tune import finest_assignment
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, SGraph, to_expr
+from prism_serve.optimize.target.gpus import GpuSpec
+from prism_serve.optimize.target.instance import instantiate
 
 
 def shape(g: SGraph) -> str | None:
@@ -23,7 +25,7 @@ def shape(g: SGraph) -> str | None:
         for n in k.nodes:
             if n.op != "store" and any(TOKENS in to_expr(d).free_symbols for d in types[n.name].shape):
                 return f"kernel '{k.name}' node '{n.name}': tile {types[n.name].shape} holds every token"
-            if n.op == "matmul":
+            if n.op == Op.MATMUL:
                 for s in n.inputs:
                     for d in types[s].shape[:-2]:
                         if d != 1 and not any(str(x) in {a.symbol for a in k.grid} for x in to_expr(d).free_symbols):

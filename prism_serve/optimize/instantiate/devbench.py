@@ -113,7 +113,7 @@ def measured_spec(device: int = 0):
     """This GPU's spec: the driver's properties plus measured bandwidth and launch latencies."""
     import torch
 
-    from prism_serve.optimize.gpus import spec_from_device
+    from prism_serve.optimize.target.gpus import spec_from_device
 
     with torch.cuda.device(device):
         figures = measure(CudaProbe(f"cuda:{device}"))

@@ -1,7 +1,7 @@
 """Stage 2 verification: an egglog proof that an sGraph computes its Program, for every
 instantiation of its symbols at once.
 
-Both sides become abstract expressions of `prism_serve.optimize.algebra`: the Program (after
+Both sides become abstract expressions of `prism_serve.optimize.verify.algebra`: the Program (after
 expanding composites) over whole tensors; the sGraph in the parallel algebra, where a load is
 a `part` of a tensor per mapped grid axis / for-loop, an accumulator a reduction over the
 loop's parts, a store an `assemble` (or a `replicate` where the map is None). Symbols stay
@@ -20,11 +20,12 @@ import sympy
 from egglog import EGraph, eq
 from egglog.bindings import EggSmolError
 
-from prism_serve.optimize import algebra as A
-from prism_serve.optimize.algebra import Sym, T
-from prism_serve.optimize.ir import Node
-from prism_serve.optimize.reference import expand_composites
-from prism_serve.optimize.sgraph import BlockKernel, SGraph, tile_shape
+from prism_serve.optimize.ir.ops import OPS, Op
+from prism_serve.optimize.ir.program import REDUCTIONS, Node
+from prism_serve.optimize.ir.reference import expand_composites
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph, tile_shape
+from prism_serve.optimize.verify import algebra as A
+from prism_serve.optimize.verify.algebra import Sym, T
 
 log = logging.getLogger(__name__)
 MAX_RANK = 6
@@ -80,19 +81,18 @@ def _op(n: Node, args: list[T], shapes: list[tuple], ctx: _Ctx) -> T:
     op = n.op
     if op == "const":
         return _const(n.attr("value"))
-    if op in ("add", "sub", "mul", "div"):
-        return {"add": args[0] + args[1], "sub": args[0] - args[1], "mul": args[0] * args[1],
-                "div": args[0] / args[1]}[op]
-    if op == "square":
-        return args[0] * args[0]
+    if op in A.BINARY_OPS:
+        return getattr(args[0], OPS[op].egg)(args[1])
+    if op in OPS and OPS[op].expands_to:  # square: x * x
+        return getattr(args[0], OPS[OPS[op].expands_to].egg)(args[0])
     if op in A.UNARY:
         return getattr(args[0], op)()
-    if op == "matmul":
+    if op == Op.MATMUL:
         return args[0].mm(args[1].tr() if n.attr("transpose_b") else args[1])
-    if op in ("sum", "mean", "max"):
+    if op in REDUCTIONS:
         d = _neg(n.attr("dim"), len(shapes[0]))
-        out = args[0].max(d) if op == "max" else args[0].sum(d)
-        if op == "mean":
+        out = args[0].max(d) if op == Op.MAX else args[0].sum(d)
+        if op == Op.MEAN:
             size = shapes[0][d]  # an int, a sympy dim, or the name num_tokens (never text to evaluate)
             if not isinstance(size, sympy.Basic):
                 size = sympy.Integer(size) if isinstance(size, int) else sympy.Symbol(size)
@@ -150,11 +150,11 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
             local[n.name], deps[n.name] = term, frozenset(dep)
         elif n.op == "accum":
             body, kind = local[n.inputs[0]], n.attr("kind")
-            if kind == "sum":
+            if kind == Op.SUM:
                 term = body.red_sum(loop)
-            elif kind == "mean":
+            elif kind == Op.MEAN:
                 term = body.red_sum(loop) * ctx.note(T.inv_size(loop), (), frozenset())
-            elif kind == "max":
+            elif kind == Op.MAX:
                 term, bodies[n.name] = body.red_max(loop), body
             else:  # rescaled_sum: sum_i x_i * exp(m_i - m_final), m_i the running max
                 m = n.inputs[1]
@@ -186,7 +186,7 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
             args = []
             for s in n.inputs:
                 src = k.by_name[s]
-                running = (k.stages[n.name] == "loop" and src.op == "accum" and src.attr("kind") == "max")
+                running = (k.stages[n.name] == "loop" and src.op == "accum" and src.attr("kind") == Op.MAX)
                 args.append(ctx.note(bodies[s].run_max(loop), tuple(types[s].shape), deps[src.inputs[0]])
                             if running else local[s])
             local[n.name] = _op(n, args, [tuple(types[s].shape) for s in n.inputs], ctx)
@@ -196,6 +196,7 @@ def _block(g: SGraph, k: BlockKernel, env: dict[str, T], ctx: _Ctx) -> None:
 
 
 _CACHE: dict[str, ProofResult] = {}
+_CACHE_MAX = 4096  # proofs; emptied when full (a proof is a pure function of its key)
 
 
 def _key(g: SGraph, iterations: int) -> str:
@@ -255,5 +256,7 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
     reason = "proven" if not failed else f"outputs {failed} not proven equal within {rounds} iterations"
     result = ProofResult(not failed, reason, seconds, rounds, size, len(ctx.facts), tuple(g.program.outputs))
     log.debug("proof of %s: %s in %.2fs", g.name, reason, seconds)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
     _CACHE[key] = result
     return result

@@ -12,7 +12,8 @@ from typing import Mapping, Sequence
 import torch
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, bind_shape, node
+from prism_serve.optimize.ir.ops import OPS, Op
+from prism_serve.optimize.ir.program import NUM_TOKENS, Node, Program, bind_shape, node
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -24,55 +25,31 @@ def expand_composites(prog: Program) -> Program:
     """
     nodes: list[Node] = []
     for n in prog.nodes:
-        if n.op != "rms_norm":
+        if n.op != Op.RMS_NORM:
             nodes.append(n)
             continue
         x, p = n.inputs[0], f"{n.name}."
         nodes += [
-            node(p + "sq", "square", x),
-            node(p + "ms", "mean", p + "sq", dim=-1, keepdim=True),
-            node(p + "eps", "const", value=n.attr("eps")),
-            node(p + "var", "add", p + "ms", p + "eps"),
-            node(p + "r", "rsqrt", p + "var"),
+            node(p + "sq", Op.SQUARE, x),
+            node(p + "ms", Op.MEAN, p + "sq", dim=-1, keepdim=True),
+            node(p + "eps", Op.CONST, value=n.attr("eps")),
+            node(p + "var", Op.ADD, p + "ms", p + "eps"),
+            node(p + "r", Op.RSQRT, p + "var"),
         ]
         if len(n.inputs) == 2:
-            nodes += [node(p + "xr", "mul", x, p + "r"), node(n.name, "mul", p + "xr", n.inputs[1])]
+            nodes += [node(p + "xr", Op.MUL, x, p + "r"), node(n.name, Op.MUL, p + "xr", n.inputs[1])]
         else:
-            nodes.append(node(n.name, "mul", x, p + "r"))
+            nodes.append(node(n.name, Op.MUL, x, p + "r"))
     return Program(prog.name, tuple(nodes), prog.outputs)
 
 
 def _apply(n: Node, args: list[torch.Tensor], precision: torch.dtype = torch.float32) -> torch.Tensor:
-    op = n.op
-    if op == "const":
+    if n.op == Op.CONST:
         return torch.tensor(n.attr("value"), dtype=precision)
-    if op == "add":
-        return args[0] + args[1]
-    if op == "sub":
-        return args[0] - args[1]
-    if op == "mul":
-        return args[0] * args[1]
-    if op == "div":
-        return args[0] / args[1]
-    if op == "exp":
-        return torch.exp(args[0])
-    if op == "silu":
-        return torch.nn.functional.silu(args[0])
-    if op == "gelu_tanh":  # torch's own tanh-approximated GELU (Gemma's gelu_pytorch_tanh)
-        return torch.nn.functional.gelu(args[0], approximate="tanh")
-    if op == "square":
-        return args[0] * args[0]
-    if op == "sqrt":
-        return torch.sqrt(args[0])
-    if op == "rsqrt":
-        return torch.rsqrt(args[0])
-    if op in ("sum", "mean", "max"):
-        fn = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax}[op]
-        return fn(args[0], dim=n.attr("dim"), keepdim=n.attr("keepdim"))
-    if op == "matmul":
-        b = args[1].transpose(-1, -2) if n.attr("transpose_b") else args[1]
-        return torch.matmul(args[0], b)
-    raise AssertionError(op)
+    reference = OPS[n.op].torch
+    if reference is None:
+        raise AssertionError(n.op)
+    return reference(args, dict(n.attrs))
 
 
 def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *,
@@ -162,7 +139,7 @@ def as_torch_function(prog: Program):
         env = dict(zip(names, inputs))
         for n in nodes:
             args = [env[s] for s in n.inputs]
-            if n.op == "rms_norm":
+            if n.op == Op.RMS_NORM:
                 x = args[0]
                 env[n.name] = torch.nn.functional.rms_norm(x, (x.shape[-1],), args[1] if len(args) > 1 else None,
                                                            n.attr("eps"))

@@ -101,8 +101,8 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
 def cuda_timer(prog, gpu, *, warmup: int = 10, reps: int = 100) -> Timer:
     """A timer for `tune.measure`: the generated kernel of an instance on the GPU, median of `reps`
     runs over input sets rotated past the L2."""
-    from prism_serve.optimize.codegen import compile_instance
-    from prism_serve.optimize.reference import random_inputs
+    from prism_serve.optimize.codegen.render import compile_instance
+    from prism_serve.optimize.ir.reference import random_inputs
 
     def timer(inst, num_tokens: int) -> float:
         first = random_inputs(prog, num_tokens, seed=0)

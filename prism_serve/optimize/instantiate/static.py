@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Sequence
 
 from prism_serve.errors import CodegenError
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance
+from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel
+from prism_serve.optimize.target.instance import Instance
 
 TRITON_PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 
@@ -84,7 +85,7 @@ def compile_facts(jobs: Sequence[tuple[Instance, int]]) -> list[list[KernelFacts
 
     Triton compiles in a child process: a process that imported Triton in interpreter mode
     (TRITON_INTERPRET=1, as tests and the CPU path do) cannot compile for a GPU."""
-    from prism_serve.optimize.codegen import render
+    from prism_serve.optimize.codegen.render import render
 
     with tempfile.TemporaryDirectory(prefix="prism-static-") as tmp:
         plan, kernels = [], []
@@ -101,7 +102,7 @@ def compile_facts(jobs: Sequence[tuple[Instance, int]]) -> list[list[KernelFacts
                     kernels.append((j, k.name, cap, inst.warps(k), cubin))
         (Path(tmp) / "plan.json").write_text(json.dumps(plan))
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        done = subprocess.run([sys.executable, "-m", "prism_serve.optimize.static", str(Path(tmp) / "plan.json")],
+        done = subprocess.run([sys.executable, "-m", "prism_serve.optimize.instantiate.static", str(Path(tmp) / "plan.json")],
                               capture_output=True, text=True, env=env, timeout=60 + 30 * len(plan))
         if done.returncode != 0:
             raise CodegenError(f"compiling for an NVIDIA target failed: {done.stderr.strip()[-400:]}")
@@ -172,7 +173,7 @@ def _compile_plan(plan_path: str) -> None:
 
 
 def _kernel_name(inst: Instance, k: BlockKernel) -> str:
-    from prism_serve.optimize.codegen import ident
+    from prism_serve.optimize.codegen.render import ident
     return f"{ident(inst.sgraph.name)[2:]}_{ident(k.name)[2:]}"
 
 

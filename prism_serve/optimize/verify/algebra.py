@@ -10,8 +10,8 @@ a `Sym` names a grid axis or a for-loop, never a number.
 - ``assemble(x, d, s)``: the tiles ``x`` of every index of ``s`` concatenated along ``d`` (a store).
 - ``run_max(x, s)``: the running max inside a loop (only the rescale identity removes it).
 
-The unary ops (``UNARY``: exp, silu, gelu_tanh, sqrt, rsqrt) are uninterpreted function
-symbols: only the rules that hold for every elementwise function move slices, stacks and unit
+The unary ops (``UNARY``: those of the op registry with a function symbol of their own, `ops.symbols`:
+exp, silu, gelu_tanh, sqrt, rsqrt) are uninterpreted function symbols: only the rules that hold for every elementwise function move slices, stacks and unit
 dims through them, and the field identities name exp and rsqrt alone, so adding an elementwise
 function (tanh-approximated GELU) adds no equation that could prove a wrong design.
 
@@ -35,7 +35,16 @@ from egglog import (
     seq,
 )
 
-from prism_serve.optimize import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
+from prism_serve.optimize.ir import ops
+from prism_serve.optimize.verify import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
+
+UNARY = ops.symbols()
+
+
+def _unary_method():
+    def method(self) -> T: ...
+
+    return method
 
 
 class Sym(Expr):
@@ -62,15 +71,8 @@ class T(Expr):
 
     def __truediv__(self, other: T) -> T: ...
 
-    def exp(self) -> T: ...
-
-    def silu(self) -> T: ...
-
-    def gelu_tanh(self) -> T: ...
-
-    def sqrt(self) -> T: ...
-
-    def rsqrt(self) -> T: ...
+    # one method per unary function symbol of the op registry, named as the op
+    locals().update({op: _unary_method() for op in UNARY})
 
     def tr(self) -> T: ...
 
@@ -103,8 +105,8 @@ bcast = relation("bcast", T, i64)
 MAXD = 6
 DIMS = tuple(range(-1, -MAXD - 1, -1))
 BATCH = DIMS[2:]
-BINARY = ("__add__", "__sub__", "__mul__", "__truediv__")
-UNARY = ("exp", "silu", "gelu_tanh", "sqrt", "rsqrt")
+BINARY_OPS = ops.of_kind(ops.Kind.BINARY)
+BINARY = tuple(ops.OPS[op].egg for op in BINARY_OPS)  # their methods
 
 
 def _bin(op: str, a: T, b: T) -> T:

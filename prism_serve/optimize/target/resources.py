@@ -63,10 +63,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.codegen import MIN_DOT as MMA_MIN
-from prism_serve.optimize.codegen import pow2
-from prism_serve.optimize.ir import is_tf32
-from prism_serve.optimize.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.program import REDUCTIONS, is_tf32
+from prism_serve.optimize.ir.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
 
 # Architectural limits of every NVIDIA GPU from compute capability 5.0 to 10.0 (CUDA C++
 # Programming Guide, "Technical Specifications per Compute Capability"): 64 K 32-bit
@@ -100,6 +99,7 @@ REG_WEIGHTS = {
 # were tried; 128 fits best, and an unbounded chain overestimates K = 512 tiles 2.5x).
 CHAIN_K_WINDOW = 128
 MMA_M, MMA_N = 16, 8  # mma.sync m16n8k16: one warp instruction's output tile
+MMA_MIN = 16  # tl.dot needs every dim >= 16 on GPUs; smaller products use broadcast-and-sum
 CP_ASYNC_MIN_BYTES = 4  # cp.async moves 4, 8 or 16 bytes per thread (PTX ISA, cp.async)
 VECTOR_BYTES = 16  # widest load per thread (ld.global.v4.b32 / cp.async 16 bytes)
 # The estimate may use this share of a thread's register cap. Where the estimate leaves ptxas
@@ -107,6 +107,11 @@ VECTOR_BYTES = 16  # widest load per thread (ld.global.v4.b32 / cp.async 16 byte
 # (164 and 187 of 255 registers) compiled to exactly 255, and at 75 % the tuner chose them; at 65 %
 # it does not, and no chosen kernel spills.
 SPILL_HEADROOM = 0.65
+
+
+def pow2(n: int) -> int:
+    """The power of two Triton pads a tile dim of `n` to."""
+    return 1 << (n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -286,7 +291,7 @@ def _analyse(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool):
 
 
 def _dots(k: BlockKernel, padded_of: dict) -> tuple[str, ...]:
-    return tuple(n.name for n in k.nodes if n.op == "matmul" and min(_matmul_dims(padded_of, n)) >= MMA_MIN)
+    return tuple(n.name for n in k.nodes if n.op == Op.MATMUL and min(_matmul_dims(padded_of, n)) >= MMA_MIN)
 
 
 def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ...],
@@ -303,9 +308,9 @@ def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
             loads.append((size * BYTES.get(types[n.name].dtype, 4), k.stages[n.name] == "loop"))
         elif n.op == "accum" and n.inputs[0] not in dots:
             accums.append(size)
-        elif n.op in ("sum", "mean", "max"):
+        elif n.op in REDUCTIONS:
             reduced.append(math.prod(padded_of[n.inputs[0]]))
-        elif n.op == "matmul":
+        elif n.op == Op.MATMUL:
             m, kk, nn = _matmul_dims(padded_of, n)
             if n.name not in dots:
                 products.append((m, kk, nn))
@@ -335,7 +340,7 @@ def _operand_chain(by_name: dict, padded_of: dict, start: str, elements: int) ->
         if name in chain or name not in padded_of or math.prod(padded_of[name]) < elements:
             continue
         chain.add(name)
-        if by_name[name].op not in ("load", "matmul", "accum"):
+        if by_name[name].op not in ("load", Op.MATMUL, "accum"):
             stack.extend(by_name[name].inputs)
     return chain
 
@@ -349,7 +354,7 @@ def _smem(g: SGraph, k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
             for s in n.inputs:
                 stages = 2 if k.stages[s] == "loop" else 1
                 smem += math.prod(padded_of[s]) * BYTES.get(types[s].dtype, 4) * stages
-        elif n.op in ("sum", "mean", "max") and n.inputs[0] in padded_of:
+        elif n.op in REDUCTIONS and n.inputs[0] in padded_of:
             smem = max(smem, 4 * warps * math.prod(padded_of[n.name]))
     return smem
 
@@ -359,7 +364,7 @@ def _resources(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool) 
     dots = _dots(k, padded_of)
     demand = _register_demand(k, types, padded_of, dots, values)
     largest = max(((n, math.prod(p)) for n, p in padded_of.items()), key=lambda t: t[1], default=("", 0))
-    batched = next((n.name for n in k.nodes if n.op == "matmul"
+    batched = next((n.name for n in k.nodes if n.op == Op.MATMUL
                     and any(d != 1 for s in n.inputs for d in dims_of[s][:-2])), None)
     warps = choose_warps(demand)
     return KernelResources(_smem(g, k, types, padded_of, dots, warps), demand, largest, batched, pad, dots, warps)
@@ -378,10 +383,10 @@ def _kernel_resources(g: SGraph, k: BlockKernel, assignment: tuple[tuple[str, in
     values = dict(assignment)
     plain = _resources(g, k, values, False)
     tok = token_symbol(k)
-    if tok is None or values.get(tok, MMA_MIN) >= MMA_MIN or not any(n.op == "matmul" for n in k.nodes):
+    if tok is None or values.get(tok, MMA_MIN) >= MMA_MIN or not any(n.op == Op.MATMUL for n in k.nodes):
         return plain
     types = g.block_types(k)
-    if any(n.op in ("sum", "mean", "max") and types[n.inputs[0]].shape[n.attr("dim")] == sym(tok)
+    if any(n.op in REDUCTIONS and types[n.inputs[0]].shape[n.attr("dim")] == sym(tok)
            for n in k.nodes):
         return plain  # padded rows must never enter a reduction over tokens
     padded = _resources(g, k, values, True)

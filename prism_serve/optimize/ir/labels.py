@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 
 from prism_serve.errors import ProgramError
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Program
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.program import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Program
 
 Label = str | None
 
@@ -88,7 +89,7 @@ def index_labels(prog: Program, seed: dict[str, tuple[Label, ...]] | None = None
             x, d = ins[0], n.attr("dim") % len(ins[0])
             reduced_raw[n.name] = (x[d],) if x[d] else ()
             labels = x[:d] + ((None,) if n.attr("keepdim") else ()) + x[d + 1:]
-        elif n.op == "matmul":
+        elif n.op == Op.MATMUL:
             a, b = ins
             bk, bn = (b[-1], b[-2]) if n.attr("transpose_b") else (b[-2], b[-1])
             if a[-1] and bk:

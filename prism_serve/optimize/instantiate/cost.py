@@ -25,11 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prism_serve.optimize.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, Program, is_tf32
-from prism_serve.optimize.reference import expand_composites
-from prism_serve.optimize.resources import KernelResources, blocks_per_sm
-from prism_serve.optimize.sgraph import BYTES, BlockKernel, Instance, Kernel, sym
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.program import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, REDUCTIONS, Program, is_tf32
+from prism_serve.optimize.ir.reference import expand_composites
+from prism_serve.optimize.ir.sgraph import BYTES, BlockKernel, Kernel, sym
+from prism_serve.optimize.target.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
+from prism_serve.optimize.target.instance import Instance
+from prism_serve.optimize.target.resources import KernelResources, blocks_per_sm
 
 LAUNCH_US = GRAPH_LAUNCH_US  # the default mode's launch cost (CUDA-graph replay), for bounds
 SECTOR_BYTES = 32  # DRAM / L2 access granularity (CUDA C++ Best Practices Guide, "Coalesced Access")
@@ -151,7 +153,7 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
             if n.op == "load":
                 key = ("loop" if stage == "loop" else "pre", decl.name)
                 in_flight[key] = max(in_flight.get(key, 0.0), tile_bytes)
-        elif n.op == "matmul":
+        elif n.op == Op.MATMUL:
             a_dims = inst.concrete(types[n.inputs[0]].shape[-2], num_tokens)
             kk = inst.concrete(types[n.inputs[0]].shape[-1])
             nn = _numel(tile) // max(a_dims, 1)
@@ -216,7 +218,7 @@ def _library_cost(prog_types, op, num_tokens: int, gpu: GpuSpec, name: str, grap
     out = prog_types[name]
     dram = nbytes(out) + sum(nbytes(prog_types[s]) for s in op.inputs if prog_types[s].dtype != "const")
     tc = fp32 = 0.0
-    if op.op == "matmul":
+    if op.op == Op.MATMUL:
         a = prog_types[op.inputs[0]]
         tc = 2.0 * size(out) * int(a.shape[-1])
     elif op.op in ELEMENTWISE_BINARY + ELEMENTWISE_UNARY + REDUCTIONS:

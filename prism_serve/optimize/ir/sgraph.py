@@ -35,13 +35,13 @@ from typing import Any, Callable, Mapping
 import sympy
 
 from prism_serve.errors import ProgramError, SGraphError
-from prism_serve.optimize.dims import parse_dim, render
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import NUM_TOKENS, Node, Program, TensorType, code_spelling, infer_type
+from prism_serve.optimize.ir.dims import parse_dim, render
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.program import NUM_TOKENS, Node, Program, TensorType, code_spelling, infer_type
 
 SGRAPH_VERSION = 1
 TOKENS = sympy.Symbol(NUM_TOKENS, positive=True, integer=True)
-ACCUM_KINDS = ("sum", "mean", "max", "rescaled_sum")
+ACCUM_KINDS = (Op.SUM, Op.MEAN, Op.MAX, "rescaled_sum")
 BLOCK_OPS = ("load", "accum", "store")
 Expr = sympy.Expr
 
@@ -186,11 +186,6 @@ class SGraph:
                                   for t in self.intermediates],
                 "kernels": [kernel_json(k) for k in self.kernels]}
 
-    @staticmethod
-    def from_json(data: Any) -> "SGraph":
-        """Parse untrusted JSON against the schema (`optimize.schema`); errors name the field."""
-        from prism_serve.optimize.schema import sgraph_from_json
-        return sgraph_from_json(data)
 
 
 def _node_json(n: Node) -> dict:
@@ -314,13 +309,13 @@ def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, writ
                 raise _fail(at, "rescaled_sum takes (value, max accumulator); other kinds take one input")
             if kind == "rescaled_sum":
                 m = k.by_name[n.inputs[1]]
-                if m.op != "accum" or m.attr("kind") != "max":
+                if m.op != "accum" or m.attr("kind") != Op.MAX:
                     raise _fail(at, f"rescales by '{m.name}', which is not a max accumulator")
             types[n.name] = types[n.inputs[0]]
         else:
             if k.stages[n.name] == "loop":
                 bad = [s for s in n.inputs if k.stages[s] == "post" and
-                       not (k.by_name[s].op == "accum" and k.by_name[s].attr("kind") == "max")]
+                       not (k.by_name[s].op == "accum" and k.by_name[s].attr("kind") == Op.MAX)]
                 if bad:
                     raise _fail(at, f"uses post-loop values {bad} inside the loop")
             try:
@@ -389,87 +384,7 @@ def evaluate_dim(expr: Expr, values: Mapping[str, int]) -> Fraction:
     return value
 
 
-@dataclass(frozen=True)
-class Instance:
-    """An sGraph with every symbol assigned, checked against a GPU spec."""
-
-    sgraph: SGraph
-    assignment: tuple[tuple[str, int], ...]
-    gpu: str
-
-    @property
-    def values(self) -> dict[str, int]:
-        return dict(self.assignment)
-
-    def concrete(self, expr: Expr, num_tokens: int | None = None) -> int:
-        """A tile or tensor dim as an int; a dim of num_tokens needs `num_tokens`."""
-        values = self.values | ({NUM_TOKENS: num_tokens} if num_tokens is not None else {})
-        return int(evaluate_dim(expr, values))
-
-    def tile(self, kernel: BlockKernel, name: str) -> tuple[int, ...]:
-        return tuple(self.concrete(d) for d in self.sgraph.block_types(kernel)[name].shape)
-
-    def tensor_shape(self, name: str, num_tokens: int) -> tuple[int, ...]:
-        return tuple(self.concrete(d, num_tokens) for d in self.sgraph.tensors[name].shape)
-
-    def warps(self, kernel: BlockKernel) -> int:
-        """The warps a block of `kernel` launches with (the resource model's choice)."""
-        return self.resources(kernel).warps
-
-    def resources(self, kernel: BlockKernel):
-        """The resource model's `KernelResources` of a block of `kernel`."""
-        from prism_serve.optimize.resources import kernel_resources
-        return kernel_resources(self.sgraph, kernel, self.values)
-
-
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def instantiate(g: SGraph, assignment: Mapping[str, int], gpu: GpuSpec) -> Instance:
-    """Assign every symbol; check exact divisibility and the limits of `gpu`."""
-    missing = [s for s in g.symbols if s not in assignment]
-    if missing:
-        raise SGraphError(f"sGraph '{g.name}': symbols left unassigned: {missing}")
-    extra = sorted(set(assignment) - set(g.symbols))
-    if extra:
-        raise SGraphError(f"sGraph '{g.name}': assignment names unknown symbols {extra}")
-    bad = {s: v for s, v in assignment.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
-    if bad:
-        raise SGraphError(f"sGraph '{g.name}': symbol values must be positive ints, got {bad}")
-    values = dict(assignment)
-    _check_intermediates(g, g.intermediates, values)
-    for k in g.kernels:
-        if isinstance(k, BlockKernel):
-            _check_limits(g, k, values, gpu)
-    return Instance(g, tuple(sorted(values.items())), gpu.name)
-
-
-def check_kernel(g: SGraph, k: BlockKernel, values: Mapping[str, int], gpu: GpuSpec) -> None:
-    """`instantiate`'s checks that concern one kernel (the intermediates it reads or writes, its
-    tiles and its grid), which hold or fail independently of the other kernels' symbols; an
-    assignment that passes them for every kernel instantiates. SGraphError when one fails."""
-    touched = {n.attr("tensor") for n in k.loads + k.stores}
-    _check_intermediates(g, [t for t in g.intermediates if t.name in touched], values)
-    _check_limits(g, k, values, gpu)
-
-
-def _check_intermediates(g: SGraph, decls, values: Mapping[str, int]) -> None:
-    for t in decls:
-        for d in t.shape:
-            if TOKENS not in d.free_symbols:  # token dims are bound at launch
-                _exact(g.name, f"intermediate '{t.name}'", d, values)
-
-
-def _check_limits(g: SGraph, k: BlockKernel, values: Mapping[str, int], gpu: GpuSpec) -> None:
-    """Tile size, 2-D block matmuls, shared memory and registers without spilling (the resource
-    model), and the grid's launch limits."""
-    from prism_serve.optimize.resources import check
-    check(g, k, values, gpu)
-    for i, dims in enumerate(launch_dims(len(k.grid))):
-        extent = math.prod(values[k.grid[a].symbol] for a in dims if not k.grid[a].over_tokens)
-        if extent > gpu.max_grid[i]:
-            raise SGraphError(f"sGraph '{g.name}' kernel '{k.name}': grid dim {i} = "
-                              f"{extent} exceeds {gpu.name}'s limit {gpu.max_grid[i]}")
 
 
 def _exact(gname: str, where: str, dim: Expr, values: dict) -> int:

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from prism_serve.errors import CodegenError, SGraphError
-from prism_serve.optimize.cost import kernel_cost, modeled_us, tie_key
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import NUM_TOKENS
-from prism_serve.optimize.sgraph import BlockKernel, Instance, Kernel, SGraph, check_kernel, instantiate
-from prism_serve.optimize.static import KernelFacts, compile_facts
+from prism_serve.optimize.instantiate.cost import kernel_cost, modeled_us, tie_key
+from prism_serve.optimize.instantiate.static import KernelFacts, compile_facts
+from prism_serve.optimize.ir.program import NUM_TOKENS
+from prism_serve.optimize.ir.sgraph import BlockKernel, Kernel, SGraph
+from prism_serve.optimize.target.gpus import GpuSpec
+from prism_serve.optimize.target.instance import Instance, check_kernel, instantiate
 
 log = logging.getLogger(__name__)
 TOKEN_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -32,8 +32,9 @@ from typing import Any
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.generate.bound import DesignBound
-from prism_serve.optimize.gpus import GpuSpec
-from prism_serve.optimize.ir import Program
+from prism_serve.optimize.ir.program import Program
+from prism_serve.optimize.pipeline import stages
+from prism_serve.optimize.target.gpus import GpuSpec
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # how often a waiting driver checks that its workers are alive
@@ -64,7 +65,7 @@ class Config:
 @dataclass(frozen=True)
 class Subtree:
     """One generation task's answer: the designs in the walk's order, each costed
-    (`search.Appraisal`: costing, not the walk, is most of a search's time), and what the walk
+    (`stages.Appraisal`: costing, not the walk, is most of a search's time), and what the walk
     counted and spent."""
 
     appraised: tuple
@@ -122,20 +123,16 @@ class _Worker:
                        gen.stopped)
 
     def _appraise(self, d) -> Any:
-        from prism_serve.optimize.generate.search import Appraisal, appraise, built
-
         c = self.config
-        b = built(c.prog, d)
+        b = stages.built(c.prog, d)
         if b is None:
-            return Appraisal(d, None)
+            return stages.Appraisal(d, None)
         if b[1] not in self.appraised:
-            self.appraised[b[1]] = appraise(c.prog, c.gpu, c.buckets, d, *b)
+            self.appraised[b[1]] = stages.appraise(c.prog, c.gpu, c.buckets, d, *b)
         return replace(self.appraised[b[1]], design=d)
 
     def verify(self, design) -> Any:
-        from prism_serve.optimize.generate.search import verify_design
-
-        return verify_design(self.config.prog, design, self.config.gpu)
+        return stages.verify_design(self.config.prog, design, self.config.gpu)
 
 
 class InlinePool:

@@ -17,8 +17,10 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from prism_serve.errors import PrismError, ProgramError, SGraphError
-from prism_serve.optimize import dims as D
-from prism_serve.optimize.ir import (
+from prism_serve.optimize.ir import dims as D
+from prism_serve.optimize.ir import sgraph as S
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.program import (
     ARITY,
     DEFAULTS,
     DTYPES,
@@ -30,8 +32,7 @@ from prism_serve.optimize.ir import (
     Node,
     Program,
 )
-from prism_serve.optimize import sgraph as S
-from prism_serve.optimize.sgraph import ACCUM_KINDS, sym
+from prism_serve.optimize.ir.sgraph import ACCUM_KINDS, sym
 
 # Names of nodes, tensors, kernels, programs and sGraphs: dotted identifiers (a split's partial
 # tensor is "<name>.part"); symbols: plain identifiers, as the dim grammar reads them.
@@ -101,7 +102,7 @@ def check_depth(data: Any, error: type[PrismError] = SGraphError, what: str = "J
 
 # --- typed values ------------------------------------------------------------------
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     return f"{value!r:.60}"
 
 
@@ -121,7 +122,7 @@ def fields(obj: Any, required: Collection[str], optional: Collection[str], where
 
 def int_in(value: Any, lo: int, hi: int, where: str, error: type[PrismError]) -> int:
     if type(value) is not int or not lo <= value <= hi:
-        raise error(f"{where} must be int in [{lo}, {hi}], got {_show(value)}")
+        raise error(f"{where} must be int in [{lo}, {hi}], got {show(value)}")
     return value
 
 
@@ -130,40 +131,40 @@ def float_in(value: Any, lo: float, hi: float, where: str, error: type[PrismErro
     ok = type(value) in (int, float) and math.isfinite(value) and (lo < value if open_lo else lo <= value) \
         and value <= hi
     if not ok:
-        raise error(f"{where} must be float in {'(' if open_lo else '['}{lo:g}, {hi:g}], got {_show(value)}")
+        raise error(f"{where} must be float in {'(' if open_lo else '['}{lo:g}, {hi:g}], got {show(value)}")
     return float(value)
 
 
 def boolean(value: Any, where: str, error: type[PrismError]) -> bool:
     if type(value) is not bool:
-        raise error(f"{where} must be bool (true or false), got {_show(value)}")
+        raise error(f"{where} must be bool (true or false), got {show(value)}")
     return value
 
 
 def name(value: Any, where: str, error: type[PrismError]) -> str:
     if type(value) is not str or not NAME.fullmatch(value):
         raise error(f"{where} must be a name (dotted identifier of at most 64 characters per part), "
-                    f"got {_show(value)}")
+                    f"got {show(value)}")
     return value
 
 
 def symbol(value: Any, where: str, error: type[PrismError]) -> str:
     if type(value) is not str or not D.NAME.fullmatch(value) or value in RESERVED_SYMBOLS:
         raise error(f"{where} must be a symbol (identifier, not {' or '.join(RESERVED_SYMBOLS)}), "
-                    f"got {_show(value)}")
+                    f"got {show(value)}")
     return value
 
 
 def one_of(value: Any, allowed: Collection[str], where: str, error: type[PrismError]) -> str:
     if type(value) is not str or value not in allowed:
-        raise error(f"{where} {_show(value)} is not one of {tuple(allowed)}")
+        raise error(f"{where} {show(value)} is not one of {tuple(allowed)}")
     return value
 
 
 def listed(value: Any, lo: int, hi: int, where: str, error: type[PrismError]) -> list | tuple:
     """A JSON array (or, from memory, a tuple) of `lo` to `hi` items."""
     if type(value) not in (list, tuple) or not lo <= len(value) <= hi:
-        raise error(f"{where} must be a list of {lo} to {hi} items, got {_show(value)}")
+        raise error(f"{where} must be a list of {lo} to {hi} items, got {show(value)}")
     return value
 
 
@@ -186,7 +187,7 @@ def _opt_index(value: Any, where: str, error: type[PrismError]) -> int | None:
     return None if value is None else int_in(value, 0, MAX_RANK - 1, where, error)
 
 
-class _Enum:
+class OneOf:
     """An attribute whose value is one of a few names (its error reads "<node>: <key> 'x' is not one of")."""
 
     def __init__(self, allowed: tuple[str, ...]):
@@ -196,20 +197,20 @@ class _Enum:
         return one_of(value, self.allowed, where, error)
 
 
-_DIM = lambda v, w, e: int_in(v, -MAX_RANK, MAX_RANK - 1, w, e)  # noqa: E731
+DIM_ATTR = lambda v, w, e: int_in(v, -MAX_RANK, MAX_RANK - 1, w, e)  # noqa: E731
 _EPS = lambda v, w, e: float_in(v, 0.0, 1.0, w, e, open_lo=True)  # noqa: E731
 _VALUE = lambda v, w, e: float_in(v, -1e30, 1e30, w, e)  # noqa: E731
 
 # required and optional attributes per op, each with its check
 ATTR_SCHEMA: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
-    "input": ({"shape": _shape, "dtype": _Enum(DTYPES)}, {}),
+    "input": ({"shape": _shape, "dtype": OneOf(DTYPES)}, {}),
     "const": ({"value": _VALUE}, {}),
-    "matmul": ({}, {"transpose_b": boolean, "precision": _Enum((TF32,))}),
-    "rms_norm": ({"eps": _EPS}, {}),
+    Op.MATMUL: ({}, {"transpose_b": boolean, "precision": OneOf((TF32,))}),
+    Op.RMS_NORM: ({"eps": _EPS}, {}),
     "load": ({"tensor": name, "imap": _map}, {"fmap": _opt_index}),
     "store": ({"tensor": name, "omap": _map}, {"fmap": _opt_index}),
-    "accum": ({"kind": _Enum(ACCUM_KINDS)}, {}),
-} | {op: ({"dim": _DIM}, {"keepdim": boolean}) for op in REDUCTIONS}
+    "accum": ({"kind": OneOf(ACCUM_KINDS)}, {}),
+} | {op: ({"dim": DIM_ATTR}, {"keepdim": boolean}) for op in REDUCTIONS}
 BLOCK_ARITY = {"load": 0, "store": 1, "accum": (1, 2)}
 
 
@@ -222,7 +223,7 @@ def parse_node(raw: Any, index: int, ops: Collection[str], error: type[PrismErro
     where = f"node '{nname}'"
     op = raw["op"]
     if type(op) is not str or op not in ops:
-        raise error(f"{where}: unsupported op {_show(op)} (supported: {', '.join(ops)})")
+        raise error(f"{where}: unsupported op {show(op)} (supported: {', '.join(ops)})")
     inputs = tuple(name(s, f"{where} input", error) for s in listed(raw.get("inputs", []), 0, MAX_INPUTS,
                                                                       f"{where}: 'inputs'", error))
     arity = BLOCK_ARITY.get(op, ARITY.get(op))
@@ -242,7 +243,7 @@ def parse_node(raw: Any, index: int, ops: Collection[str], error: type[PrismErro
     typed = dict(DEFAULTS.get(op, {}))
     for key, value in attrs.items():
         check = (required | optional)[key]
-        typed[key] = check(value, f"{where}: {key}" if isinstance(check, _Enum) else f"{where}: attribute {key!r}",
+        typed[key] = check(value, f"{where}: {key}" if isinstance(check, OneOf) else f"{where}: attribute {key!r}",
                            error)
     if op == "load":
         typed.setdefault("fmap", None)
@@ -261,7 +262,7 @@ def program_from_json(data: Any) -> Program:
         raise ProgramError("program JSON must be an object")
     fields(data, ("ir_version", "name", "nodes", "outputs"), (), "program JSON", ProgramError)
     if data["ir_version"] != IR_VERSION or type(data["ir_version"]) is not int:
-        raise ProgramError(f"program JSON has ir_version {_show(data['ir_version'])}, expected {IR_VERSION}")
+        raise ProgramError(f"program JSON has ir_version {show(data['ir_version'])}, expected {IR_VERSION}")
     if not isinstance(data["nodes"], list) or not isinstance(data["outputs"], list):
         raise ProgramError("program JSON: 'nodes' and 'outputs' must be lists")
     pname = name(data["name"], "program name", ProgramError)
@@ -285,7 +286,7 @@ def sgraph_from_json(data: Any) -> S.SGraph:
     E = SGraphError
     fields(data, ("sgraph_version", "name", "program", "intermediates", "kernels"), (), "sGraph JSON", E)
     if data["sgraph_version"] != S.SGRAPH_VERSION or type(data["sgraph_version"]) is not int:
-        raise E(f"sGraph JSON has version {_show(data['sgraph_version'])}, expected {S.SGRAPH_VERSION}")
+        raise E(f"sGraph JSON has version {show(data['sgraph_version'])}, expected {S.SGRAPH_VERSION}")
     gname = name(data["name"], "sGraph name", E)
     program = program_from_json(data["program"])
     raw_kernels = listed(data["kernels"], 1, MAX_KERNELS, "sGraph JSON: 'kernels'", E)
@@ -328,72 +329,11 @@ def dim(value: Any, allowed: Collection[str], where: str):
     if type(value) is int:
         return D.parse_dim(str(int_in(value, 1, D.MAX_INT, f"{where} dim", SGraphError)), sym)
     if type(value) is not str:
-        raise SGraphError(f"{where}: dim {_show(value)} must be an int or a string")
+        raise SGraphError(f"{where}: dim {show(value)} must be an int or a string")
     try:
         return D.parse_dim(value, sym, allowed)
     except SGraphError as exc:
         raise SGraphError(f"{where}: {exc}") from None
-
-
-# --- generator designs ----------------------------------------------------------------
-
-REF = re.compile(rf"(@{NAME.pattern}(:whole|:row|:[0-9-]{{1,{S.MAX_GRID_AXES}}}/[0-9-])?|#{NAME.pattern}|{NAME.pattern})")
-_DESIGN_ATTRS: dict[str, Check] = {"dim": _DIM, "keepdim": boolean, "transpose_b": boolean,
-                                   "precision": _Enum((TF32,)), "kind": _Enum(ACCUM_KINDS), "tensor": name}
-MAX_BLOCK_OPS = 64
-
-
-def _design_attrs(raw: Any, where: str) -> tuple:
-    E = SGraphError
-    if not isinstance(raw, dict) or len(raw) > len(_DESIGN_ATTRS):
-        raise E(f"{where}: attrs must be an object of known attributes, got {_show(raw)}")
-    for k in raw:
-        if k not in _DESIGN_ATTRS:
-            raise E(f"{where}: unknown attribute {_show(k)}")
-    return tuple(sorted((k, _DESIGN_ATTRS[k](v, f"{where}: {k}", E)) for k, v in raw.items()))
-
-
-def _ref(value: Any, where: str) -> str:
-    if type(value) is not str or not REF.fullmatch(value):
-        raise SGraphError(f"{where} must be a block value, @tensor[:whole|:row|:<imap>/<fmap>] or #constant, got {_show(value)}")
-    return value
-
-
-def design_from_json(data: Any):
-    """A stored generator design (warmup replays it for the new shapes; what it builds is then
-    proven and checked like a searched one)."""
-    from prism_serve.optimize.generate.design import DESIGN_OPS as ops
-    from prism_serve.optimize.generate.design import DESIGN_VERSION, BlockOp, BlockSpec, Design, LibrarySpec
-    E = SGraphError
-    fields(data, ("design_version", "kernels"), (), "design JSON", E)
-    if type(data["design_version"]) is not int or data["design_version"] != DESIGN_VERSION:
-        raise E(f"design JSON has version {_show(data['design_version'])}, expected {DESIGN_VERSION}")
-    kernels = []
-    for i, k in enumerate(listed(data["kernels"], 1, MAX_KERNELS, "design JSON: 'kernels'", E)):
-        where = f"design JSON kernel {i}"
-        kind = one_of(fields(k, ("kind",), ("out", "op", "inputs", "attrs", "grid", "loop", "split", "ops"),
-                             where, E)["kind"], ("library", "block"), f"{where}: kind", E)
-        if kind == "library":
-            fields(k, ("kind", "out", "op", "inputs", "attrs"), (), where, E)
-            kernels.append(LibrarySpec(
-                name(k["out"], f"{where}: out", E), one_of(k["op"], ops, f"{where}: op", E),
-                tuple(name(x, f"{where}: input", E) for x in listed(k["inputs"], 1, MAX_INPUTS, f"{where}: inputs", E)),
-                _design_attrs(k["attrs"], where)))
-            continue
-        fields(k, ("kind", "grid", "loop", "split", "ops"), (), where, E)
-        block_ops = []
-        for j, o in enumerate(listed(k["ops"], 1, MAX_BLOCK_OPS, f"{where}: ops", E)):
-            at = f"{where} op {j}"
-            fields(o, ("name", "op", "inputs", "attrs"), (), at, E)
-            block_ops.append(BlockOp(
-                name(o["name"], f"{at}: name", E), one_of(o["op"], ops + ("accum", "store"), f"{at}: op", E),
-                tuple(_ref(x, f"{at}: input") for x in listed(o["inputs"], 1, MAX_INPUTS, f"{at}: inputs", E)),
-                _design_attrs(o["attrs"], at)))
-        kernels.append(BlockSpec(
-            tuple(name(g, f"{where}: grid label", E) for g in listed(k["grid"], 1, S.MAX_GRID_AXES, f"{where}: grid", E)),
-            None if k["loop"] is None else name(k["loop"], f"{where}: loop label", E),
-            tuple(block_ops), boolean(k["split"], f"{where}: split", E)))
-    return Design(tuple(kernels))
 
 
 # --- kernel instances -------------------------------------------------------------------
@@ -406,6 +346,6 @@ def params_from_json(data: Any, where: str, error: type[PrismError]) -> dict[str
     if isinstance(data, (str, bytes)):
         data = loads(data, error, f"{where} params")
     if not isinstance(data, dict) or len(data) > 16:
-        raise error(f"{where}: params must be an object of at most 16 symbols, got {_show(data)}")
+        raise error(f"{where}: params must be an object of at most 16 symbols, got {show(data)}")
     return {symbol(k, f"{where}: param name", error): int_in(v, 1, MAX_PARAM, f"{where}: param {k!r}", error)
             for k, v in data.items()}

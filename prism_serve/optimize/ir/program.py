@@ -17,6 +17,8 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from prism_serve.errors import ProgramError
+from prism_serve.optimize.ir.ops import OPS as OP_DEFS
+from prism_serve.optimize.ir.ops import Kind, Op, of_kind
 
 NUM_TOKENS = "num_tokens"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -25,19 +27,13 @@ IR_VERSION = 1
 Dim = int | str  # an int, or NUM_TOKENS
 Shape = tuple[Dim, ...]
 
-ELEMENTWISE_BINARY = ("add", "sub", "mul", "div")
-ELEMENTWISE_UNARY = ("exp", "silu", "gelu_tanh", "square", "sqrt", "rsqrt")
-REDUCTIONS = ("sum", "mean", "max")
-OPS = ("input", "const", "matmul", *ELEMENTWISE_BINARY, *ELEMENTWISE_UNARY, *REDUCTIONS, "rms_norm")
-ARITY = {"input": 0, "const": 0, "matmul": 2, "rms_norm": (1, 2)} | {
-    op: 2 for op in ELEMENTWISE_BINARY} | {op: 1 for op in ELEMENTWISE_UNARY + REDUCTIONS}
-ATTRS = {  # required attributes per op, with their Python types
-    "input": {"shape": tuple, "dtype": str},
-    "const": {"value": float},
-    "matmul": {"transpose_b": bool},
-    "rms_norm": {"eps": float},
-} | {op: {"dim": int, "keepdim": bool} for op in REDUCTIONS}
-DEFAULTS = {"matmul": {"transpose_b": False}} | {op: {"keepdim": False} for op in REDUCTIONS}
+ELEMENTWISE_BINARY = of_kind(Kind.BINARY)
+ELEMENTWISE_UNARY = of_kind(Kind.UNARY)
+REDUCTIONS = of_kind(Kind.REDUCE)
+OPS = tuple(OP_DEFS)
+ARITY = {name: d.arity for name, d in OP_DEFS.items()}
+ATTRS = {name: dict(d.attrs) for name, d in OP_DEFS.items() if d.attrs}  # required attributes, with their types
+DEFAULTS = {name: dict(d.defaults) for name, d in OP_DEFS.items() if d.defaults}
 # A block kernel's matmul may carry ("precision", TF32): its operands stay float32 and the tensor
 # cores round them to TF32 (10-bit mantissa like float16, float32's exponent range), where without
 # it they are cast to the Program's half dtype. Only sGraphs carry it, never a Program.
@@ -125,7 +121,7 @@ def infer_type(n: Node, srcs: list[TensorType]) -> TensorType:
         dim %= len(shape)
         kept = shape[:dim] + ((1,) if n.attr("keepdim") else ()) + shape[dim + 1:]
         return TensorType(kept, dtype)
-    if n.op == "matmul":
+    if n.op == Op.MATMUL:
         a, b = srcs[0].shape, srcs[1].shape
         if len(a) < 2 or len(b) < 2:
             raise ProgramError(f"node '{n.name}': matmul needs operands of rank >= 2, got {a} and {b}")
@@ -135,7 +131,7 @@ def infer_type(n: Node, srcs: list[TensorType]) -> TensorType:
                                f"{'^T' if n.attr('transpose_b') else ''})")
         batch = _broadcast(a[:-2], b[:-2], n.name)
         return TensorType(batch + (a[-2], bn), dtype)
-    if n.op == "rms_norm":
+    if n.op == Op.RMS_NORM:
         shape = srcs[0].shape
         if len(srcs) == 2 and srcs[1].shape != shape[-1:]:
             raise ProgramError(f"node '{n.name}': rms_norm weight shape {srcs[1].shape} != {shape[-1:]}")
@@ -241,11 +237,6 @@ class Program:
             "outputs": list(self.outputs),
         }
 
-    @staticmethod
-    def from_json(data: Any) -> "Program":
-        """Parse untrusted JSON against the schema (`optimize.schema`); errors name the field."""
-        from prism_serve.optimize.schema import program_from_json
-        return program_from_json(data)
 
 
 def bind_shape(shape: Shape, num_tokens: int) -> tuple[int, ...]:

@@ -49,24 +49,25 @@ from typing import Callable, Sequence
 import torch
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize import canonical_hash, prune
-from prism_serve.optimize.check import NumericVerdict, check_numerics, small_program
-from prism_serve.optimize.cost import modeled_us, unfused_us
 from prism_serve.optimize.generate.block import RULES
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, build
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.generate.workers import Config, InlinePool, Pool, default_workers
-from prism_serve.optimize.gpus import GpuSpec, get_gpu
-from prism_serve.optimize.ir import Program
-from prism_serve.optimize.sgraph import SGraph
-from prism_serve.optimize.static import facts_json
-from prism_serve.optimize.timing import Timer, cuda_timer
-from prism_serve.optimize.tune import (NEAR_TIE, PROBE_TOKENS, SCALE_PROBE, SCREEN_DEPTH, Candidate,
-                                       best_modeled, enumerate_instances, measure, rank, rank_open, screen,
-                                       symbol_choices, with_neighbours)
-from prism_serve.optimize.verify import ProofResult, prove_equivalent
+from prism_serve.optimize.instantiate.cost import modeled_us, unfused_us
+from prism_serve.optimize.instantiate.static import facts_json
+from prism_serve.optimize.instantiate.timing import Timer, cuda_timer
+from prism_serve.optimize.instantiate.tune import (NEAR_TIE, PROBE_TOKENS, SCALE_PROBE, SCREEN_DEPTH, Candidate,
+                                                   best_modeled, enumerate_instances, measure, rank, rank_open, screen,
+                                                   symbol_choices, with_neighbours)
+from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.ir.program import Program
+from prism_serve.optimize.ir.sgraph import SGraph
+from prism_serve.optimize.pipeline import stages
+from prism_serve.optimize.pipeline.workers import Config, InlinePool, Pool, default_workers
+from prism_serve.optimize.target.gpus import GpuSpec, get_gpu
+from prism_serve.optimize.verify.check import NumericVerdict
+from prism_serve.optimize.verify.proof import ProofResult
 
 log = logging.getLogger(__name__)
 MAX_GRID = 4  # logical grid axes per generated kernel (the sGraph allows up to MAX_GRID_AXES)
@@ -163,50 +164,6 @@ class OptimizeResult:
                 "found": [f.to_json() for f in self.found], "stats": self.stats.to_json()}
 
 
-def design_key(g: SGraph) -> str:
-    """Identity of a design: its canonical hash (free of names and of the order of independent ops)."""
-    return canonical_hash(g)
-
-
-@dataclass(frozen=True)
-class Appraisal:
-    """What costing a design found: its canonical key (None: it does not build), the sGraph-level
-    rule that drops it (``shape`` or ``hardware``), else its modeled time summed over the buckets
-    and the symbol assignments it stands for. Worker processes appraise their own subtrees'
-    designs (`appraise`); the driver keeps the order and drops canonical duplicates."""
-
-    design: Design
-    key: str | None
-    rule: str | None = None
-    us: float = math.inf
-    concrete: int = 0
-
-
-def appraise(prog: Program, gpu: GpuSpec, buckets: tuple[int, ...], d: Design, g: SGraph, key: str) -> Appraisal:
-    """A built design through the shape and hardware rules, modeled at its best instance per bucket."""
-    why = prune.shape(g)
-    rule = "shape" if why else None
-    if not why:
-        why, rule = prune.hardware(g, gpu), "hardware"
-    if why:
-        return Appraisal(d, key, rule)
-    best = [best_modeled(g, gpu, nt) for nt in buckets]
-    if any(b is None for b in best):
-        return Appraisal(d, key, "hardware")
-    return Appraisal(d, key, None, sum(b.modeled_us for b in best),
-                     math.prod(len(c) for c in symbol_choices(g).values()))
-
-
-def built(prog: Program, d: Design) -> tuple[SGraph, str] | None:
-    """The design's sGraph and canonical key, or None when it does not build."""
-    try:
-        g = build(prog, d)
-    except SGraphError as exc:
-        log.debug("design does not build: %s", exc)
-        return None
-    return g, design_key(g)
-
-
 class _Costed:
     """The designs built so far (in generation order: fewer kernels first), each through the
     sGraph-level shape and hardware rules and modeled at its best instance per bucket, here
@@ -215,7 +172,7 @@ class _Costed:
     def __init__(self, prog: Program, gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats):
         self.prog, self.gpu, self.buckets, self.stats = prog, gpu, buckets, stats
         self.designs: list[Design] = []  # every design handed in, in order
-        self.verdicts: dict[Design, tuple] = {}  # `verify_design`'s answers given while generating
+        self.verdicts: dict[Design, tuple] = {}  # `stages.verify_design`'s answers given while generating
         self.deadline = math.inf  # the last moment `best_us` may verify
         self.items: list[tuple[float, Design, SGraph | None]] = []  # (modeled us, design, sGraph) of those kept
         self._seen: set[str] = set()
@@ -224,11 +181,11 @@ class _Costed:
     def add(self, d: Design) -> None:
         """Cost a design (one handed in again by a later generation round is ignored)."""
         if self._hand(d):
-            b = built(self.prog, d)
+            b = stages.built(self.prog, d)
             if self._fresh(b and b[1]):
-                self._keep(appraise(self.prog, self.gpu, self.buckets, d, *b), b[0])
+                self._keep(stages.appraise(self.prog, self.gpu, self.buckets, d, *b), b[0])
 
-    def add_appraised(self, a: Appraisal) -> None:
+    def add_appraised(self, a: stages.Appraisal) -> None:
         """Keep a design a worker costed, as `add` would."""
         if self._hand(a.design) and self._fresh(a.key):
             self._keep(a, None)
@@ -248,7 +205,7 @@ class _Costed:
         self._seen.add(key)
         return True
 
-    def _keep(self, a: Appraisal, g: SGraph | None) -> None:
+    def _keep(self, a: stages.Appraisal, g: SGraph | None) -> None:
         if a.rule:
             self.stats.pruned[a.rule] += 1
             return
@@ -268,7 +225,7 @@ class _Costed:
             if d not in self.verdicts:
                 if time.perf_counter() > self.deadline:
                     return math.inf
-                self.verdicts[d] = verify_design(self.prog, d, self.gpu)
+                self.verdicts[d] = stages.verify_design(self.prog, d, self.gpu)
             proof, verdict, _ = self.verdicts[d]
             if proof.ok and verdict.ok:
                 return us
@@ -276,27 +233,6 @@ class _Costed:
 
     def ranked(self) -> list[tuple[float, Design, SGraph]]:
         return sorted(self.items, key=lambda t: (t[0], t[1].describe()))
-
-
-def _check_numerics(prog: Program, design: Design, gpu: GpuSpec):
-    """The design rebuilt for small dims, at an instance that exercises every split and loop it can
-    (more symbols above 1 first), through Triton on random and adversarial inputs in its dtype,
-    seeded by the design's canonical hash (the same inputs whichever process checks it)."""
-    g = build(small_program(prog), design)
-    instances = enumerate_instances(g, gpu)
-    if not instances:
-        raise SGraphError(f"design of '{prog.name}' has no instance at the small check dims")
-    inst = max(instances, key=lambda i: (sum(v > 1 for v in i.values.values()), -sum(i.values.values())))
-    return check_numerics(inst, seed=int(canonical_hash(g)[:15], 16))
-
-
-def verify_design(prog: Program, design: Design, gpu: GpuSpec) -> tuple[ProofResult, NumericVerdict | None, float]:
-    """The egglog proof of the design's sGraph, then (if proven) its numeric check, and the
-    seconds both took. Pure: worker processes run it (`workers.py`)."""
-    t0 = time.perf_counter()
-    proof = prove_equivalent(build(prog, design))
-    verdict = _check_numerics(prog, design, gpu) if proof.ok else None
-    return proof, verdict, time.perf_counter() - t0
 
 
 # Symbol assignments up to which a verified design's instances are ranked exhaustively. Past it,

@@ -18,29 +18,17 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from prism_serve.errors import CodegenError
-from prism_serve.optimize.gpus import GPU_NAME
-from prism_serve.optimize.ir import ELEMENTWISE_BINARY, NUM_TOKENS, Node, code_spelling, is_tf32
-from prism_serve.optimize.schema import NAME
-from prism_serve.optimize.sgraph import TOKENS, BlockKernel, Instance, LibraryKernel, launch_dims, sym, tile_shape
+from prism_serve.optimize.ir.ops import OPS, Op
+from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Node,
+                                             code_spelling, is_tf32)
+from prism_serve.optimize.ir.schema import NAME
+from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, LibraryKernel, launch_dims, sym, tile_shape
+from prism_serve.optimize.target.gpus import GPU_NAME
+from prism_serve.optimize.target.instance import Instance
+from prism_serve.optimize.target.resources import MMA_MIN, pow2
 
 CODEGEN_VERSION = 3
-BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-# torch's GELU(approximate="tanh") is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); since
-# 1 + tanh(u) = 2 sigmoid(2u) it is x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)): no tanh (which
-# Triton's core language lacks) and no cancellation of 1 + tanh(u) near -1
-GELU_TANH_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
-UNARY = {"exp": "tl.exp({})", "silu": "{0} * tl.sigmoid({0})", "square": "{0} * {0}",
-         "gelu_tanh": "{0} * tl.sigmoid(" + repr(GELU_TANH_SCALE) + " * ({0} + 0.044715 * {0} * {0} * {0}))",
-         "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})"}
-TORCH_UNARY = {"exp": "torch.exp({})", "silu": "torch.nn.functional.silu({})", "square": "{0} * {0}",
-               "gelu_tanh": "torch.nn.functional.gelu({}, approximate='tanh')",
-               "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})"}
-MIN_DOT = 16  # tl.dot needs every dim >= 16 on GPUs; smaller products use broadcast-and-sum
 TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
-
-
-def pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def ident(name: str) -> str:
@@ -177,7 +165,7 @@ class _KernelWriter:
             if fmap == d:
                 starts.append(f"it * {tile[d]}")
                 loop_dep = True
-            extent = max(pow2(tile[d]), MIN_DOT) if token_dims[d] else pow2(tile[d])
+            extent = max(pow2(tile[d]), MMA_MIN) if token_dims[d] else pow2(tile[d])
             conds = []
             if extent != tile[d]:
                 conds.append(f"tl.arange(0, {extent}) < {tile[d]}")
@@ -261,21 +249,21 @@ class _KernelWriter:
                 bd, bm = ad, am
             dims = tuple(max(x, y) for x, y in zip(ad, bd))
             masks = tuple(ma if x != 1 else mb for x, ma, mb in zip(ad, am, bm))
-            self.emit(f"{var} = {a} {BINARY_SYMBOL[op]} {b}", depth)
+            self.emit(f"{var} = {OPS[op].triton.format(a, b)}", depth)
             self.values[n.name] = Value(var, dims, masks)
-        elif op in UNARY:
-            self.emit(f"{var} = {UNARY[op].format(srcs[0].var)}", depth)
+        elif op in ELEMENTWISE_UNARY:
+            self.emit(f"{var} = {OPS[op].triton.format(srcs[0].var)}", depth)
             self.values[n.name] = Value(var, srcs[0].dims, srcs[0].masks)
-        elif op in ("sum", "mean", "max"):
+        elif op in REDUCTIONS:
             v, dim, keep = srcs[0], typed(n.attr("dim"), int) % len(srcs[0].dims), typed(n.attr("keepdim"), bool)
-            x = self._masked(v, dim, 'float("-inf")' if op == "max" else "0.0")
-            fn = "tl.max" if op == "max" else "tl.sum"
-            scale = f" * {1.0 / v.dims[dim]!r}" if op == "mean" else ""
+            x = self._masked(v, dim, 'float("-inf")' if op == Op.MAX else "0.0")
+            fn = "tl.max" if op == Op.MAX else "tl.sum"
+            scale = f" * {1.0 / v.dims[dim]!r}" if op == Op.MEAN else ""
             self.emit(f"{var} = {fn}({x}, axis={dim}, keep_dims={lit(keep)}){scale}", depth)
             dims = v.dims[:dim] + ((1,) if keep else ()) + v.dims[dim + 1:]
             masks = v.masks[:dim] + ((None,) if keep else ()) + v.masks[dim + 1:]
             self.values[n.name] = Value(var, dims, masks)
-        elif op == "matmul":
+        elif op == Op.MATMUL:
             self.matmul(n, srcs[0], srcs[1], depth)
         else:
             raise CodegenError(f"kernel '{self.k.name}': op {op!r} has no Triton rendering")
@@ -299,9 +287,9 @@ class _KernelWriter:
             b2 = f"tl.trans({b2})"
         nn = bk if tb else bn
         tf32 = is_tf32(n.attrs)
-        if min(m, kk, nn) >= MIN_DOT and tf32 and not self.interpret:
+        if min(m, kk, nn) >= MMA_MIN and tf32 and not self.interpret:
             expr = f'tl.dot({a2}.to(tl.float32), {b2}.to(tl.float32), input_precision="tf32")'
-        elif min(m, kk, nn) >= MIN_DOT and not tf32 and self.dot_dtype != "tl.float32":
+        elif min(m, kk, nn) >= MMA_MIN and not tf32 and self.dot_dtype != "tl.float32":
             expr = f"tl.dot({a2}.to({self.dot_dtype}), {b2}.to({self.dot_dtype}))"
         else:
             # operands rounded as tl.dot takes them (to TF32 as the GPU's cvt.rna.tf32.f32 does, or to
@@ -311,7 +299,7 @@ class _KernelWriter:
                 a2, b2 = f"_round_tf32({a2})", f"_round_tf32({b2})"
             elif self.half:
                 a2, b2 = self._to_half(a2), self._to_half(b2)
-            if min(m, kk, nn) >= MIN_DOT:
+            if min(m, kk, nn) >= MMA_MIN:
                 expr = f'tl.dot({a2}, {b2}, input_precision="ieee")'
             else:
                 expr = f"tl.sum(({a2})[:, :, None] * ({b2})[None, :, :], axis=1)"
@@ -325,14 +313,14 @@ class _KernelWriter:
         self.values[n.name] = Value(var, dims, (None,) * (rank - 2) + (a.masks[-2], nmask))
 
     def accum_init(self, n: Node, depth: int) -> None:
-        shape = tuple(max(pow2(self.inst.concrete(d)), MIN_DOT) if self.padded_token and d == sym(self.padded_token)
+        shape = tuple(max(pow2(self.inst.concrete(d)), MMA_MIN) if self.padded_token and d == sym(self.padded_token)
                       else pow2(self.inst.concrete(d)) for d in self.g.block_types(self.k)[n.name].shape)
-        init = 'float("-inf")' if n.attr("kind") == "max" else "0.0"
+        init = 'float("-inf")' if n.attr("kind") == Op.MAX else "0.0"
         self.emit(f"{ident(n.name)} = tl.full({shape}, {init}, tl.float32)", depth)
 
     def accum_step(self, n: Node, depth: int) -> None:
         acc, x, kind = ident(n.name), self.values[n.inputs[0]], n.attr("kind")
-        if kind == "max":
+        if kind == Op.MAX:
             self.emit(f"{acc}_prev = {acc}", depth)
             self.emit(f"{acc} = tl.maximum({acc}, {x.var})", depth)
         elif kind == "rescaled_sum":
@@ -363,7 +351,7 @@ class _KernelWriter:
                 if n.op == "accum":
                     if phase == "loop":
                         self.accum_step(n, depth)
-                    elif phase == "post" and n.attr("kind") == "mean":
+                    elif phase == "post" and n.attr("kind") == Op.MEAN:
                         self.emit(f"{ident(n.name)} = {ident(n.name)} * {1.0 / self.inst.values[k.forloop]!r}", 1)
                     continue
                 if stage != phase:
@@ -390,18 +378,15 @@ class _KernelWriter:
 def _library_line(op: Node) -> str:
     x = [ident(s) for s in op.inputs]
     out = ident(op.name)
-    if op.op in BINARY_SYMBOL:
-        return f"{out} = {x[0]} {BINARY_SYMBOL[op.op]} {x[1]}"
-    if op.op in TORCH_UNARY:
-        return f"{out} = {TORCH_UNARY[op.op].format(x[0])}"
-    if op.op in ("sum", "mean", "max"):
-        fn = {"sum": "torch.sum", "mean": "torch.mean", "max": "torch.amax"}[op.op]
-        return f"{out} = {fn}({x[0]}, dim={lit(typed(op.attr('dim'), int))}, " \
+    if op.op in ELEMENTWISE_BINARY + ELEMENTWISE_UNARY:
+        return f"{out} = {OPS[op.op].torch_source.format(*x)}"
+    if op.op in REDUCTIONS:
+        return f"{out} = {OPS[op.op].torch_source}({x[0]}, dim={lit(typed(op.attr('dim'), int))}, " \
                f"keepdim={lit(typed(op.attr('keepdim'), bool))})"
-    if op.op == "matmul":
+    if op.op == Op.MATMUL:
         b = f"{x[1]}.transpose(-1, -2)" if typed(op.attr("transpose_b"), bool) else x[1]
         return f"{out} = torch.matmul({x[0]}, {b})"
-    if op.op == "rms_norm":
+    if op.op == Op.RMS_NORM:
         w = x[1] if len(x) > 1 else "None"
         return f"{out} = torch.nn.functional.rms_norm({x[0]}, ({x[0]}.shape[-1],), {w}, {lit(typed(op.attr('eps'), float))})"
     raise CodegenError(f"library op {op.op!r} has no torch rendering")

@@ -1,0 +1,1 @@
+"""Triton rendering of an instance."""

@@ -1,0 +1,1 @@
+"""Verification: the egglog algebra, equivalence proofs and the numeric check."""
