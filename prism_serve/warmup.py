@@ -43,7 +43,8 @@ from prism_serve.paths import cache_dir
 log = logging.getLogger(__name__)
 MAX_TOKENS = 1 << 20  # the last bucket serves every larger num_tokens
 # (stage, done, total): the run entered `stage`; `done` of `total` regions are finished. Stages:
-# "capture under vLLM", then per region "KIND (I/N): STAGE" for each of `REGION_STAGES`, then "done".
+# "capture under vLLM", then per region "KIND (I/N): STAGE" for each of `REGION_STAGES` (or
+# "KIND (I/N) not searched"), then "done".
 Progress = Callable[[str, int, int], None]
 
 
@@ -250,7 +251,7 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
             why = _served_by(region.to_json(), docs, captured.classes, failed)
             if why is not None:
                 if progress:
-                    progress(f"{region.kind} ({i + 1}/{len(supported)}): not searched", i, len(supported))
+                    progress(f"{region.kind} ({i + 1}/{len(supported)}) not searched", i, len(supported))
                 outcomes.append(RegionOutcome(region.kind, region.program.canonical_hash, region.layers,
                                               reason=f"not searched: {why}"))
                 continue
