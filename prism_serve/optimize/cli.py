@@ -171,29 +171,32 @@ def optimize_command(
         display(f"search {prog.name}", 0, 1)
 
         def progress(message: str, stats) -> None:
-            display.detail(f"{message}: {sum(stats.pruned.values())} pruned, {stats.verified} verified")
+            display.detail(f"{message}, {sum(stats.pruned.values())} pruned")
         from prism_serve.optimize.generate.search import optimize
         result = optimize(prog, device, buckets, budget_s=budget, work=work, top=top, max_kernels=max_kernels,
                           max_block_ops=max_block_ops, all_designs=all_designs, workers=workers,
                           progress=progress, static_check=static_check)
-    except PrismError as exc:
+    except BaseException as exc:
         if display is not None:
             display.close(stopped=True)
+        if not isinstance(exc, PrismError):
+            raise
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     display.close()
-    print_designs(result, stdout_console() if verbose else summary_console(), verbose)
+    console = stdout_console() if verbose else summary_console()
+    print_designs(result, console, verbose)
     s = result.stats
     size = f"{s.designs} designs, {s.kernel_graphs} kernel graphs, {s.block_graphs} block graphs, {s.workers} workers"
     cut = f"; the work ran out with {s.open_subtrees} subtrees left open" if s.open_subtrees else ""
     checked = f", ptxas check {s.static_s:.1f} s" if static_check else ""
-    typer.echo(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s{checked}), {size}, "
-               f"{s.steps} of {s.work} steps, "
-               "pruned " + ", ".join(f"{k} {v}" for k, v in s.pruned.items()) + cut
-               + ("; stopped by the time budget (the result may depend on this machine's speed)"
-                  if s.stopped_by_budget else "")
-               + (f"; {s.static_spilled} buckets kept an instance that spills (none ranked near it does not)"
-                  if s.static_spilled else ""))
+    console.print(f"search {s.search_s:.1f} s (verification {s.verify_s:.1f} s{checked}), {size}, "
+                  f"{s.steps} of {s.work} steps, "
+                  "pruned " + ", ".join(f"{k} {v}" for k, v in s.pruned.items()) + cut
+                  + ("; stopped by the time budget (the result may depend on this machine's speed)"
+                     if s.stopped_by_budget else "")
+                  + (f"; {s.static_spilled} buckets kept an instance that spills (none ranked near it does not)"
+                     if s.static_spilled else ""), highlight=False, markup=False)
     if emit is not None:
         for path in _emit(result, emit):
             typer.echo(f"wrote {path}")
