@@ -117,7 +117,8 @@ def _warmup_title(report) -> str:
 
 def _full_warmup_table(report) -> Table:
     table = Table(Column("region", overflow="fold"), "kernel", "buckets", "verified", "vs vLLM modeled",
-                  Column("vs vLLM measured", overflow="fold"), "status", title=_warmup_title(report) + " (speedups per bucket, over vLLM's path for the region)")
+                  Column("vs vLLM measured", overflow="fold"), "status",
+                  title=_warmup_title(report) + " (speedups per bucket, over vLLM's path for the region)")
     for r in report.regions:
         table.add_row(r.kind, (r.design + (" (reused)" if r.reused else "")) or "-",
                       ", ".join(f"{lo}-{hi}" for lo, hi in r.buckets) or "-", "yes" if r.verified else "-",
@@ -140,9 +141,9 @@ def print_warmup_summary(report, console: Console, verbose: bool = False) -> Non
                   title=_warmup_title(report), caption="speedups per bucket, over vLLM's path for the region")
     notes = []
     for i, r in enumerate(report.regions, 1):
-        table.add_row(str(i), r.kind, ", ".join(f"{lo}+" if hi == MAX_TOKENS else f"{lo}-{hi}" for lo, hi in r.buckets)
-                      or "-",
-                      _speeds(r.modeled_speedup), *((_speeds(r.measured_speedup),) if measured else ()), r.status)
+        buckets = ", ".join(f"{lo}+" if hi == MAX_TOKENS else f"{lo}-{hi}" for lo, hi in r.buckets) or "-"
+        table.add_row(str(i), r.kind, buckets, _speeds(r.modeled_speedup),
+                      *((_speeds(r.measured_speedup),) if measured else ()), r.status)
         kernel = (r.design + (" (reused)" if r.reused else "")) if r.design else ""
         against = f"measured against {r.baseline}" if r.measured_speedup and r.baseline != "vllm" else ""
         if kernel or r.reason or against:

@@ -37,6 +37,8 @@ def summary_console() -> Console:
 
 
 class StageProgress(Protocol):
+    """A progress display: called as a command's `progress` callback (see the module doc)."""
+
     def __call__(self, stage: str, done: int, total: int) -> None: ...
 
     def detail(self, text: str) -> None:
