@@ -10,11 +10,12 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.measure import Measurement
+from rich.table import Column, Table
 
 from prism_serve import __version__
 from prism_serve.capture.cli import capture_command
-from prism_serve.console import stdout_console
+from prism_serve.console import progress_for, stdout_console, summary_console
 from prism_serve.errors import PrismError
 from prism_serve.optimize.cli import interpret_unless_gpu, optimize_command
 from prism_serve.registry.cli import registry_app
@@ -105,6 +106,53 @@ def _speeds(per_bucket: list[float]) -> str:
     return ", ".join(f"{x:.2f}x" for x in per_bucket) or "-"
 
 
+def _measured(r) -> str:
+    return _speeds(r.measured_speedup) + (f" ({r.baseline})" if r.baseline != "vllm" and r.measured_speedup else "")
+
+
+def _warmup_title(report) -> str:
+    return (f"warmup of {report.model} ({report.dtype}) on {report.device} in {report.seconds:.1f} s"
+            + (": nothing new" if report.nothing_new else ""))
+
+
+def _full_warmup_table(report) -> Table:
+    table = Table(Column("region", overflow="fold"), "kernel", "buckets", "verified", "vs vLLM modeled",
+                  Column("vs vLLM measured", overflow="fold"), "status",
+                  title=_warmup_title(report) + " (speedups per bucket, over vLLM's path for the region)")
+    for r in report.regions:
+        table.add_row(r.kind, (r.design + (" (reused)" if r.reused else "")) or "-",
+                      ", ".join(f"{lo}-{hi}" for lo, hi in r.buckets) or "-", "yes" if r.verified else "-",
+                      _speeds(r.modeled_speedup), _measured(r), f"{r.status}: {r.reason}" if r.reason else r.status)
+    return table
+
+
+def print_warmup_summary(report, console: Console, verbose: bool = False) -> None:
+    """The warmup's table: every column with `verbose` or where it fits the console; else folded to
+    fit (the kernel and the reason move under the table, one numbered note per region)."""
+    full = _full_warmup_table(report)
+    if verbose or Measurement.get(console, console.options.update_width(1 << 16), full).maximum <= console.width:
+        console.print(full)
+        return
+    from prism_serve.warmup import MAX_TOKENS
+
+    measured = any(r.measured_speedup for r in report.regions)
+    table = Table("#", Column("region", no_wrap=True), "buckets", "vs vLLM modeled",
+                  *(("measured",) if measured else ()), "status",
+                  title=_warmup_title(report), caption="speedups per bucket, over vLLM's path for the region")
+    notes = []
+    for i, r in enumerate(report.regions, 1):
+        buckets = ", ".join(f"{lo}+" if hi == MAX_TOKENS else f"{lo}-{hi}" for lo, hi in r.buckets) or "-"
+        table.add_row(str(i), r.kind, buckets, _speeds(r.modeled_speedup),
+                      *((_speeds(r.measured_speedup),) if measured else ()), r.status)
+        kernel = (r.design + (" (reused)" if r.reused else "")) if r.design else ""
+        against = f"measured against {r.baseline}" if r.measured_speedup and r.baseline != "vllm" else ""
+        if kernel or r.reason or against:
+            notes.append(f"{i}. " + "; ".join(filter(None, [kernel, against, r.reason])))
+    console.print(table)
+    for note in notes:
+        console.print(note, highlight=False, markup=False)
+
+
 @app.command()
 def warmup(
     model: Optional[str] = typer.Argument(None, help="model directory or embedded model (default tiny-llama)"),
@@ -115,37 +163,28 @@ def warmup(
     dtype: str = typer.Option("auto", "--dtype", help="the dtype vLLM serves the model in, as `vllm serve --dtype`: "
                                                       "auto (vLLM's default: bfloat16 for a float32 checkpoint), "
                                                       "float32, bfloat16 or float16"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print the table alone, no progress"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="progress as plain lines (one per stage, "
+                                                                  "with a heartbeat), not a live display"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="the table with every column, however wide"),
 ) -> None:
-    """Capture a model under vLLM, superoptimize its hot regions, check them against vLLM, store them."""
+    """Capture a model under vLLM, superoptimize its hot regions, check them against vLLM, store them.
+    Progress goes to stderr (a live display on a terminal; elsewhere, or with --no-progress, one line
+    per stage as it starts and ends and a heartbeat every 10 s), the table to stdout."""
     interpret_unless_gpu()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from prism_serve.warmup import run_status
     from prism_serve.warmup import warmup as run_warmup
 
+    display = progress_for(quiet=quiet, plain=no_progress, prefix="warmup")
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task("warmup", total=1)
-
-            def progress(stage: str, done: int, total: int) -> None:
-                bar.update(task, description=stage, completed=done, total=max(total, 1))
-
-            report = run_warmup(model, registry=registry, budget_s=budget, progress=progress, dtype=dtype)
-    except PrismError as exc:
-        raise _fail(exc) from None
-    table = Table("region", "kernel", "buckets", "verified", "vs vLLM modeled", "vs vLLM measured", "status",
-                  title=f"warmup of {report.model} ({report.dtype}) on {report.device} in {report.seconds:.1f} s"
-                  + (": nothing new" if report.nothing_new else "")
-                  + " (speedups per bucket, over vLLM's path for the region)")
-    for r in report.regions:
-        buckets = ", ".join(f"{lo}-{hi}" for lo, hi in r.buckets) or "-"
-        measured = _speeds(r.measured_speedup) + (f" ({r.baseline})" if r.baseline != "vllm" and
-                                                  r.measured_speedup else "")
-        table.add_row(r.kind, (r.design + (" (reused)" if r.reused else "")) or "-", buckets,
-                      "yes" if r.verified else "-", _speeds(r.modeled_speedup), measured,
-                      f"{r.status}: {r.reason}" if r.reason else r.status)
-    stdout_console().print(table)
+        report = run_warmup(model, registry=registry, budget_s=budget, progress=display, dtype=dtype)
+    except BaseException as exc:
+        display.close(stopped=True)
+        if isinstance(exc, PrismError):
+            raise _fail(exc) from None
+        raise
+    display.close()
+    print_warmup_summary(report, stdout_console() if verbose else summary_console(), verbose)
     if json_file is not None:
         json_file.write_text(json.dumps(report.to_json(), indent=1))
     if run_status(report.regions) == "failed":  # one failed region is reported, not fatal

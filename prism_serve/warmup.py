@@ -10,7 +10,8 @@ else search with Prism's generator (`optimize.generate.search`); instantiate the
 design for this device and each num_tokens bucket;
 check it on the layer's real weights and the inputs vLLM saw against vLLM's own
 outputs; on a GPU, time it against vLLM's own path (`baseline`); store every kernel with
-its proof, checks and timings. A region that fails (search, proof, its check against vLLM) is
+its proof, checks and timings. These are the region's stages (`REGION_STAGES`, functions over one
+`RegionRun` context), and what progress names. A region that fails (search, proof, its check against vLLM) is
 reported with the reason and skipped, and the run goes on (`run_status`). Every speedup is against vLLM's path for the region
 (`baseline`), modeled by the same cost model and, on a GPU, measured; a kernel is `enabled`
 only when it measured faster;
@@ -41,7 +42,10 @@ from prism_serve.paths import cache_dir
 
 log = logging.getLogger(__name__)
 MAX_TOKENS = 1 << 20  # the last bucket serves every larger num_tokens
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
+# (stage, done, total): the run entered `stage`; `done` of `total` regions are finished. Stages:
+# "capture under vLLM", then per region "KIND (I/N): STAGE" for each of `REGION_STAGES` (or
+# "KIND (I/N) not searched"), then "done".
+Progress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -244,15 +248,18 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
         supported = sorted((r for r in captured.regions if r.supported), key=lambda r: -_span(r.to_json()))
         failed: set = set()
         for i, region in enumerate(supported):
-            if progress:
-                progress(f"optimize {region.kind}", i, len(supported))
             why = _served_by(region.to_json(), docs, captured.classes, failed)
             if why is not None:
+                if progress:
+                    progress(f"{region.kind} ({i + 1}/{len(supported)}) not searched", i, len(supported))
                 outcomes.append(RegionOutcome(region.kind, region.program.canonical_hash, region.layers,
                                               reason=f"not searched: {why}"))
                 continue
+            out = RegionOutcome(region.kind, region.program.canonical_hash, region.layers,
+                                bucket_ranges(sorted(set(region.buckets)) or [1]))
             try:
-                outcome = _warm_region(region, captured, name, reg, device, device_type, env, run_id, budget_s)
+                outcome = _warm_region(RegionRun(region, captured, name, reg, device, device_type, env, run_id,
+                                                 budget_s, out), progress, i, len(supported))
             except Exception as exc:  # noqa: BLE001 - one region's failure is reported, the run goes on
                 outcome = RegionOutcome(region.kind, region.program.canonical_hash, region.layers, status="failed",
                                         reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
@@ -281,59 +288,108 @@ def run_status(outcomes: list[RegionOutcome]) -> str:
     return "partial" if any(o.status in ("enabled", "verified") for o in outcomes) else "failed"
 
 
-def _warm_region(region, captured, model: str, reg, device, device_type: str, env, run_id: int,
-                 budget_s: float) -> RegionOutcome:
-    from prism_serve.optimize.instantiate.static import facts_json
-    from prism_serve.optimize.pipeline.search import optimize
+@dataclass
+class RegionRun:
+    """The explicit context a region's stages run over: what they are given, then what each
+    stage adds for the next (`REGION_STAGES`). A stage returns None to go on, or why the region
+    failed."""
+    region: object  # capture's Region
+    captured: object  # capture's report: the recorded forwards the check reads
+    model: str
+    reg: object  # the open Registry
+    device: object  # DeviceInfo
+    device_type: str  # "cuda" or "cpu"
+    env: object  # the software versions kernels are stored under
+    run_id: int
+    budget_s: float
+    out: RegionOutcome
+    spec: object = None  # the GPU spec the search ranks for
+    designs: list = field(default_factory=list)  # verified designs stored for this Program (family)
+    best: object = None  # the search's winner
+    kernels: dict = field(default_factory=dict)  # bucket range -> the winner's instance for it
+    checks: dict = field(default_factory=dict)  # bucket range -> (error against vLLM, its limit)
+    limit: float = 0.0  # the limit of the check nearest to (or furthest past) it
+    checked_tokens: list = field(default_factory=list)
+    vllm_modeled: dict = field(default_factory=dict)  # bucket range -> vLLM's path, modeled us
+    against: str | None = None  # what the GPU timings are against
+    timings: dict = field(default_factory=dict)  # bucket range -> (measured us, baseline us)
+
+    @property
+    def prog(self):
+        return self.region.program
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(set(self.region.buckets)) or [1]
+
+
+def _stored_designs(run: RegionRun) -> str | None:
     from prism_serve.optimize.target.gpus import get_gpu
     from prism_serve.patch.table import CPU_BOUNDS_GPU
+
+    run.spec = run.device.spec or get_gpu(run.device.name if run.device.kind == "gpu" else CPU_BOUNDS_GPU)
+    with run.reg.read() as s:
+        run.designs = known_designs(s, run.prog)
+    return None
+
+
+def _search(run: RegionRun) -> str | None:
+    from prism_serve.optimize.pipeline.search import optimize
+
+    # one process: on two cores the workers' start-up (5-10 s) costs more than they save (see #11's notes);
+    # on a GPU, only instances that ptxas does not spill for it (compiled by the Triton vLLM will launch with)
+    def search(known=()):
+        return optimize(run.prog, run.spec, run.sizes, budget_s=run.budget_s, known=known, workers=1,
+                        static_check=run.device.kind == "gpu")
+    try:
+        result = search(run.designs)
+        if run.designs and not result.found:  # stored designs no longer verify here: search afresh
+            result, run.designs = search(), []
+    except PrismError as exc:
+        return f"optimizer: {exc}"
+    if not result.found:
+        return " ".join(filter(None, ["no verified kernel", result.stats.limit()]))
+    run.best = result.best
+    run.out.reused, run.out.design, run.out.verified = bool(run.designs), run.best.design.describe(), True
+    run.kernels = {rng: run.best.kernel_for(size) for rng, size in zip(run.out.buckets, run.sizes)}
+    return None
+
+
+def _check(run: RegionRun) -> str | None:
+    try:
+        run.checks, run.checked_tokens = _check_against_vllm(run.prog, run.kernels, run.captured, run.device_type)
+    except PrismError as exc:
+        return f"check against vLLM: {exc}"
+    worst = max(run.checks, key=lambda rng: run.checks[rng][0] / run.checks[rng][1])
+    run.out.vllm_max_rel_error, run.limit = run.checks[worst]
+    if run.out.vllm_max_rel_error > run.limit:
+        return (f"the {worst[0]}-{worst[1]} tokens kernel differs from vLLM's output by "
+                f"{run.out.vllm_max_rel_error:.2e} (limit {run.limit:.2e})")
+    return None
+
+
+def _speedup(run: RegionRun) -> str | None:
+    """Over vLLM's path for the region: modeled, and on a GPU measured."""
+    from prism_serve.baseline import served_modeled_us, vllm_modeled_us
+
+    run.vllm_modeled = {rng: vllm_modeled_us(run.prog, c.num_tokens, run.spec) for rng, c in run.kernels.items()}
+    run.out.modeled_speedup = [run.vllm_modeled[rng] / served_modeled_us(run.prog, c.modeled_us, c.num_tokens, run.spec)
+                               for rng, c in run.kernels.items()]
+    if run.device_type == "cuda":
+        run.against, run.timings = _time_against_vllm(run.prog, run.kernels)
+    run.out.baseline = run.against or ""
+    return None
+
+
+def _store(run: RegionRun) -> str | None:
+    """Every bucket's kernel through the registry's gate (proven and checked at the stored
+    instantiation), then into the registry."""
+    from prism_serve.optimize.instantiate.static import facts_json
     from prism_serve.registry.gate import admit
     from prism_serve.registry.store import KernelResult, add_kernels
 
-    prog = region.program
-    sizes = sorted(set(region.buckets)) or [1]
-    ranges = bucket_ranges(sizes)
-    out = RegionOutcome(region.kind, prog.canonical_hash, region.layers, ranges)
-    spec = device.spec or get_gpu(device.name if device.kind == "gpu" else CPU_BOUNDS_GPU)
-    with reg.read() as s:
-        designs = known_designs(s, prog)
-    # one process: on two cores the workers' start-up (5-10 s) costs more than they save (see #11's notes);
-    # on a GPU, only instances that ptxas does not spill for it (compiled by the Triton vLLM will launch with)
-    search = lambda known=(): optimize(prog, spec, sizes, budget_s=budget_s, known=known, workers=1,  # noqa: E731
-                                       static_check=device.kind == "gpu")
-    try:
-        result = search(designs)
-        if designs and not result.found:  # stored designs no longer verify here: search afresh
-            result, designs = search(), []
-    except PrismError as exc:
-        out.status, out.reason = "failed", f"optimizer: {exc}"
-        return out
-    if not result.found:
-        out.status, out.reason = "failed", " ".join(filter(None, ["no verified kernel", result.stats.limit()]))
-        return out
-    best = result.best
-    out.reused, out.design, out.verified = bool(designs), best.design.describe(), True
-    kernels = {rng: best.kernel_for(size) for rng, size in zip(ranges, sizes)}
-    try:
-        checks, checked_tokens = _check_against_vllm(prog, kernels, captured, device_type)
-    except PrismError as exc:
-        out.status, out.reason, out.verified = "failed", f"check against vLLM: {exc}", False
-        return out
-    worst = max(checks, key=lambda rng: checks[rng][0] / checks[rng][1])
-    out.vllm_max_rel_error, limit = checks[worst]
-    if out.vllm_max_rel_error > limit:
-        out.status, out.verified = "failed", False
-        out.reason = (f"the {worst[0]}-{worst[1]} tokens kernel differs from vLLM's output by "
-                      f"{out.vllm_max_rel_error:.2e} (limit {limit:.2e})")
-        return out
-    from prism_serve.baseline import served_modeled_us, vllm_modeled_us
-    dtype = prog.inputs[0].attr("dtype")
-    vllm_modeled = {rng: vllm_modeled_us(prog, c.num_tokens, spec) for rng, c in kernels.items()}
-    out.modeled_speedup = [vllm_modeled[rng] / served_modeled_us(prog, c.modeled_us, c.num_tokens, spec)
-                           for rng, c in kernels.items()]
-    against, timings = _time_against_vllm(prog, kernels) if device_type == "cuda" else (None, {})
-    out.baseline = against or ""
-    path = "vLLM's own path" if against == "vllm" else "torch eager (vLLM not installed)"
+    prog, best, out, kernels, timings = run.prog, run.best, run.out, run.kernels, run.timings
+    path = "vLLM's own path" if run.against == "vllm" else "torch eager (vLLM not installed)"
     # on a GPU, ptxas's registers and spills of each range's kernel, compiled for it by the search
     ptxas = {"ptxas": {f"{lo}-{hi}": facts_json(k.facts) for (lo, hi), k in kernels.items()}
              } if any(k.facts is not None for k in kernels.values()) else {}
@@ -346,31 +402,52 @@ def _warm_region(region, captured, model: str, reg, device, device_type: str, en
                   f"measured slower than {path}" if measured is not None else
                   "not measured: no GPU here (modeled only)")
         results.append(KernelResult(
-            program=prog, sgraph=best.sgraph, device=device, dtype=dtype, bucket=rng, params=c.assignment,
-            versions=env, status=status, reason=reason, modeled_us=c.modeled_us, measured_us=measured,
-            baseline=against if baseline is not None else None, baseline_us=baseline,
-            baseline_modeled_us=vllm_modeled[rng], modeled_speedup=modeled_speedup,
+            program=prog, sgraph=best.sgraph, device=run.device, dtype=prog.inputs[0].attr("dtype"), bucket=rng,
+            params=c.assignment, versions=run.env, status=status, reason=reason, modeled_us=c.modeled_us,
+            measured_us=measured, baseline=run.against if baseline is not None else None, baseline_us=baseline,
+            baseline_modeled_us=run.vllm_modeled[rng], modeled_speedup=modeled_speedup,
             proof={"ok": best.proof.ok, "reason": best.proof.reason, "seconds": best.proof.seconds,
                    "design": best.design.to_json()},
             tests={"small_instance_max_rel_error": best.numeric_error,
-                   "vllm_max_rel_error": out.vllm_max_rel_error, "vllm_error_limit": limit,
-                   "vllm_checked_tokens": checked_tokens,
+                   "vllm_max_rel_error": out.vllm_max_rel_error, "vllm_error_limit": run.limit,
+                   "vllm_checked_tokens": run.checked_tokens,
                    "vllm_checks": {f"{lo}-{hi}": {"max_rel_error": e, "limit": lim}
-                                   for (lo, hi), (e, lim) in checks.items()},
+                                   for (lo, hi), (e, lim) in run.checks.items()},
                    **ptxas},
-            sources=tuple((model, m) for m in region.modules), warmup_run_id=run_id))
+            sources=tuple((run.model, m) for m in run.region.modules), warmup_run_id=run.run_id))
     try:
-        results = admit(results)  # the registry's gate: proven and checked at the stored instantiation
+        results = admit(results)
     except PrismError as exc:
-        out.status, out.reason, out.verified = "failed", str(exc), False
-        return out
-    with reg.write() as s:
+        return str(exc)
+    with run.reg.write() as s:
         add_kernels(s, results)
     out.measured_speedup = [timings[rng][1] / timings[rng][0] for rng in kernels if rng in timings]
     out.status = "enabled" if all(r.status == "enabled" for r in results) else "verified"
     out.reason = results[0].reason if len({r.reason for r in results}) == 1 else "; ".join(
         f"{r.bucket[0]}-{r.bucket[1]}: {r.reason}" for r in results)
-    return out
+    return None
+
+
+# A region's warmup, in order; each name is what progress shows while it runs.
+REGION_STAGES: tuple[tuple[str, Callable[[RegionRun], str | None]], ...] = (
+    ("stored designs", _stored_designs),
+    ("search", _search),
+    ("check against vLLM", _check),
+    ("speedup over vLLM", _speedup),
+    ("gate and store", _store),
+)
+
+
+def _warm_region(run: RegionRun, progress: Progress | None = None, done: int = 0, total: int = 1) -> RegionOutcome:
+    """Run `REGION_STAGES` over `run` until one fails (the outcome then says why, unverified)."""
+    for name, stage in REGION_STAGES:
+        if progress:
+            progress(f"{run.out.kind} ({done + 1}/{total}): {name}", done, total)
+        why = stage(run)
+        if why is not None:
+            run.out.status, run.out.reason, run.out.verified = "failed", why, False
+            break
+    return run.out
 
 
 def _check_against_vllm(prog, kernels: dict, captured, device_type: str
@@ -413,8 +490,8 @@ def _time_against_vllm(prog, kernels: dict) -> tuple[str, dict]:
     and of vLLM's own path (`baseline.baseline`), at the range's tuned size, on the same inputs."""
     from prism_serve.baseline import baseline, served
     from prism_serve.optimize.codegen.render import compile_instance
-    from prism_serve.optimize.instantiate.timing import median_us
     from prism_serve.optimize.ir.reference import random_inputs
+    from prism_serve.optimize.instantiate.timing import median_us
 
     vllm = baseline(prog)
     out = {}

@@ -144,3 +144,15 @@ def test_optimize_refuses_a_worker_count_below_one_in_one_line():
     result = runner.invoke(app, ["optimize", "silu_and_mul", "--workers", "0"])
     assert result.exit_code == 1 and "workers must be a positive int" in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_optimize_folds_its_table_to_100_columns_and_logs_its_progress(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
+    result = runner.invoke(app, ["optimize", "silu_and_mul", "--shape", "intermediate=40", "-n", "4", "-n", "64",
+                                 "--max-kernels", "1", "--workers", "1"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 100, result.output
+    assert lines[0].startswith("optimize") and lines[0].endswith("search silu_and_mul: started")
+    assert any("search silu_and_mul: done in" in line for line in lines)
+    assert "modeled us @4, 64" in result.output and "1. " in result.output  # the designs folded under the table
