@@ -69,7 +69,7 @@ from torch import fx
 
 from prism_serve.patch import ops, patterns
 from prism_serve.patch.table import Table
-from prism_serve.region_table import KINDS
+from prism_serve.region_table import KINDS, OP_KINDS, REGION_KINDS, RegionKind
 
 log = logging.getLogger("vllm.prism_serve")
 NAME = "fusion pass (compiled mode)"
@@ -83,7 +83,7 @@ def served(table: Table | None) -> dict[str, set[patterns.Key]]:
     """The table keys per kind that some pattern can replace (each op-level and region kind)."""
     if table is None:
         return {}
-    return {op: set(per) for op, per in table.ops.items() if op in patterns.KINDS and per}
+    return {op: set(per) for op, per in table.ops.items() if op in KINDS and per}
 
 
 def _signature(table: Table | None) -> str:
@@ -180,11 +180,13 @@ def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
     return node
 
 
-def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed: dict) -> None:
-    """Replace region `r` by prism op `kind` (its own kind, or `[gemma_]rmsnorm_linear[_bias]` after a
-    separate residual add); a Gemma region takes the norm's stored weight. `renamed` maps the outputs of regions replaced before to their new nodes (a
-    region's input may be one), and learns this region's; `order` learns the new nodes' places."""
-    P, aten = torch.ops.prism, torch.ops.aten
+def _serve(graph: fx.Graph, r: patterns.Region, kind: RegionKind, order: dict, renamed: dict) -> None:
+    """Replace region `r` by prism op `kind` (its own kind, or the same without the residual, the add
+    then beside it); the op's arguments are the region's values in the order of `kind.args` (a Gemma
+    region's norm weight is its stored weight). `renamed` maps the outputs of regions replaced before
+    to their new nodes (a region's input may be one), and learns this region's; `order` learns the
+    new nodes' places."""
+    aten = torch.ops.aten
     lin, norm = r.linear, r.norm
     n, outs, first = lin.out_features, {}, _first(r.nodes, order)
 
@@ -193,22 +195,19 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
         order[node] = order[first] - 0.5
         return node
 
-    bias = (lin.bias,) if kind.endswith("_bias") else ()  # the `_bias` kinds take it after the weight
     with graph.inserting_before(first):
         x = norm.x if norm else lin.x
-        if norm is not None and norm.residual is not None and "fused_add_rmsnorm_linear" not in kind:
+        if norm is not None and norm.residual is not None and not kind.form.residual:
             x = outs[norm.sum] = new(aten.add.Tensor, norm.x, norm.residual)  # the next residual
-        if kind in ("swiglu", "geglu"):
-            outs[r.act] = new(getattr(P, kind).default, x, lin.weight, patterns.SITE, n)
-        elif kind in ("rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"):
-            outs[r.act] = new(getattr(P, kind).default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
-        elif kind in ("rmsnorm_linear", "rmsnorm_linear_bias", "gemma_rmsnorm_linear"):
-            outs[lin.out] = new(getattr(P, kind).default, x, norm.weight, lin.weight, *bias, norm.eps,
-                                patterns.SITE, n)
+        vals = {"x": x, "residual": norm and norm.residual, "norm_weight": norm and norm.weight,
+                "weight": lin.weight, "w_gate_up": lin.weight, "bias": lin.bias, "epsilon": norm and norm.eps,
+                "site": patterns.SITE, "out_features": n}
+        call = new(patterns.prism_op(kind).default, *(vals[a] for a in kind.args))
+        result = r.act if r.act is not None else lin.out
+        if len(kind.outputs) == 1:
+            outs[result] = call
         else:
-            both = new(getattr(P, kind).default, x, norm.residual, norm.weight, lin.weight, *bias, norm.eps,
-                       patterns.SITE, n)
-            outs[lin.out], outs[norm.sum] = new(operator.getitem, both, 0), new(operator.getitem, both, 1)
+            outs[result], outs[norm.sum] = new(operator.getitem, call, 0), new(operator.getitem, call, 1)
         for old, node in list(outs.items()):  # the kernels' rows come back in the region's own rank:
             want, got = (old.meta.get("val") if old is not None else None), node.meta.get("val")
             if want is not None and got is not None and want.dim() == got.dim() + 1:  # a batch dim of 1
@@ -234,22 +233,22 @@ def serve_regions(graph: fx.Graph, table: Table) -> Counter:
     done: Counter = Counter()
     used: set = set()
     renamed: dict = {}
-    for kind in patterns.REGION_KINDS:
-        for r in (r for r in found if r.kind == kind):
+    for kind in REGION_KINDS:
+        for r in (r for r in found if r.kind == kind.name):
             if used & r.nodes or not _closed(r, order, renamed):
                 continue
             x = (r.norm.x if r.norm else r.linear.x).meta["val"]
             if x.device.type != table.device:
                 continue
-            serve_as = kind if table.entry(kind, *r.key) is not None else None
-            plain = kind.replace("fused_add_", "")
-            if serve_as is None and "fused_add_" in kind and table.entry(plain, *r.key):
+            serve_as = kind if table.entry(kind.name, *r.key) is not None else None
+            plain = kind.without_residual
+            if serve_as is None and plain is not None and table.entry(plain.name, *r.key):
                 serve_as = plain  # with the residual add beside it
             if serve_as is None:
                 continue
             used |= r.nodes
             _serve(graph, r, serve_as, order, renamed)
-            done[serve_as] += 1
+            done[serve_as.name] += 1
     return done
 
 
@@ -279,7 +278,7 @@ def rewrite(graph: fx.Graph, table: Table) -> Counter:
     for pm_pass in late:  # Gemma's norms that no region took, on their raw weight
         pm_pass.apply(graph)
     after = _prism_nodes(graph)
-    ops_done = Counter({k: after[k] - before[k] for k in patterns.OP_KINDS if after[k] > before[k]})
+    ops_done = Counter({k: after[k] - before[k] for k in (o.name for o in OP_KINDS) if after[k] > before[k]})
     return ops_done + regions
 
 

@@ -31,16 +31,25 @@ import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
 from prism_serve.patch import fusion, ops
 from prism_serve.patch.table import Table
-from prism_serve.region_table import KINDS
+from prism_serve.region_table import KINDS, MODEL_CLASSES, Form, hooked, kind_of
 
 PROVIDER = "prism"
-IR_OPS = ("rms_norm", "fused_add_rms_norm")
+# the kinds served as vLLM IR providers (their names are vLLM's IR ops), by whether they add a residual
+IR_KINDS = MappingProxyType({k.form.residual: k for k in hooked("ir")})
+# the activation kinds served by CustomOp replacement
+SILU, GELU_TANH = kind_of(Form(act="silu")), kind_of(Form(act="gelu_tanh"))
+# the whole regions of eager mode: an MLP's (hook "mlp"), a decoder layer's input side (by whether its
+# norm adds the residual) and its post-attention side (hook "decoder_layer")
+(MLP_KIND,) = hooked("mlp")
+INPUT_SIDE = MappingProxyType({k.form.residual: k for k in hooked("decoder_layer") if not k.form.act})
+(POST_SIDE,) = (k for k in hooked("decoder_layer") if k.form.act)
 
 
 @dataclass
@@ -68,7 +77,7 @@ def _served(op: str, x: Tensor, dim: int, eps: float | None) -> bool:
 
 def rms_norm_supports(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> bool:
     return (variance_size is None and weight is not None and weight.dtype == x.dtype
-            and _served("rms_norm", x, x.shape[-1], epsilon))
+            and _served(IR_KINDS[False].name, x, x.shape[-1], epsilon))
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:
@@ -78,7 +87,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: in
 def fused_add_rms_norm_supports(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
                                 variance_size: int | None = None) -> bool:
     return (variance_size is None and weight is not None and weight.dtype == x.dtype
-            and x_residual.dtype == x.dtype and _served("fused_add_rms_norm", x, x.shape[-1], epsilon))
+            and x_residual.dtype == x.dtype and _served(IR_KINDS[True].name, x, x.shape[-1], epsilon))
 
 
 def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
@@ -86,8 +95,8 @@ def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, eps
     return torch.ops.prism.fused_add_rms_norm(x, x_residual, weight, epsilon)
 
 
-IMPLS = {"rms_norm": (rms_norm, rms_norm_supports), "fused_add_rms_norm": (fused_add_rms_norm,
-                                                                            fused_add_rms_norm_supports)}
+# vLLM IR provider and its supports_args, by whether the op adds a residual
+IMPLS = MappingProxyType({False: (rms_norm, rms_norm_supports), True: (fused_add_rms_norm, fused_add_rms_norm_supports)})
 
 
 def _next_provider(ir_op) -> Callable:
@@ -126,12 +135,12 @@ def _install_fallbacks(table: Table, done: Installed) -> None:
 
     saved = dict(ops.FALLBACKS)
     done.undo.append(lambda: (ops.FALLBACKS.clear(), ops.FALLBACKS.update(saved)))
-    for op in IR_OPS:
-        ops.FALLBACKS[op] = _next_provider(getattr(ir.ops, op))
-    ops.FALLBACKS["silu_and_mul"] = _vllm_activation("silu_and_mul", SiluAndMul.forward_native)
+    for kind in IR_KINDS.values():
+        ops.FALLBACKS[kind.name] = _next_provider(getattr(ir.ops, kind.name))
+    ops.FALLBACKS[SILU.name] = _vllm_activation(SILU.name, SiluAndMul.forward_native)
     tanh = functools.partial(GeluAndMul.forward_native, types.SimpleNamespace(approximate="tanh"))
-    ops.FALLBACKS["gelu_tanh_and_mul"] = _vllm_activation("gelu_tanh_and_mul", tanh)
-    ops.FALLBACKS["swiglu"] = _vllm_swiglu
+    ops.FALLBACKS[GELU_TANH.name] = _vllm_activation(GELU_TANH.name, tanh)
+    ops.FALLBACKS[MLP_KIND.name] = _vllm_swiglu
     ops.FALLBACKS.update(LAYER_FALLBACKS)
 
 
@@ -139,13 +148,14 @@ def _install_ir(table: Table, done: Installed) -> None:
     from vllm import ir
     from vllm.platforms import current_platform
 
-    served = [op for op in IR_OPS if table.ops.get(op)]
+    kinds = [k for k in IR_KINDS.values() if table.ops.get(k.name)]
+    served = [k.name for k in kinds]  # vLLM's IR op names
     if not served:
         return
-    for op in served:
-        ir_op = getattr(ir.ops, op)
+    for kind in kinds:
+        ir_op = getattr(ir.ops, kind.name)
         if PROVIDER not in ir_op.impls:
-            impl, supports = IMPLS[op]
+            impl, supports = IMPLS[kind.form.residual]
             ir_op.register_impl(PROVIDER, supported=True, supports_args=supports)(impl)
             done.undo.append(lambda o=ir_op: o.impls.pop(PROVIDER, None))
     cls = type(current_platform)
@@ -211,8 +221,9 @@ def _install_silu(table: Table, done: Installed) -> None:
     from vllm.model_executor.layers.activation import SiluAndMul
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.prism.silu_and_mul(x)
-    _install_activation(table, done, SiluAndMul, "silu_and_mul", forward)
+        return silu(x)
+    silu = getattr(torch.ops.prism, SILU.name)
+    _install_activation(table, done, SiluAndMul, SILU.name, forward)
 
 
 def _install_gelu(table: Table, done: Installed) -> None:
@@ -222,10 +233,11 @@ def _install_gelu(table: Table, done: Installed) -> None:
 
     def forward(self, x: Tensor) -> Tensor:
         if self.approximate == "tanh":
-            return torch.ops.prism.gelu_tanh_and_mul(x)
+            return gelu_tanh(x)
         # vLLM's path: its kernel where it built one (CUDA, XPU, POWER), else torch
         return GeluAndMul.forward_cuda(self, x) if hasattr(self, "op") else GeluAndMul.forward_native(self, x)
-    _install_activation(table, done, GeluAndMul, "gelu_tanh_and_mul", forward)
+    gelu_tanh = getattr(torch.ops.prism, GELU_TANH.name)
+    _install_activation(table, done, GeluAndMul, GELU_TANH.name, forward)
 
 
 def _forget_built_activations(cls_name: str) -> None:
@@ -254,14 +266,14 @@ def _forget_built_activations(cls_name: str) -> None:
 # (model module, class name): decoder MLPs whose forward runs gate_up_proj -> act_fn -> down_proj.
 # Patched in place, so every model that builds one is served, however it imported the class
 # (qwen3's Qwen3MLP is Qwen2MLP, GLM-4 builds LlamaMLP); only instances of exactly these classes
-REGIONS = (("vllm.model_executor.models.llama", "LlamaMLP"), ("vllm.model_executor.models.qwen2", "Qwen2MLP"))
+REGIONS = tuple((MODEL_CLASSES[c], c) for c in sorted(MLP_KIND.eager_classes))
 SITES: list = []  # weak references to the patched MLPs, indexed by their prism::swiglu `site`
 
 
 def _swiglu_served(mlp) -> bool:
     """A plain gate_up projection (see `_plain_linear`) the table has a kernel for."""
     g = mlp.gate_up_proj
-    return _plain_linear(g) and _has("swiglu", g.weight, (g.weight.shape[1], g.weight.shape[0] // 2), None)
+    return _plain_linear(g) and _has(MLP_KIND.name, g.weight, (g.weight.shape[1], g.weight.shape[0] // 2), None)
 
 
 def _keep_weight(owner, linear, attr: str) -> None:
@@ -322,7 +334,7 @@ def _swiglu_forward(original):
     def forward(self, x):
         if getattr(self, "_prism_weight", None) is None or type(self.gate_up_proj) is not self._prism_gate_up_cls:
             return original(self, x)
-        y = torch.ops.prism.swiglu(x, self._prism_weight, self._prism_site)
+        y = getattr(torch.ops.prism, MLP_KIND.name)(x, self._prism_weight, self._prism_site)
         out, _ = self.down_proj(y)
         return out
     return forward
@@ -352,14 +364,14 @@ def _model_classes(names):
 
 
 def _install_regions(table: Table, done: Installed) -> None:
-    if not table.ops.get("swiglu"):
+    if not table.ops.get(MLP_KIND.name):
         return
     for _, cls_name, cls in _model_classes(REGIONS):
         if "_prism_init" in cls.__dict__:
             continue
         done.undo.append(_patch_in_place(cls, _attach_mlp, _swiglu_forward))
-        done.names.append(f"{cls_name} (swiglu region) in eager mode")
-        done.kinds.add("swiglu")
+        done.names.append(f"{cls_name} ({MLP_KIND.name} region) in eager mode")
+        done.kinds.add(MLP_KIND.name)
 
 
 # --- whole regions in a decoder layer: its input side and its post-attention side ------------
@@ -374,11 +386,10 @@ def _install_regions(table: Table, done: Installed) -> None:
 # (Llama's, Mistral's, Qwen3's), not of a subclass, whose forward or modules may differ; Mistral's
 # only without its time-conditioned scale between the post-attention norm and the MLP.
 
-DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
-                  ("vllm.model_executor.models.mistral", "MistralDecoderLayer"),
-                  ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
+DECODER_LAYERS = tuple((MODEL_CLASSES[c], c) for c in sorted(POST_SIDE.eager_classes.union(
+    *(k.eager_classes for k in INPUT_SIDE.values()))))
 # per class: instances whose forward puts something between a norm and its module (left alone)
-REWIRED = {"MistralDecoderLayer": lambda layer: getattr(layer, "ada_rms_norm_t_cond", None) is not None}
+REWIRED = MappingProxyType({"MistralDecoderLayer": lambda layer: getattr(layer, "ada_rms_norm_t_cond", None) is not None})
 LAYER_SITES: list = []  # weak references to the patched decoder layers, by their `site`
 
 
@@ -402,7 +413,8 @@ def _attach_input_side(layer, site: int) -> None:
     if not (_plain_norm(norm) and _plain_linear(qkv)):
         return
     eps, dims = norm.variance_epsilon, (qkv.weight.shape[1], qkv.weight.shape[0])
-    plain, fused = _has("rmsnorm_linear", qkv.weight, dims, eps), _has("fused_add_rmsnorm_linear", qkv.weight, dims, eps)
+    plain, fused = (_has(INPUT_SIDE[residual].name, qkv.weight, dims, eps) for residual in (False, True))
+    plain_op, fused_op = (getattr(torch.ops.prism, INPUT_SIDE[residual].name) for residual in (False, True))
     if not (plain or fused):
         return
     qkv_cls = type(qkv)
@@ -419,11 +431,11 @@ def _attach_input_side(layer, site: int) -> None:
             return norm_forward(x) if residual is None else norm_forward(x, residual)
         w = layer._prism_qkv_weight
         if residual is None:
-            return torch.ops.prism.rmsnorm_linear(x, norm.weight, w, eps, site)
+            return plain_op(x, norm.weight, w, eps, site)
         if fused:
-            return torch.ops.prism.fused_add_rmsnorm_linear(x, residual, norm.weight, w, eps, site)
+            return fused_op(x, residual, norm.weight, w, eps, site)
         s = x + residual
-        return torch.ops.prism.rmsnorm_linear(s, norm.weight, w, eps, site), s
+        return plain_op(s, norm.weight, w, eps, site), s
 
     def projected(x):  # the layer's input norm already projected it
         return (x, None) if active() else qkv_forward(x)
@@ -437,8 +449,9 @@ def _attach_post_side(layer, site: int) -> None:
     if gate_up is None or not hasattr(mlp, "down_proj") or not (_plain_norm(norm) and _plain_linear(gate_up)):
         return
     eps, dims = norm.variance_epsilon, (gate_up.weight.shape[1], gate_up.weight.shape[0] // 2)
-    if not _has("rmsnorm_swiglu", gate_up.weight, dims, eps):
+    if not _has(POST_SIDE.name, gate_up.weight, dims, eps):
         return
+    post_op = getattr(torch.ops.prism, POST_SIDE.name)
     gate_up_cls = type(gate_up)
     layer.register_buffer("_prism_gate_up_weight", None, persistent=False)
     _keep_weight(layer, gate_up, "_prism_gate_up_weight")
@@ -452,7 +465,7 @@ def _attach_post_side(layer, site: int) -> None:
         if residual is None or not active():
             return norm_forward(x) if residual is None else norm_forward(x, residual)
         s = x + residual
-        return torch.ops.prism.rmsnorm_swiglu(s, norm.weight, layer._prism_gate_up_weight, eps, site), s
+        return post_op(s, norm.weight, layer._prism_gate_up_weight, eps, site), s
 
     def down_only(x):  # the post-attention norm already ran gate_up and the activation
         return mlp.down_proj(x)[0] if active() else mlp_forward(x)
@@ -508,8 +521,9 @@ def _vllm_rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsi
     return orig["act"](gate_up)
 
 
-LAYER_FALLBACKS = {"rmsnorm_linear": _vllm_rmsnorm_linear, "fused_add_rmsnorm_linear": _vllm_fused_add_rmsnorm_linear,
-                   "rmsnorm_swiglu": _vllm_rmsnorm_swiglu}
+LAYER_FALLBACKS = MappingProxyType({INPUT_SIDE[False].name: _vllm_rmsnorm_linear,
+                                    INPUT_SIDE[True].name: _vllm_fused_add_rmsnorm_linear,
+                                    POST_SIDE.name: _vllm_rmsnorm_swiglu})
 
 
 def _install_decoder_layers(table: Table, done: Installed) -> None:
@@ -529,11 +543,8 @@ def _install_decoder_layers(table: Table, done: Installed) -> None:
 
 def _projection_shapes(table: Table) -> set[tuple]:
     """(dtype, out, in) of every projection weight some region kernel of the table multiplies with."""
-    shapes = set()
-    for kind in (k.name for k in KINDS.values() if "linear" in k.vllm_path):
-        for dtype, (hidden, n), _ in table.ops.get(kind, {}):
-            shapes.add((dtype, 2 * n if kind.endswith(("swiglu", "geglu")) else n, hidden))
-    return shapes
+    return {(dtype, *kind.projection_shape(dims)) for kind in KINDS.values() if kind.form.projection
+            for dtype, dims, _ in table.ops.get(kind.name, {})}
 
 
 def _install_packed(table: Table, done: Installed) -> None:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from prism_serve.patch.table import Table
+from prism_serve.region_table import KINDS
 
 log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like the plugin's (see plugin.py)
 COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
@@ -203,19 +204,16 @@ def _vllm_region(kind: str, site: int, weight: Tensor, out_features: int, *args,
     for a `_bias` kind), its activation. `args` are the op's own, the bias left out."""
     if site >= 0:
         return FALLBACKS[kind](*args) if bias is None else FALLBACKS[kind](*args[:-2], bias, *args[-2:])
-    if kind == "swiglu":
-        return FALLBACKS["silu_and_mul"](vllm_linear(args[0], weight, out_features))
-    if kind == "geglu":
-        return FALLBACKS["gelu_tanh_and_mul"](vllm_linear(args[0], weight, out_features))
-    gemma = "gemma_" if kind.startswith("gemma_") else ""  # Gemma's norm on its stored weight
-    if kind.removeprefix("gemma_").startswith("fused_add_rmsnorm_linear"):
+    k = KINDS[kind]
+    if k.form.norm is None:  # projection + activation
+        return FALLBACKS[k.act_op.name](vllm_linear(args[0], weight, out_features))
+    if k.form.residual:
         x, residual, norm_weight, _, eps, _ = args
-        y, r = FALLBACKS[gemma + "fused_add_rms_norm"](x, residual, norm_weight, eps)
+        y, r = FALLBACKS[k.norm_op.name](x, residual, norm_weight, eps)
         return vllm_linear(y, weight, out_features, bias), r
     x, norm_weight, _, eps, _ = args
-    y = vllm_linear(FALLBACKS[gemma + "rms_norm"](x, norm_weight, eps), weight, out_features, bias)
-    act = {"rmsnorm_swiglu": "silu_and_mul", "rmsnorm_geglu": "gelu_tanh_and_mul"}.get(kind.removeprefix("gemma_"))
-    return FALLBACKS[act](y) if act else y
+    y = vllm_linear(FALLBACKS[k.norm_op.name](x, norm_weight, eps), weight, out_features, bias)
+    return FALLBACKS[k.act_op.name](y) if k.form.act else y
 
 
 # --- dispatch --------------------------------------------------------------------------

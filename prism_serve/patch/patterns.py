@@ -60,23 +60,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 from torch import Tensor, fx
 
-# the op-level kinds (prism ops) the op-form patterns produce
-OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "gemma_fused_add_rms_norm",
-            "gemma_rms_norm")
-# the regions holding a projection, largest first: the pass gives a node to the first that takes it
-REGION_KINDS = ("rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu", "fused_add_rmsnorm_linear", "rmsnorm_linear",
-                "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_linear", "fused_add_rmsnorm_linear_bias",
-                "rmsnorm_linear_bias", "swiglu", "geglu")
-# a region's activation after gate_up, by the function its gate goes through: without and with the norm
-ACTS = {"silu": "swiglu", "gelu_tanh": "geglu"}
-NORM_ACTS = {"silu": "rmsnorm_swiglu", "gelu_tanh": "rmsnorm_geglu"}
-GEMMA_NORM_ACTS = {"gelu_tanh": "gemma_rmsnorm_geglu"}  # on Gemma's norm (a SiLU MLP after it has no kind)
-KINDS = REGION_KINDS + OP_KINDS
+from prism_serve.region_table import KINDS, NORMS, OP_KINDS, REGION_KINDS, Form, RegionKind, kind_of
+
 # the table key a match needs: (torch dtype, dim or dims, eps)
 Key = tuple[torch.dtype, object, float | None]
 SITE = -1  # regions the pass creates have no model-layer site; a miss runs vLLM's ops in order
@@ -97,6 +88,13 @@ class Pattern:
 
 
 FORMS = ("native", "ir")
+# vLLM's IR norm ops, by whether they add a residual first (their names are vLLM's)
+VLLM_NORMS = MappingProxyType({False: "rms_norm", True: "fused_add_rms_norm"})
+
+
+def prism_op(kind: RegionKind):
+    """The `prism::<kind>` custom op (its OpOverloadPacket)."""
+    return getattr(torch.ops.prism, kind.name)
 
 
 def _body(op: str, form: str) -> Callable:
@@ -126,52 +124,55 @@ def _same(dtype: torch.dtype, *vals: Tensor) -> bool:
 _T, _H, _O = 5, 24, 40
 
 
-def rms_norm(dtype: torch.dtype, eps: float, form: str = "native") -> Pattern:
-    native = _body("rms_norm", form)
+def _offset(weight: Tensor) -> Tensor:
+    """GemmaRMSNorm's weight as it hands it to vLLM's RMSNorm op: float32, plus one."""
+    return weight.float() + 1.0
 
-    def pattern(x, weight):
-        return native(x, weight, eps)
 
-    def replacement(x, weight):
-        return torch.ops.prism.rms_norm(x, weight, eps)
-
+def _norm_key(residual: bool, eps: float) -> Callable[[dict[str, Tensor]], Key | None]:
     def key(v):
         x, w = v["x"], v["weight"]
-        if x.dim() != 2 or not _same(x.dtype, w) or tuple(w.shape) != (x.shape[-1],):
-            return None
-        return x.dtype, int(x.shape[-1]), eps
-
-    return Pattern("rms_norm", f"rms_norm/{dtype}/{eps}/{form}", pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)], key)
-
-
-def fused_add_rms_norm(dtype: torch.dtype, eps: float, residual_first: bool = False,
-                       form: str = "native") -> Pattern:
-    """vLLM's residual add + RMSNorm; `residual_first` for `residual + x` (the same sum)."""
-    native = _body("fused_add_rms_norm", form)
-
-    def pattern(x, residual, weight):
-        return native(residual, x, weight, eps) if residual_first else native(x, residual, weight, eps)
-
-    def replacement(x, residual, weight):
-        return torch.ops.prism.fused_add_rms_norm(x, residual, weight, eps)
-
-    def key(v):
-        x, r, w = v["x"], v["residual"], v["weight"]
+        r = v["residual"] if residual else x
         if x.dim() != 2 or r.shape != x.shape or not _same(x.dtype, r, w) or tuple(w.shape) != (x.shape[-1],):
             return None
         return x.dtype, int(x.shape[-1]), eps
-
-    return Pattern("fused_add_rms_norm", f"fused_add_rms_norm/{dtype}/{eps}/{'rx' if residual_first else 'xr'}/{form}",
-                   pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)], key)
+    return key
 
 
-def _silu_mul(gate_up: Tensor, d: int) -> Tensor:
-    """vLLM's SiluAndMul.forward_native on a [tokens, 2d] tensor."""
-    return torch.nn.functional.silu(gate_up[..., :d]) * gate_up[..., d:]
+def norm(kind: RegionKind, dtype: torch.dtype, eps: float, residual_first: bool = False,
+         form: str = "native") -> Pattern:
+    """vLLM's norm op as the op-level norm kind `kind` appears: its RMSNorm op, or its residual add +
+    RMSNorm (`residual_first` for `residual + x`, the same sum); Gemma's (GemmaRMSNorm) is vLLM's
+    op on `weight.float() + 1.0`, replaced by the Gemma op on the stored weight."""
+    f = kind.form
+    native = _body(VLLM_NORMS[f.residual], form)
+    offset = _offset if f.norm == "gemma" else (lambda w: w)
+    op = prism_op(kind)
+    row, vec = (lambda: _empty(_T, _H, dtype=dtype)), (lambda: _empty(_H, dtype=dtype))
+    if f.residual:
+        def pattern(x, residual, weight):
+            w = offset(weight)
+            return native(residual, x, w, eps) if residual_first else native(x, residual, w, eps)
+
+        def replacement(x, residual, weight):
+            return op(x, residual, weight, eps)
+
+        return Pattern(kind.name, f"{kind.name}/{dtype}/{eps}/{'rx' if residual_first else 'xr'}/{form}", pattern,
+                       replacement, lambda: [row(), row(), vec()], _norm_key(True, eps))
+
+    def pattern(x, weight):  # noqa: F811 - the form without residual
+        return native(x, offset(weight), eps)
+
+    def replacement(x, weight):  # noqa: F811
+        return op(x, weight, eps)
+
+    return Pattern(kind.name, f"{kind.name}/{dtype}/{eps}/{form}", pattern, replacement, lambda: [row(), vec()],
+                   _norm_key(False, eps))
 
 
+# a gated activation's gate function, as vLLM's forward_native applies it (SiluAndMul; GeluAndMul(approximate="tanh"))
+GATES = MappingProxyType({"silu": torch.nn.functional.silu,
+                          "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")})
 # an activation's input: [tokens, 2d], or [1, tokens, 2d] where vLLM's Transformers backend keeps the
 # batch dim (OLMo 2): its slices are on dim 2, another pattern
 ACT_RANKS = (2, 3)
@@ -181,73 +182,35 @@ def _act_input(rank: int, d: int, dtype: torch.dtype) -> Tensor:
     return _empty(*(1,) * (rank - 2), _T, 2 * d, dtype=dtype)
 
 
-def silu_and_mul(dtype: torch.dtype, d: int, rank: int = 2) -> Pattern:
+def act(kind: RegionKind, dtype: torch.dtype, d: int, rank: int = 2) -> Pattern:
+    """vLLM's gated activation `kind` (an op-level activation kind), `gate(x[..., :d]) * x[..., d:]`."""
+    gate, op = GATES[kind.form.act], prism_op(kind)
+
     def pattern(x):
-        return _silu_mul(x, d)
+        return gate(x[..., :d]) * x[..., d:]
 
     def replacement(x):
-        return torch.ops.prism.silu_and_mul(x)
+        return op(x)
 
     def key(v):
         x = v["x"]
         return (x.dtype, d, None) if x.dim() in ACT_RANKS and x.shape[-1] == 2 * d else None
 
-    return Pattern("silu_and_mul", f"silu_and_mul/{dtype}/{d}/{rank}d", pattern, replacement,
+    return Pattern(kind.name, f"{kind.name}/{dtype}/{d}/{rank}d", pattern, replacement,
                    lambda: [_act_input(rank, d, dtype)], key)
 
 
-def _offset(weight: Tensor) -> Tensor:
-    """GemmaRMSNorm's weight as it hands it to vLLM's RMSNorm op: float32, plus one."""
-    return weight.float() + 1.0
-
-
-def gemma_rms_norm(dtype: torch.dtype, eps: float, form: str = "native") -> Pattern:
-    """vLLM's GemmaRMSNorm without residual: its RMSNorm op on `weight.float() + 1.0`."""
-    native = _body("rms_norm", form)
-
-    def pattern(x, weight):
-        return native(x, _offset(weight), eps)
-
-    def replacement(x, weight):
-        return torch.ops.prism.gemma_rms_norm(x, weight, eps)
-
-    return Pattern("gemma_rms_norm", f"gemma_rms_norm/{dtype}/{eps}/{form}", pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)], rms_norm(dtype, eps).key)
-
-
-def gemma_fused_add_rms_norm(dtype: torch.dtype, eps: float, residual_first: bool = False,
-                             form: str = "native") -> Pattern:
-    """vLLM's GemmaRMSNorm with a residual: its fused add + RMSNorm op on `weight.float() + 1.0`."""
-    native = _body("fused_add_rms_norm", form)
-
-    def pattern(x, residual, weight):
-        w = _offset(weight)
-        return native(residual, x, w, eps) if residual_first else native(x, residual, w, eps)
-
-    def replacement(x, residual, weight):
-        return torch.ops.prism.gemma_fused_add_rms_norm(x, residual, weight, eps)
-
-    return Pattern("gemma_fused_add_rms_norm",
-                   f"gemma_fused_add_rms_norm/{dtype}/{eps}/{'rx' if residual_first else 'xr'}/{form}",
-                   pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)],
-                   fused_add_rms_norm(dtype, eps).key)
-
-
-def _gelu_tanh_mul(gate_up: Tensor, d: int) -> Tensor:
-    """vLLM's GeluAndMul(approximate="tanh").forward_native on a [tokens, 2d] tensor."""
-    return torch.nn.functional.gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:]
-
-
-def gelu_tanh_and_mul(dtype: torch.dtype, d: int, rank: int = 2) -> Pattern:
-    def pattern(x):
-        return _gelu_tanh_mul(x, d)
-
-    def replacement(x):
-        return torch.ops.prism.gelu_tanh_and_mul(x)
-
-    return Pattern("gelu_tanh_and_mul", f"gelu_tanh_and_mul/{dtype}/{d}/{rank}d", pattern, replacement,
-                   lambda: [_act_input(rank, d, dtype)], silu_and_mul(dtype, d).key)
+def op_forms(kind: RegionKind, dtype: torch.dtype, dim: int, eps: float | None) -> list[Pattern]:
+    """Every form of op-level kind `kind` at one key, as the pass puts them in; the first is the one a
+    revert puts back. Gemma's residual add + norm also where only its normed value is used (a model's
+    final norm: in half precision the sum's own rounding is then gone from the graph)."""
+    f = kind.form
+    if f.act:
+        return [act(kind, dtype, dim, r) for r in ACT_RANKS]
+    if not f.residual:
+        return [norm(kind, dtype, eps, False, form) for form in FORMS]
+    both = [norm(kind, dtype, eps, first, form) for first in (False, True) for form in FORMS]
+    return both + [_first_output(p) for p in both] if f.norm == "gemma" else both
 
 
 def _revert(p: Pattern) -> Pattern:
@@ -258,36 +221,40 @@ def _revert(p: Pattern) -> Pattern:
 
 def op_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
     """Per op-level kind, the keys its op form is wanted for: its own kernels', and those of every
-    region that starts or ends with it (the op is then the region's marker in the graph)."""
-    out: dict[str, set[Key]] = {k: set(served.get(k, ())) for k in OP_KINDS}
-    for kind in REGION_KINDS:
-        for dtype, dims, eps in served.get(kind, ()):
-            if kind not in ACTS.values():
-                norm = "gemma_" if kind.startswith("gemma_") else ""  # Gemma's: the norm on the stored weight
-                out[norm + "rms_norm"].add((dtype, dims[0], eps))
-                out[norm + "fused_add_rms_norm"].add((dtype, dims[0], eps))
-            if kind in ("swiglu", "rmsnorm_swiglu"):
-                out["silu_and_mul"].add((dtype, dims[1], None))
-            if kind in ("geglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"):
-                out["gelu_tanh_and_mul"].add((dtype, dims[1], None))
+    region that starts or ends with it (the op is then the region's marker in the graph): a region's
+    norm variant with and without residual, and its activation."""
+    out: dict[str, set[Key]] = {k.name: set(served.get(k.name, ())) for k in OP_KINDS}
+    for region in REGION_KINDS:
+        f = region.form
+        for dtype, dims, eps in served.get(region.name, ()):
+            if f.norm:
+                for residual in (False, True):
+                    out[kind_of(Form(f.norm, residual)).name].add((dtype, dims[0], eps))
+            if f.act:
+                out[region.act_op.name].add((dtype, dims[1], None))
     return {k: v for k, v in out.items() if v}
 
 
 def _gemma_region_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
-    """Per Gemma norm kind, the keys a Gemma region (`gemma_` region kinds) wants its op form for."""
-    keys = {f"{norm}{k}": {(dtype, dims[0], eps) for kind in REGION_KINDS if kind.startswith("gemma_")
-                           for dtype, dims, eps in served.get(kind, ())}
-            for norm in ("gemma_",) for k in ("rms_norm", "fused_add_rms_norm")}
-    return {k: v for k, v in keys.items() if v}
+    """Per Gemma norm kind, the keys a Gemma region wants its op form for."""
+    keys = {(dtype, dims[0], eps) for r in REGION_KINDS if r.form.norm == "gemma"
+            for dtype, dims, eps in served.get(r.name, ())}
+    return {k.name: set(keys) for k in _norm_ops("gemma")} if keys else {}
 
 
-# each op-level kind's forms for one key, as the pass puts them in and reverts them
-_MAKE = {"rms_norm": lambda dtype, dim, eps: [rms_norm(dtype, eps)],
-         "fused_add_rms_norm": lambda dtype, dim, eps: [fused_add_rms_norm(dtype, eps)],
-         "gemma_rms_norm": lambda dtype, dim, eps: [gemma_rms_norm(dtype, eps)],
-         "gemma_fused_add_rms_norm": lambda dtype, dim, eps: [gemma_fused_add_rms_norm(dtype, eps)],
-         "silu_and_mul": lambda dtype, dim, eps: [silu_and_mul(dtype, dim, r) for r in ACT_RANKS],
-         "gelu_tanh_and_mul": lambda dtype, dim, eps: [gelu_tanh_and_mul(dtype, dim, r) for r in ACT_RANKS]}
+def _norm_ops(variant: str, residual: bool | None = None) -> list[RegionKind]:
+    """The op-level norm kinds of `variant`, with a residual first, then without (or only `residual`)."""
+    return [kind_of(Form(variant, r)) for r in (True, False) if residual is None or r == residual]
+
+
+def _forms_at(kinds, wanted: dict[str, set[Key]]) -> list[Pattern]:
+    """The op forms of `kinds` at their keys in `wanted`, each registered form once."""
+    seen = {}
+    for kind in kinds:
+        for dtype, dim, eps in sorted(wanted.get(kind.name, ()), key=repr):
+            for p in op_forms(kind, dtype, dim, eps):
+                seen.setdefault(p.name, p)
+    return list(seen.values())
 
 
 def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
@@ -297,21 +264,10 @@ def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
     float32 w + 1, is not of the activations' dtype, so no plain norm form matches them); elsewhere
     they come late (`late_tiers`)."""
     wanted = op_keys(served) | _gemma_region_keys(served)
-
-    def forms(op, make):
-        seen = {}
-        for dtype, dim, eps in sorted(wanted.get(op, ()), key=repr):
-            for p in make(dtype, dim, eps):
-                seen.setdefault(p.name, p)
-        return list(seen.values())
-
+    acts = [k for k in OP_KINDS if k.form.act]
     return [t for t in (
-        forms("fused_add_rms_norm", lambda dt, dim, eps: [fused_add_rms_norm(dt, eps, first, f)
-                                                          for first in (False, True) for f in FORMS])
-        + forms("gemma_fused_add_rms_norm", lambda dt, dim, eps: _gemma_add_forms(dt, eps)),
-        forms("rms_norm", lambda dt, dim, eps: [rms_norm(dt, eps, f) for f in FORMS])
-        + forms("gemma_rms_norm", lambda dt, dim, eps: [gemma_rms_norm(dt, eps, f) for f in FORMS])
-        + forms("silu_and_mul", _MAKE["silu_and_mul"]) + forms("gelu_tanh_and_mul", _MAKE["gelu_tanh_and_mul"]),
+        _forms_at([k for v in NORMS for k in _norm_ops(v, True)], wanted),
+        _forms_at([k for v in NORMS for k in _norm_ops(v, False)] + acts, wanted),
     ) if t]
 
 
@@ -321,40 +277,24 @@ def late_tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
     with its computed weight, to the regions holding one (`rmsnorm_linear`, ...), as any RMSNorm;
     what none took is then matched with the weight's offset (only here, so a float32 region never
     receives the raw weight). In half precision the Gemma regions' keys come early (`tiers`)."""
-    def forms(op, make):
-        seen = {}
-        for dtype, dim, eps in sorted(served.get(op, ()), key=repr):
-            for p in make(dtype, eps):
-                seen.setdefault(p.name, p)
-        return list(seen.values())
-
-    return [t for t in (
-        forms("gemma_fused_add_rms_norm", _gemma_add_forms),
-        forms("gemma_rms_norm", lambda dt, eps: [gemma_rms_norm(dt, eps, f) for f in FORMS]),
-    ) if t]
-
-
-def _gemma_add_forms(dtype: torch.dtype, eps: float) -> list[Pattern]:
-    """Gemma's residual add + norm in every form, also where only its normed value is used (a
-    model's final norm: in half precision the sum's own rounding is then gone from the graph)."""
-    both = [gemma_fused_add_rms_norm(dtype, eps, first, f) for first in (False, True) for f in FORMS]
-    return both + [_first_output(p) for p in both]
+    return [t for t in (_forms_at([k], served) for k in _norm_ops("gemma")) if t]
 
 
 def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
     """prism op -> vLLM's native form, for each key the op form was wanted for only by a region."""
     wanted = op_keys(served)
     out = {}
-    for op, keys in wanted.items():
-        for dtype, dim, eps in sorted(keys - set(served.get(op, ())), key=repr):
+    for name, keys in wanted.items():
+        kind = KINDS[name]
+        for dtype, dim, eps in sorted(keys - set(served.get(name, ())), key=repr):
             # the first form only: every form of an op is one prism call, and a revert traced at two
             # dims would slice a 3-D value on the wrong dim; a batched op that no region took stays
             # prism's, its miss running vLLM's path
-            for p in _MAKE[op](dtype, dim, eps)[:1]:
-                out.setdefault(p.name, _revert(p))
-                if op.endswith("fused_add_rms_norm"):  # also where only the normed value is used (a final norm)
-                    first = _first_output(p)
-                    out.setdefault(first.name, _revert(first))
+            p = op_forms(kind, dtype, dim, eps)[0]
+            out.setdefault(p.name, _revert(p))
+            if kind.form.residual:  # also where only the normed value is used (a final norm)
+                first = _first_output(p)
+                out.setdefault(first.name, _revert(first))
     return list(out.values())
 
 
@@ -479,19 +419,28 @@ def _gemma_norm(norm: Norm) -> Norm:
     return Norm(norm.node, norm.x, norm.residual, raw[0], norm.eps, norm.out, norm.sum, True, raw[1])
 
 
+def _norm_op_at(n: fx.Node) -> tuple[bool, bool, bool] | None:
+    """(residual, gemma, vLLM's IR op) when `n` calls an RMSNorm op: prism's op of an op-level norm
+    kind, or vLLM's IR op (in Dynamo's graph and before its lowering); else None."""
+    for kind in OP_KINDS:
+        if kind.form.norm and _is(n, f"prism::{kind.name}"):
+            return kind.form.residual, kind.form.norm == "gemma", False
+    return next(((residual, False, True) for residual, op in VLLM_NORMS.items() if _is(n, f"vllm_ir::{op}")), None)
+
+
 def norm_at(n: fx.Node) -> Norm | None:
     """`n` as an RMSNorm op (prism's, or vLLM's IR op: in Dynamo's graph and before its lowering),
     or Gemma's (prism's Gemma op, or vLLM's op on Gemma's computed weight, see `Norm`), or None."""
-    if n.op != "call_function":
+    if n.op != "call_function" or (found := _norm_op_at(n)) is None:
         return None
+    residual, gemma, vllm = found
     args = list(n.args) + [n.kwargs[k] for k in ("epsilon", "variance_size") if k in n.kwargs]
-    gemma = _is(n, "prism::gemma_rms_norm", "prism::gemma_fused_add_rms_norm")
-    if _is(n, "prism::rms_norm", "vllm_ir::rms_norm", "prism::gemma_rms_norm"):
+    if not residual:
         x, w, eps, *rest = args
         if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
             return None
         norm = Norm(n, x, None, w, eps, n, None, gemma)
-    elif _is(n, "prism::fused_add_rms_norm", "vllm_ir::fused_add_rms_norm", "prism::gemma_fused_add_rms_norm"):
+    else:
         x, r, w, eps, *rest = args
         if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
             return None
@@ -499,9 +448,7 @@ def norm_at(n: fx.Node) -> Norm | None:
         if 0 not in items or len(items) != len(n.users):
             return None
         norm = Norm(n, x, r, w, eps, items[0], items.get(1), gemma)
-    else:
-        return None
-    return norm if gemma or not _is(n, "vllm_ir::rms_norm", "vllm_ir::fused_add_rms_norm") else _gemma_norm(norm)
+    return _gemma_norm(norm) if vllm else norm
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:
@@ -637,16 +584,13 @@ def act_fn(n: fx.Node) -> str | None:
     return "gelu_tanh" if gelu and approximate == "tanh" else None
 
 
-_PRISM_ACTS = {"prism::silu_and_mul": "silu", "prism::gelu_tanh_and_mul": "gelu_tanh"}
-
-
 def act_after(lin: Linear) -> tuple[fx.Node, tuple[fx.Node, ...], str] | None:
     """The gated activation that alone consumes the projection's result: (its output node, its own
     nodes, its gate function: "silu" or "gelu_tanh"); prism's op (the pass's graph), or vLLM's torch
     form `act(x[..., :d]) * x[..., d:]` (Dynamo's): SiluAndMul, or GeluAndMul(approximate="tanh")."""
     users = _consumers(lin)
     if len(users) == 1 and users[0].args and users[0].args[0] is lin.out:
-        fn = next((f for name, f in _PRISM_ACTS.items() if _is(users[0], name)), None)
+        fn = next((k.form.act for k in OP_KINDS if k.form.act and _is(users[0], f"prism::{k.name}")), None)
         if fn is not None:
             return users[0], (), fn
     if len(users) != 2 or any(len(u.users) != 1 for u in users):
@@ -677,7 +621,7 @@ def _weight_ok(lin: Linear, x: Tensor) -> str | None:
     return None
 
 
-def _region(kind: str, norm: Norm | None, lin: Linear, act_found: tuple | None) -> Region:
+def _region(kind: RegionKind, norm: Norm | None, lin: Linear, act_found: tuple | None) -> Region:
     act, act_nodes = act_found[:2] if act_found else (None, ())
     x = _val(norm.x if norm else lin.x)
     why = None
@@ -699,33 +643,25 @@ def _region(kind: str, norm: Norm | None, lin: Linear, act_found: tuple | None) 
     else:
         why = _weight_ok(lin, x)
     if why is not None:
-        return Region(kind, None, norm, lin, act, why, act_nodes)
+        return Region(kind.name, None, norm, lin, act, why, act_nodes)
     hidden, n = int(x.shape[-1]), lin.out_features
     dims = (hidden, n // 2) if act is not None else (hidden, n)
-    return Region(kind, (x.dtype, dims, norm.eps if norm else None), norm, lin, act, None, act_nodes)
+    return Region(kind.name, (x.dtype, dims, norm.eps if norm else None), norm, lin, act, None, act_nodes)
 
 
-def _gemma_regions(norm: Norm, lin: Linear, act: tuple | None, kind: str) -> list[Region]:
-    """The regions a Gemma norm starts: its `gemma_` kinds; a biased projection or a SiLU MLP after
-    it has none, and is reported with the reason."""
-    out = []
-    if act is not None:
-        name = GEMMA_NORM_ACTS.get(act[2])
-        out.append(_region(name, norm, lin, act) if name else Region(
-            "gemma_rmsnorm_swiglu", None, norm, lin, act[0], f"Gemma's norm (1 + w) before {act[2]}*mul: no region kind",
-            act[1]))
-    if kind.endswith("_bias"):
-        out.append(Region("gemma_" + kind, None, norm, lin, None, "Gemma's norm (1 + w) before a biased "
-                          "projection: no region kind"))
-    else:
-        out.append(_region("gemma_" + kind, norm, lin, None))
-    return out
+def _unserved(form: Form, norm: Norm, lin: Linear, act: tuple | None) -> Region:
+    """A region of a structure prism has no kind for, reported with the reason."""
+    return Region(form.label, None, norm, lin, act[0] if act else None,
+                  f"no region kind for {form.label}", act[1] if act else ())
 
 
 def find_regions(graph: fx.Graph) -> list[Region]:
     """Every instance of every region kind holding a projection, in graph order; regions of
     different kinds may overlap (a residual add + RMSNorm feeding gate_up + SiLU*mul is both
-    `fused_add_rmsnorm_linear` and `rmsnorm_swiglu`, and its projection + activation `swiglu`)."""
+    `fused_add_rmsnorm_linear` and `rmsnorm_swiglu`, and its projection + activation `swiglu`).
+    A norm -> projection -> activation region takes the norm's sum as its input (the residual add
+    runs beside its kernel); its projection must have no bias. A Gemma norm before a SiLU MLP or a
+    biased projection has no kind, and is reported with the reason."""
     out: list[Region] = []
     for n in graph.nodes:
         norm = norm_at(n)
@@ -734,17 +670,17 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             if lin is None:
                 continue
             act = act_after(lin)
-            kind = ("fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear") + (
-                "_bias" if lin.bias is not None else "")
-            if norm.gemma:
-                out += _gemma_regions(norm, lin, act, kind)
-                continue
+            variant = "gemma" if norm.gemma else "rms"
             if act is not None:
-                out.append(_region(NORM_ACTS[act[2]], norm, lin, act))
-            out.append(_region(kind, norm, lin, None))
+                form = Form(variant, projection=True, act=act[2])
+                kind = kind_of(form)
+                out.append(_region(kind, norm, lin, act) if kind else _unserved(form, norm, lin, act))
+            form = Form(variant, norm.residual is not None, True, lin.bias is not None)
+            kind = kind_of(form)
+            out.append(_region(kind, norm, lin, None) if kind else _unserved(form, norm, lin, None))
             continue
         lin = linear_at(n)
         act = act_after(lin) if lin is not None else None
         if act is not None:
-            out.append(_region(ACTS[act[2]], None, lin, act))
+            out.append(_region(kind_of(Form(projection=True, act=act[2])), None, lin, act))
     return out
