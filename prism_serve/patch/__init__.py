@@ -7,4 +7,4 @@
 
 from prism_serve.patch.plugin import STATUS, register, unpatch
 
-__all__ = ["STATUS", "register", "unpatch"]
+__all__ = ("STATUS", "register", "unpatch")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 
 from prism_serve.capture.embedded import resolve_model
 from prism_serve.patch.table import TORCH_DTYPES
@@ -22,14 +23,14 @@ from prism_serve.region_table import KINDS, Form, kind_of
 
 # decoder-only models whose layers vLLM builds from RMSNorm and SiluAndMul -> the classes of a
 # decoder layer and of its MLP (what the eager-mode class hooks go by; Qwen3's MLP is Qwen2MLP)
-LAYER_CLASSES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaMLP"),
+LAYER_CLASSES = MappingProxyType({"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaMLP"),
                  "MistralForCausalLM": ("MistralDecoderLayer", "LlamaMLP"),
                  "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2MLP"),
-                 "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen2MLP")}
-ARCHITECTURES = set(LAYER_CLASSES)
-QK_NORM = {"Qwen3ForCausalLM"}
+                 "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen2MLP")})
+ARCHITECTURES = frozenset(LAYER_CLASSES)
+QK_NORM = frozenset({"Qwen3ForCausalLM"})
 # a qkv projection with a bias: the input side's kinds are the `_bias` ones (compiled mode only)
-BIASED_QKV = {"Qwen2ForCausalLM"}
+BIASED_QKV = frozenset({"Qwen2ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,7 @@ def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dic
     return served, [op for op, layers in served.items() if not layers]
 
 
-SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+SAFETENSORS_DTYPES = MappingProxyType({"F32": "float32", "F16": "float16", "BF16": "bfloat16"})
 
 
 def serving_dtype(model_dtype: str) -> str:

@@ -51,7 +51,8 @@ step of `VllmConfig.__post_init__` where compilation mode and backend are final,
 pass in `inductor_compile_config` when the model is compiled by Inductor and the user has not set
 a pass there (a user's own pass is left alone, and a warning says the prism pass is not added).
 The config is pickled to worker processes with the pass in it; the pass holds no state and reads
-the process's dispatch table (`ops.STATE.table`) when it runs.
+the process's runtime (`runtime.current()`, the one whose kernels the prism ops run, built by the
+plugin in that process) when it runs: its dispatch table, its matchers, its counters.
 """
 
 from __future__ import annotations
@@ -67,16 +68,13 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from prism_serve.patch import ops, patterns
+from prism_serve.patch import ops, patterns, runtime
+from prism_serve.patch.runtime import Runtime, current
 from prism_serve.patch.table import Table
 from prism_serve.region_table import KINDS, OP_KINDS, REGION_KINDS, RegionKind
 
 log = logging.getLogger("vllm.prism_serve")
 NAME = "fusion pass (compiled mode)"
-
-# per process: graphs the pass ran on, and regions it replaced by kind (what tests read)
-RUNS: Counter = Counter()
-REPLACED: Counter = Counter()
 
 
 def served(table: Table | None) -> dict[str, set[patterns.Key]]:
@@ -105,18 +103,16 @@ def _check(p: patterns.Pattern, table: Table, keys: set):
     return check
 
 
-_MATCHERS: dict[int, tuple] = {}  # id(table) -> (table, op-form passes, revert pass, late passes)
-
-
-def matchers(table: Table) -> tuple[list, object | None, list]:
+def matchers(rt: Runtime) -> tuple[list, object | None, list]:
     """torch PatternMatcherPasses for the op forms: one per tier of `patterns.tiers`, one that
     reverts the op forms no region took (`patterns.reverted`), and one per tier of
-    `patterns.late_tiers` (Gemma's norms); built once per table (their checks read it)."""
-    if id(table) not in _MATCHERS:
+    `patterns.late_tiers` (Gemma's norms); built once per runtime (their checks read its table)."""
+    if rt.matchers is None:
         import torch._inductor.pattern_matcher as pm
         from vllm.compilation.passes.vllm_inductor_pass import VllmFusionPatternMatcherPass
 
-        ops.define_ops()
+        ops.define()
+        table = rt.table
         keys = served(table)
 
         def build(name: str, pats, check) -> object:
@@ -135,7 +131,7 @@ def matchers(table: Table) -> tuple[list, object | None, list]:
             return pm_pass
 
         wanted = patterns.op_keys(keys)
-        counted = dict(ops.COUNTS), dict(ops.MISSES)  # tracing the patterns runs the ops on example inputs
+        counted = dict(rt.counts), dict(rt.misses)  # tracing the patterns runs the ops on example inputs
         forward = [build(f"prism_ops_{i}", tier, lambda p: _check(p, table, wanted.get(p.kind, set())))
                    for i, tier in enumerate(patterns.tiers(keys))]
         back = patterns.reverted(keys)
@@ -143,10 +139,10 @@ def matchers(table: Table) -> tuple[list, object | None, list]:
                                                               - set(keys.get(p.kind, ())))) if back else None
         late = [build(f"prism_late_{i}", tier, lambda p: _check(p, table, keys.get(p.kind, set())))
                 for i, tier in enumerate(patterns.late_tiers(keys))]
-        ops.COUNTS.update(counted[0])
-        ops.MISSES.update(counted[1])
-        _MATCHERS[id(table)] = (table, forward, revert, late)  # holding the table keeps its id unique
-    return _MATCHERS[id(table)][1:]
+        rt.counts.update(counted[0])
+        rt.misses.update(counted[1])
+        rt.matchers = (forward, revert, late)
+    return rt.matchers
 
 
 def _first(nodes, order: dict) -> fx.Node:
@@ -260,7 +256,7 @@ def _prism_nodes(graph: fx.Graph) -> Counter:
     return found
 
 
-def rewrite(graph: fx.Graph, table: Table) -> Counter:
+def rewrite(graph: fx.Graph, rt: Runtime) -> Counter:
     """Replace every region of `graph` the table has a kernel for; return region kind -> count.
 
     Four steps: vLLM's norm and activation forms become prism ops (also where only a region
@@ -269,10 +265,10 @@ def rewrite(graph: fx.Graph, table: Table) -> Counter:
     go back to vLLM's (so only what a kernel runs is a prism op), and Gemma's norms still in
     vLLM's form become prism's (`patterns.late_tiers`)."""
     before = _prism_nodes(graph)
-    forward, revert, late = matchers(table)
+    forward, revert, late = matchers(rt)
     for pm_pass in forward:
         pm_pass.apply(graph)  # erases each match's nodes itself; Inductor's own DCE runs after the pass
-    regions = serve_regions(graph, table)
+    regions = serve_regions(graph, rt.table)
     if revert is not None:
         revert.apply(graph)
     for pm_pass in late:  # Gemma's norms that no region took, on their raw weight
@@ -285,7 +281,7 @@ def rewrite(graph: fx.Graph, table: Table) -> Counter:
 @functools.cache
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for mod in (patterns, ops):
+    for mod in (patterns, ops, runtime):
         h.update(Path(mod.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
@@ -298,26 +294,27 @@ except ImportError:  # vLLM absent (the doctor, tests without vLLM): torch's own
 
 
 class PrismFusionPass(_Base):
-    """vLLM's post-grad custom pass: `rewrite` with this process's dispatch table. Never raises:
+    """vLLM's post-grad custom pass: `rewrite` with this process's runtime. Never raises:
     a failure leaves the graph as vLLM built it (the pattern matcher replaces whole matches only)
     and logs one warning."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        table = ops.STATE.table
-        if table is None or not served(table):
+        rt = current()
+        if rt is None or not served(rt.table):
             return
-        RUNS["graphs"] += 1
+        rt.runs["graphs"] += 1
         try:
-            done = rewrite(graph, table)
+            done = rewrite(graph, rt)
         except Exception as exc:  # noqa: BLE001 - a failed pass must not stop vLLM's compile
             log.warning("prism-serve: the fusion pass failed (%s: %s); the regions it had not replaced stay vLLM's",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return
-        REPLACED.update(done)
+        rt.replaced.update(done)
         log.debug("fusion pass replaced %s", dict(done) or "no region")  # the plugin's one line is said already
 
     def uuid(self) -> str:
-        return hashlib.sha256(f"{_source_hash()}|{_signature(ops.STATE.table)}".encode()).hexdigest()
+        rt = current()
+        return hashlib.sha256(f"{_source_hash()}|{_signature(rt and rt.table)}".encode()).hexdigest()
 
 
 def in_current_config() -> bool:
@@ -354,14 +351,14 @@ def add_to(compilation_config, pass_key: str) -> bool:
     return False
 
 
-def install(table: Table, done) -> None:
+def install(rt: Runtime, done) -> None:
     """Have every VllmConfig built in this process carry the pass (hooks.Installed `done` records
     the name and the undo)."""
     from vllm.platforms import current_platform
 
-    if not served(table):
+    if not served(rt.table):
         return
-    done.kinds.update(k for k in served(table) if KINDS[k].hook == "pattern")  # kinds only the pass serves
+    done.kinds.update(k for k in served(rt.table) if KINDS[k].hook == "pattern")  # kinds only the pass serves
     cls = type(current_platform)
     if getattr(cls.check_and_update_config, "_prism", False):
         done.names.append(NAME)

@@ -484,8 +484,8 @@ def _transposed(w) -> fx.Node | None:
 
 # vLLM CPU's GEMMs that write their result into a buffer they are handed: op -> the schema names of
 # (that buffer, the activation, the weight or oneDNN handle, the bias)
-OUT_GEMMS = {"_C::onednn_mm": ("c", "a", "handler_tensor", "bias"),
-             "_C::weight_packed_linear": ("out", "mat1", "mat2", "bias")}
+OUT_GEMMS = MappingProxyType({"_C::onednn_mm": ("c", "a", "handler_tensor", "bias"),
+             "_C::weight_packed_linear": ("out", "mat1", "mat2", "bias")})
 
 
 def _out_gemm(u: fx.Node) -> Linear | None:
