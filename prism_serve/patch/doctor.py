@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from prism_serve.capture.embedded import resolve_model
+from prism_serve.patch.explain import mismatch
 from prism_serve.patch.table import TORCH_DTYPES
 from prism_serve.region_table import KINDS, Form, kind_of
 
@@ -159,7 +160,7 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
         report["sites_from"] = "capture: the regions vLLM's compiled graph holds, as the fusion pass matches them"
         all_sites, classes = capture_sites(capture), capture.get("classes", {})
     quant = cfg.get("quantization_config") or None
-    rows = [_explain(s, dtype, p, url, device, _never(s, dtype, quant, lora)) for s in all_sites]
+    rows = [_explain(s, dtype, p, url, device, _never(s, dtype, quant, lora), str(path)) for s in all_sites]
     own = [(r["patched"], r.get("why"), r.get("kernel")) for r in rows]  # before regions take sites in
     _take_in(all_sites, rows, [ok for ok, _, _ in own])
     _eager(all_sites, rows, own, classes)
@@ -297,7 +298,7 @@ def _weights_dtype(path: Path) -> str | None:
     return max(count, key=count.get) if count else None
 
 
-def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dict:
+def _explain(s: Site, dtype: str, p, url: str, device, never: str | None, model: str) -> dict:
     row = {"layer": s.layer, "op": s.op, "pattern": " -> ".join(KINDS[s.op].vllm_path) if s.op in KINDS else "",
            "dim": s.dim, "patched": False}
     if s.note and never is None:
@@ -322,6 +323,9 @@ def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dic
         row["why"] = p.message.removeprefix("prism-serve: ")
         return row
     row["why"] = _why_not(s, dtype, url, device, p)
+    gap = mismatch(s.op, (TORCH_DTYPES[dtype], s.dim, s.eps), p.table.ops.get(s.op, {}), model) if p.table else None
+    if gap is not None:  # the kernels this device has for the kind are for another dtype or size
+        row["why"] += f"; {gap}"
     return row
 
 

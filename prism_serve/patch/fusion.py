@@ -368,6 +368,7 @@ def install(rt: Runtime, done) -> None:
 
     def check_and_update_config(_cls, vllm_config):
         inner(vllm_config)
+        rt.model = getattr(vllm_config.model_config, "model", None) or rt.model  # named in `explain`'s lines
         add_to(vllm_config.compilation_config, current_platform.pass_key)
 
     check_and_update_config._prism = True

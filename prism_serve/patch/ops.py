@@ -28,7 +28,8 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from prism_serve.patch.runtime import Runtime, current, out_features
+from prism_serve.patch.explain import mismatch
+from prism_serve.patch.runtime import Runtime, current, log, out_features
 from prism_serve.patch.table import Table
 from prism_serve.region_table import KINDS, Form, RegionKind, kind_of
 
@@ -169,7 +170,20 @@ def run(rt: Runtime, kind: RegionKind, *args, **kwargs):
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
             rt.failed_kernel(kind.name, launcher, exc)
     rt.misses[kind.name] += 1
+    if kind.name not in rt.explained:
+        _explain(rt, kind, x, dim, a.get("epsilon"))
     return vllm_path(rt, kind, a)
+
+
+def _explain(rt: Runtime, kind: RegionKind, x: Tensor, dim, eps: float | None) -> None:
+    """At a kind's first miss that no kernel of the table could have served (another dtype, sizes or
+    epsilon than it holds for the kind), one line saying so (`explain.mismatch`)."""
+    if rt.table is None or x.device.type != rt.table.device:
+        return
+    line = mismatch(kind.name, (x.dtype, dim, eps), rt.table.ops.get(kind.name, {}), rt.model)
+    if line is not None:
+        rt.explained.add(kind.name)
+        log.warning("prism-serve: %s ran vLLM's path: %s", kind.name, line)
 
 
 def _kernel_inputs(kind: RegionKind, a: dict, w: Tensor | None, hidden: int, last: int) -> list[Tensor]:

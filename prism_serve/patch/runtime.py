@@ -72,6 +72,8 @@ class Runtime:
         self.runs: Counter = Counter()  # graphs the fusion pass ran on
         self.replaced: Counter = Counter()  # regions it replaced, by kind
         self.library: torch.library.Library | None = None  # the prism:: kernels, closing over this runtime
+        self.model: str | None = None  # the model vLLM serves (its config's), for the lines that name it
+        self.explained: set[str] = set()  # kinds whose miss said why no kernel could serve it
         self._flushing: int | None = None  # the pid whose thread writes the counters
         self._closed = threading.Event()  # ends that thread
 
