@@ -6,10 +6,15 @@ serve (`served_sites`) and prices vLLM's path as the baseline (`vllm_path`, see
 `prism_serve.baseline`), the plugin's dispatch table keys kernels by it (`RegionKind.key_of`),
 and the doctor lists where each kind is served.
 
-A row is data a pattern matcher can read: `vllm_path` is the chain of vLLM ops the region
-replaces, in data-flow order (an op's output is the next one's first input), and `modules` the
-module roles of a decoder layer it spans (the eager-mode class hooks of `patch.hooks` find them
-by these names; the compiled-mode fusion pass matches vLLM's ops instead, see `patch.patterns`).
+A row is data, not a name to take apart: `form` is the region's structure (norm variant, residual,
+projection, bias, activation), from which everything else is derived: `parts` / `vllm_path`, the
+chain of vLLM ops the region replaces in data-flow order (the baseline), `args` / `outputs`, the
+custom op's signature (its schema, the fusion pass's argument order, the kernel's inputs), the
+op-level kinds that mark it in a graph (`norm_op`, `act_op`), its form without the residual, and
+the kind a structure found in a graph is (`kind_of`). `modules` are the module roles of a decoder
+layer it spans (the eager-mode class hooks of `patch.hooks` patch exactly `eager_classes`, whose
+modules `MODEL_CLASSES` names; the compiled-mode fusion pass matches vLLM's ops instead, see
+`patch.dataflow`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ group of nodes (for time per module and the single ops: RMSNorm, residual add + 
 SiluAndMul). A module holding vLLM's RMSNorm op is a norm whatever its class (vLLM's RMSNorm,
 GemmaRMSNorm, the Transformers backend's TPAwareRMSNorm), Gemma's where the op's weight is traced
 as a stored weight + 1. The regions holding a projection are found by the fusion pass's own matcher
-(`prism_serve.patch.patterns.find_regions`, by data flow over vLLM's ops, whatever the
+(`prism_serve.patch.dataflow.find_regions`, by data flow over vLLM's ops, whatever the
 model's classes), so capture reports exactly the regions the pass would replace:
 RMSNorm -> projection is ``rmsnorm_linear`` (or ``fused_add_rmsnorm_linear`` when the
 norm adds a residual), projection -> SiLU*mul is ``swiglu``, RMSNorm -> projection ->
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from prism_serve.patch import patterns
+from prism_serve.patch import dataflow, patterns
 from prism_serve.region_table import KINDS, Form, kind_of
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -191,7 +191,7 @@ def _act_region(g: Group) -> dict:
     inter = _last(y)
     kind = kind_of(Form(act="silu")).name
     if g.cls == "GeluAndMul":
-        fns = {patterns.act_fn(n) for n in g.nodes} - {None}
+        fns = {dataflow.act_fn(n) for n in g.nodes} - {None}
         tanh = kind_of(Form(act="gelu_tanh")).name
         if fns != {"gelu_tanh"}:
             return _region("gelu_and_mul", [g], {}, _dtype(y), [], [], supported=False,
@@ -212,7 +212,7 @@ def _norm_regions(g: Group, nm: Norm) -> list[dict]:
     extra = {"rows": True} if rows else {}
     dims = {"hidden": hidden} | ({"rows_per_token": _rows_per_token(_shape(nm.x))} if rows else {})
     w = _before(nm.weight, nm.op)
-    raw = patterns.gemma_weight(nm.weight)
+    raw = dataflow.gemma_weight(nm.weight)
     gemma = raw is not None and _dtype(raw[0]) == dtype
     kind = kind_of(Form("gemma" if gemma else "rms", nm.fused)).name
     if gemma:
@@ -247,7 +247,7 @@ def _path(n: fx.Node | None) -> str | None:
     return mod[0] if mod else None
 
 
-def _projection_region(r: patterns.Region) -> dict | None:
+def _projection_region(r: dataflow.Region) -> dict | None:
     """A matched region as capture reports it: modules, dims, and refs in the Program builder's order."""
     lin, norm = r.linear, r.norm
     at = lin.done or lin.out  # where the projection's result is complete
@@ -292,7 +292,7 @@ def _projection_region(r: patterns.Region) -> dict | None:
 
 def projection_regions(graph: fx.Graph) -> list[dict]:
     """The regions holding a projection, as the fusion pass's matcher finds them."""
-    return [d for d in map(_projection_region, patterns.find_regions(graph)) if d is not None]
+    return [d for d in map(_projection_region, dataflow.find_regions(graph)) if d is not None]
 
 
 ROTARY_REASON = ("rotary gathers cos/sin rows of cos_sin_cache by position and rotates the {style} of "

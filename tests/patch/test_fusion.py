@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from prism_serve.patch import fusion, ops, patterns
+from prism_serve.patch import dataflow, fusion, ops
 from prism_serve.patch.table import Buckets, Table
 
 vllm_ir = pytest.importorskip("vllm.ir")
@@ -283,14 +283,14 @@ def test_a_decoder_is_served_region_by_region(gemm):
 def test_region_kernels_run_on_the_weights_vllm_packed(regions_registry):
     """Real kernels (tiny-llama's sizes): the pass puts vLLM's oneDNN handles in the region ops, and
     the kernels run on the plain weights the plugin recorded when vLLM's create_onednn_mm packed them."""
-    from prism_serve.patch import hooks
+    from prism_serve.patch import hooks, packed
     from prism_serve.patch.plugin import plan
 
     tab = plan(regions_registry, force=True).table
     rt = ops.open_runtime(tab)
     h, qkv_out, inter = 128, 256, 256
     done = hooks.Installed([], [])
-    hooks._install_packed(rt, done)
+    packed.install(rt, done)
     try:
         qkv, gate_up = Proj("onednn", qkv_out, hidden=h), Proj("onednn", 2 * inter, hidden=h)
         other = Proj("onednn", 96, hidden=h)  # no region kernel has this shape: not recorded
@@ -384,11 +384,11 @@ def test_the_region_key_refuses_a_weight_of_another_dtype():
     ops_ = fusion.matchers(ops.open_runtime(table(NORM_LINEAR)))[0]
     for p in ops_:
         p.apply(gm.graph)
-    assert [(r.kind, r.key) for r in patterns.find_regions(gm.graph)] == [("rmsnorm_linear", NORM_LINEAR[1])]
+    assert [(r.kind, r.key) for r in dataflow.find_regions(gm.graph)] == [("rmsnorm_linear", NORM_LINEAR[1])]
     gm = graph_of(lambda x, g, w: F.linear(native_rms(x, g, EPS), w), x_(), w_(H), w_(QKV, H, dtype=torch.int8))
     for p in fusion.matchers(ops.open_runtime(table(NORM_LINEAR)))[0]:
         p.apply(gm.graph)
-    found = patterns.find_regions(gm.graph)
+    found = dataflow.find_regions(gm.graph)
     assert [(r.kind, r.key) for r in found] == [("rmsnorm_linear", None)] and "int8" in found[0].why
 
 
@@ -410,11 +410,11 @@ class Packed:
     the plain weight is recorded), the GEMM writing into a fresh buffer (vLLM's weight_packed_linear_cpu)."""
 
     def __init__(self, rt, out: int, served: bool = True, bias: torch.Tensor | None = None):
-        from prism_serve.patch import hooks
+        from prism_serve.patch import hooks, packed
 
         self.out, self.w, self.b = out, w_(out, AH, dtype=BF16), bias
         done = hooks.Installed([], [])
-        hooks._install_amx_packed(rt, {(BF16, out, AH) if served else (BF16, 1, 1)}, done)
+        packed.install_amx(rt, {(BF16, out, AH) if served else (BF16, 1, 1)}, done)
         try:
             self.arg = torch.ops._C.convert_weight_packed(self.w)
         finally:
@@ -473,7 +473,7 @@ def test_vllms_amx_gemm_with_its_float32_bias_is_left_alone():
     rt.matchers, rt.table = None, table(("rmsnorm_linear_bias", (BF16, (AH, AQKV), EPS)))
     for p in fusion.matchers(rt)[0]:
         p.apply(gm.graph)
-    found = patterns.find_regions(gm.graph)
+    found = dataflow.find_regions(gm.graph)
     assert [(r.kind, r.why) for r in found] == [("rmsnorm_linear_bias", "projection bias of another dtype")]
 
 
