@@ -284,7 +284,7 @@ class Site:
 def servable(kind: str, modules: Iterable[str]) -> bool:
     """Whether a plugin hook serves this kind at these modules, by module role: the eager-mode class
     hooks' rule, which warmup and the doctor follow. In compiled mode the fusion pass serves a region
-    wherever capture reports it (both use `patch.patterns.find_regions`), whatever the roles."""
+    wherever capture reports it (both use `patch.dataflow.find_regions`), whatever the roles."""
     k = KINDS.get(kind)
     if k is None:
         return False
