@@ -10,7 +10,7 @@ its fused RMSNorm kernels, its GEMM, its `silu_and_mul`). Here that path is
   GPU can time it. Without vLLM, eager torch stands in, and the baseline is named so.
 
 The served path (`served_modeled_us`) is prism's kernel plus what the plugin runs beside it: a
-`SERVED_ADD` region adds the residual in one elementwise kernel that vLLM folds into its norm.
+region whose kind has `add_beside` adds the residual in one elementwise kernel that vLLM folds into its norm.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from typing import Callable
 import torch
 
 from prism_serve.optimize.instantiate.cost import modeled_us, unfused_us
+from prism_serve.optimize.target.gpus import GpuSpec
 from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
 from prism_serve.optimize.ir.reference import as_torch_function
-from prism_serve.optimize.target.gpus import GpuSpec
 from prism_serve.optimize.target.instance import instantiate
-from prism_serve.optimize.workloads import programs
 from prism_serve.optimize.workloads.oracles import oracle
-from prism_serve.region_table import KINDS, SERVED_ADD
+from prism_serve.region_table import KINDS, RegionKind
 
 
 def _linear(hidden: int, out: int, dtype: str) -> Program:
@@ -50,21 +49,15 @@ def _row_kernel_us(prog: Program, num_tokens: int, gpu: GpuSpec) -> float:
 
 
 def _path_programs(prog: Program) -> list[tuple[str, Program]]:
-    """vLLM's kernels for `prog`'s kind, each as the Program it computes."""
+    """vLLM's kernels for `prog`'s kind (`RegionKind.parts`), each as the Program it computes."""
     kind = KINDS[prog.name]
     dims = kind.dims_of(prog)
     dtype = prog.inputs[0].attr("dtype")
     eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
     hidden = dims.get("hidden")
     out = dims.get("out") or 2 * dims.get("intermediate", 0)  # an MLP's merged gate_up projection
-    build = {"rms_norm": lambda: programs.rms_norm(hidden, dtype, eps),
-             "fused_add_rms_norm": lambda: programs.fused_add_rms_norm(hidden, dtype, eps),
-             "silu_and_mul": lambda: programs.silu_and_mul(dims["intermediate"], dtype),
-             "gemma_rms_norm": lambda: programs.gemma_rms_norm(hidden, dtype, eps),
-             "gemma_fused_add_rms_norm": lambda: programs.gemma_fused_add_rms_norm(hidden, dtype, eps),
-             "gelu_tanh_and_mul": lambda: programs.gelu_tanh_and_mul(dims["intermediate"], dtype),
-             "linear": lambda: _linear(hidden, out, dtype)}
-    return [(op, build[op]()) for op in kind.vllm_path]
+    return [("linear", _linear(hidden, out, dtype)) if part == "linear"
+            else (part.name, part.program(dims, dtype, eps)) for part in kind.parts]
 
 
 def vllm_modeled_us(prog: Program, num_tokens: int, gpu: GpuSpec) -> float:
@@ -75,7 +68,7 @@ def vllm_modeled_us(prog: Program, num_tokens: int, gpu: GpuSpec) -> float:
 
 def served_modeled_us(prog: Program, kernel_us: float, num_tokens: int, gpu: GpuSpec) -> float:
     """What the plugin runs for the region: the kernel (`kernel_us`, modeled) and what runs beside it."""
-    if prog.name not in SERVED_ADD:
+    if not KINDS[prog.name].add_beside:
         return kernel_us
     x = prog.inputs[0]
     return kernel_us + unfused_us(_add(int(x.attr("shape")[-1]), x.attr("dtype")), num_tokens, gpu)
@@ -98,11 +91,11 @@ def baseline(prog: Program) -> Baseline:
         import vllm._custom_ops as vops
     except Exception:  # noqa: BLE001 - vLLM absent or unusable here: eager torch is the yardstick
         vops = None
-    if vops is None or prog.name not in _VLLM:
+    if vops is None or prog.name not in KINDS:
         return Baseline("torch-eager", list, as_torch_function(prog))
     eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
-    prepare, run = _VLLM[prog.name](vops, eps)
-    return Baseline("vllm", prepare, run)
+    kind = KINDS[prog.name]
+    return Baseline("vllm", _prepare(kind), _vllm_run(kind, vops, eps))
 
 
 def _norm(vops, eps, x, g):
@@ -142,64 +135,56 @@ def _vllm_ir():
     return ir.ops
 
 
-def _project_first(normed, w):
-    """(y, residual') of a residual add + norm -> (y @ w^T, residual')."""
-    y, r = normed
-    return torch.nn.functional.linear(y, w), r
+def _prepare(kind: RegionKind) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """The Program's inputs as vLLM's path takes them: a zero residual where vLLM adds the residual in
+    its norm (the sum arrives as x), fresh x and residual where its RMSNorm op updates them in place,
+    the merged gate_up weight [w_gate; w_up], and [gate | up] activations."""
+    f = kind.form
+
+    def prepare(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if kind.add_beside:
+            inputs = [inputs[0], torch.zeros_like(inputs[0]), *inputs[1:]]
+        if f.norm == "rms" and (f.residual or kind.add_beside):
+            inputs = [inputs[0].clone(), inputs[1].clone(), *inputs[2:]]
+        if f.act:  # the two halves: gate_up's weights, or the activation's inputs
+            inputs = [*inputs[:-2], torch.cat(inputs[-2:], dim=0 if f.projection else -1)]
+        return inputs
+    return prepare
 
 
-def _clone_first_two(inputs):
-    return [inputs[0].clone(), inputs[1].clone(), *inputs[2:]]
+def _vllm_run(kind: RegionKind, vops, eps: float | None) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """vLLM's path for `kind` on the prepared inputs: its norm (its fused RMSNorm kernels, in place;
+    Gemma's: its RMSNorm ops on the float32 weight + 1, functional), its GEMM (with the bias), its
+    activation; the outputs in the Program's order."""
+    f = kind.form
+    residual_in = f.residual or kind.add_beside
 
-
-def _merged(inputs):  # (x, [g,] w_gate, w_up) -> (x, [g,] [w_gate; w_up]): vLLM's gate_up layout
-    return [*inputs[:-2], torch.cat(inputs[-2:], dim=0)]
-
-
-_VLLM = {
-    "rms_norm": lambda v, eps: (list, lambda x, w: (_norm(v, eps, x, w),)),
-    # vLLM's op adds into `residual` and normalises `x` in place: (y, residual') are x and residual
-    "fused_add_rms_norm": lambda v, eps: (_clone_first_two, lambda x, r, w: (v.fused_add_rms_norm(x, r, w, eps),
-                                                                             (x, r))[1]),
-    "silu_and_mul": lambda v, eps: (lambda i: [torch.cat(i, dim=-1)], lambda gu: (_silu(v, gu),)),
-    "rmsnorm_linear": lambda v, eps: (list, lambda x, g, w: (torch.nn.functional.linear(_norm(v, eps, x, g), w),)),
-    "fused_add_rmsnorm_linear": lambda v, eps: (
-        _clone_first_two, lambda x, r, g, w: (v.fused_add_rms_norm(x, r, g, eps),
-                                              (torch.nn.functional.linear(x, w), r))[1]),
-    "rmsnorm_linear_bias": lambda v, eps: (
-        list, lambda x, g, w, b: (torch.nn.functional.linear(_norm(v, eps, x, g), w, b),)),
-    "fused_add_rmsnorm_linear_bias": lambda v, eps: (
-        _clone_first_two, lambda x, r, g, w, b: (v.fused_add_rms_norm(x, r, g, eps),
-                                                 (torch.nn.functional.linear(x, w, b), r))[1]),
-    "swiglu": lambda v, eps: (_merged, lambda x, w: (_silu(v, torch.nn.functional.linear(x, w)),)),
-    # GemmaRMSNorm.forward_native: vLLM's RMSNorm ops on the float32 weight + 1 (functional, not in place)
-    "gemma_rms_norm": lambda v, eps: (list, lambda x, w: (_vllm_ir().rms_norm(x, _gemma_weight(w), eps),)),
-    "gemma_fused_add_rms_norm": lambda v, eps: (
-        list, lambda x, r, w: tuple(_vllm_ir().fused_add_rms_norm(x, r, _gemma_weight(w), eps))),
-    "gelu_tanh_and_mul": lambda v, eps: (lambda i: [torch.cat(i, dim=-1)], lambda gu: (_gelu_tanh(gu),)),
-    "geglu": lambda v, eps: (_merged, lambda x, w: (_gelu_tanh(torch.nn.functional.linear(x, w)),)),
-    "rmsnorm_geglu": lambda v, eps: (
-        lambda i: [i[0].clone(), torch.zeros_like(i[0]), *_merged(i[1:])],
-        lambda x, r, g, w: (v.fused_add_rms_norm(x, r, g, eps), (_gelu_tanh(torch.nn.functional.linear(x, w)),))[1]),
-    # Gemma's regions on the stored norm weight g: vLLM's RMSNorm ops on g.float() + 1, then its GEMM
-    "gemma_rmsnorm_linear": lambda v, eps: (
-        list, lambda x, g, w: (torch.nn.functional.linear(_vllm_ir().rms_norm(x, _gemma_weight(g), eps), w),)),
-    "gemma_fused_add_rmsnorm_linear": lambda v, eps: (
-        list, lambda x, r, g, w: _project_first(_vllm_ir().fused_add_rms_norm(x, r, _gemma_weight(g), eps), w)),
-    "gemma_rmsnorm_geglu": lambda v, eps: (
-        lambda i: [i[0], torch.zeros_like(i[0]), *_merged(i[1:])],
-        lambda x, r, g, w: (_gelu_tanh(torch.nn.functional.linear(
-            _vllm_ir().fused_add_rms_norm(x, r, _gemma_weight(g), eps)[0], w)),)),
-    # at its site vLLM adds the residual inside its norm: the sum arrives as x with a zero residual
-    "rmsnorm_swiglu": lambda v, eps: (
-        lambda i: [i[0].clone(), torch.zeros_like(i[0]), *_merged(i[1:])],
-        lambda x, r, g, w: (v.fused_add_rms_norm(x, r, g, eps), (_silu(v, torch.nn.functional.linear(x, w)),))[1]),
-}
+    def run(*args):
+        rest = list(args)
+        y, r = rest.pop(0), None
+        if f.norm is not None:
+            r = rest.pop(0) if residual_in else None
+            g = rest.pop(0)
+            if f.norm == "gemma":
+                w = _gemma_weight(g)
+                y, r = _vllm_ir().fused_add_rms_norm(y, r, w, eps) if residual_in else (_vllm_ir().rms_norm(y, w, eps),
+                                                                                        None)
+            elif residual_in:
+                vops.fused_add_rms_norm(y, r, g, eps)  # residual += x, x = rms_norm(residual) * g
+            else:
+                y = _norm(vops, eps, y, g)
+        if f.projection:
+            w = rest.pop(0)
+            y = torch.nn.functional.linear(y, w, rest.pop(0) if f.bias else None)
+        if f.act:
+            y = _silu(vops, y) if f.act == "silu" else _gelu_tanh(y)
+        return (y, r) if f.residual else (y,)
+    return run
 
 
 def served(prog: Program, kernel: Callable) -> tuple[Callable, Callable]:
     """(prepare, run) of what the plugin runs for the region on the Program's inputs, as `Baseline`:
-    the kernel, after the residual add for a `SERVED_ADD` region (the sum of x and a zero residual)."""
-    if prog.name not in SERVED_ADD:
+    the kernel, after the residual add for an `add_beside` kind (the sum of x and a zero residual)."""
+    if not KINDS[prog.name].add_beside:
         return list, kernel
     return (lambda i: [i[0], torch.zeros_like(i[0]), *i[1:]]), (lambda x, r, *rest: kernel(x + r, *rest))

@@ -6,16 +6,22 @@ serve (`served_sites`) and prices vLLM's path as the baseline (`vllm_path`, see
 `prism_serve.baseline`), the plugin's dispatch table keys kernels by it (`RegionKind.key_of`),
 and the doctor lists where each kind is served.
 
-A row is data a pattern matcher can read: `vllm_path` is the chain of vLLM ops the region
-replaces, in data-flow order (an op's output is the next one's first input), and `modules` the
-module roles of a decoder layer it spans (the eager-mode class hooks of `patch.hooks` find them
-by these names; the compiled-mode fusion pass matches vLLM's ops instead, see `patch.patterns`).
+A row is data, not a name to take apart: `form` is the region's structure (norm variant, residual,
+projection, bias, activation), from which everything else is derived: `parts` / `vllm_path`, the
+chain of vLLM ops the region replaces in data-flow order (the baseline), `args` / `outputs`, the
+custom op's signature (its schema, the fusion pass's argument order, the kernel's inputs), the
+op-level kinds that mark it in a graph (`norm_op`, `act_op`), its form without the residual, and
+the kind a structure found in a graph is (`kind_of`). `modules` are the module roles of a decoder
+layer it spans (the eager-mode class hooks of `patch.hooks` patch exactly `eager_classes`, whose
+modules `MODEL_CLASSES` names; the compiled-mode fusion pass matches vLLM's ops instead, see
+`patch.dataflow`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Callable
 
 from prism_serve.optimize.ir.program import Program
@@ -39,19 +45,122 @@ class Dim:
     axis: int
 
 
+# a norm's variant: vLLM's RMSNorm, or Gemma's (x * rsqrt(mean(x^2) + eps) * (1 + w), on the stored w)
+NORMS = ("rms", "gemma")
+# a gated activation on the two halves of gate_up's output: SiLU (SwiGLU), tanh-GELU (Gemma's GeGLU)
+ACTS = ("silu", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class Form:
+    """A region's structure: what it computes, in data-flow order (norm -> projection -> activation).
+    Every other fact about a kind (its vLLM path, its custom op's arguments, which op-level kinds
+    mark it in a graph) is derived from this; nothing reads a kind's name."""
+
+    norm: str | None = None  # one of NORMS, or None
+    residual: bool = False  # the kernel adds the residual before the norm and writes the sum
+    projection: bool = False  # a projection (GEMM) of the normed value, or of x
+    bias: bool = False  # the projection adds a bias
+    act: str | None = None  # one of ACTS applied to the projection's (or x's) two halves, or None
+
+    def __post_init__(self) -> None:
+        assert self.norm in (None, *NORMS) and self.act in (None, *ACTS), self
+        assert not self.residual or self.norm, self
+        assert not self.bias or self.projection, self
+
+    @property
+    def size(self) -> int:
+        """How many of vLLM's ops the region spans (its norm, projection, activation)."""
+        return (self.norm is not None) + self.projection + (self.act is not None)
+
+    @property
+    def label(self) -> str:
+        """The structure in words, for a region prism has no kind for (capture reports it unsupported)."""
+        parts = (f"{'residual add + ' if self.residual else ''}{self.norm} norm" if self.norm else "",
+                 ("biased " if self.bias else "") + "projection" if self.projection else "",
+                 f"{self.act}*mul" if self.act else "")
+        return " -> ".join(p for p in parts if p)
+
+
 @dataclass(frozen=True)
 class RegionKind:
     name: str  # the capture kind, the Program name and the prism custom op (prism::<name>)
     build: Callable[..., Program]  # (*dims in `dims` order, dtype, [eps]) -> Program
     dims: tuple[Dim, ...]
-    has_eps: bool
-    vllm_path: tuple[str, ...]  # vLLM's kernels for this region today (the baseline), in data-flow order
+    form: Form
     hook: str  # how the plugin serves it (one of HOOKS)
     modules: tuple[str, ...] = ()  # module roles it spans in a decoder layer; () = wherever vLLM runs the op
     doc: str = ""
     # hooks "mlp" and "decoder_layer": the vLLM classes whose instances (exactly) eager mode serves it in,
-    # the module holding its modules (`patch.hooks.REGIONS`, `DECODER_LAYERS` patch them)
+    # the module holding its modules (`patch.hooks` patches exactly these)
     eager_classes: frozenset[str] = frozenset()
+    # the served path runs vLLM's residual add beside the kernel (vLLM folds it into its norm), so the
+    # kernel takes the sum; the region in vLLM's graph starts at a residual add + norm
+    add_beside: bool = False
+
+    @property
+    def has_eps(self) -> bool:
+        return self.form.norm is not None
+
+    @property
+    def parts(self) -> tuple[RegionKind | str, ...]:
+        """vLLM's ops for this region today, in data-flow order: its op-level kinds (norm, activation)
+        and "linear" for its GEMM; an op-level kind is its own single part."""
+        f = self.form
+        if f.size == 1 and not f.projection:
+            return (self,)
+        norm = kind_of(Form(f.norm, f.residual or self.add_beside)) if f.norm else None
+        return tuple(p for p in (norm, "linear" if f.projection else None, kind_of(Form(act=f.act)) if f.act else None)
+                     if p is not None)
+
+    @property
+    def vllm_path(self) -> tuple[str, ...]:
+        """vLLM's kernels for this region today (the baseline), in data-flow order (names of `VLLM_OPS`)."""
+        return tuple(p if isinstance(p, str) else p.name for p in self.parts)
+
+    @property
+    def norm_op(self) -> RegionKind | None:
+        """The op-level norm kind of the same variant and residual (the region's norm in a graph)."""
+        return kind_of(Form(self.form.norm, self.form.residual)) if self.form.norm else None
+
+    @property
+    def act_op(self) -> RegionKind | None:
+        """The op-level activation kind of the region's activation."""
+        return kind_of(Form(act=self.form.act)) if self.form.act else None
+
+    @property
+    def without_residual(self) -> RegionKind | None:
+        """The same region with the residual added beside it (fused_add_... -> its plain form), or None."""
+        return kind_of(replace(self.form, residual=False)) if self.form.residual else None
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The custom op's arguments, in order: the activations, the norm's and the projection's
+        weights, the bias, epsilon; a projection's op also takes the eager hook's `site` and
+        `out_features` (the weight may be vLLM's packed handle, which has no shape)."""
+        f = self.form
+        if not f.projection:
+            return ("x",) + (("residual",) if f.residual else ()) + (("weight", "epsilon") if f.norm else ())
+        return ("x", *(("residual",) if f.residual else ()), *(("norm_weight",) if f.norm else ()),
+                "w_gate_up" if f.act else "weight", *(("bias",) if f.bias else ()),
+                *(("epsilon",) if f.norm else ()), "site", "out_features")
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The custom op's outputs: the result, and the residual sum where the kernel writes it."""
+        return ("y", "residual") if self.form.residual else ("y",)
+
+    @property
+    def rank(self) -> tuple:
+        """Largest region first (more of vLLM's ops; a norm before an activation alone): the order in
+        which the fusion pass offers a node to the regions holding it."""
+        f = self.form
+        return (-f.size, f.norm is None, f.bias, f.norm == "gemma", not f.residual)
+
+    def projection_shape(self, dims: tuple[int, int]) -> tuple[int, int]:
+        """(out, in) of the projection weight for key dims (hidden, n): gate_up is [2n, hidden]."""
+        hidden, n = dims
+        return (2 * n if self.form.act else n), hidden
 
     def program(self, dims: dict, dtype: str, eps: float | None = None) -> Program:
         """The exact Program for these dims (by name), dtype and epsilon."""
@@ -80,70 +189,88 @@ class RegionKind:
         return (dtype, self.key_dim(dims), eps) if expected.canonical_hash == prog.canonical_hash else None
 
 
-_H, _I = Dim("hidden", "x", -1), Dim("intermediate", "w_gate", 0)
+_H, _I, _O = Dim("hidden", "x", -1), Dim("intermediate", "w_gate", 0), Dim("out", "w", 0)
+_GATE = (Dim("intermediate", "gate", -1),)
+# the vLLM classes eager mode patches (`patch.hooks` imports them from here), by class name -> its module
+MODEL_CLASSES: Mapping[str, str] = MappingProxyType({
+    "LlamaMLP": "vllm.model_executor.models.llama", "Qwen2MLP": "vllm.model_executor.models.qwen2",
+    "LlamaDecoderLayer": "vllm.model_executor.models.llama",
+    "MistralDecoderLayer": "vllm.model_executor.models.mistral",
+    "Qwen3DecoderLayer": "vllm.model_executor.models.qwen3"})
 _MLPS = frozenset({"LlamaMLP", "Qwen2MLP"})  # Qwen3's MLP is Qwen2MLP; GLM-4's, LlamaMLP
 _LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"})
-KINDS: dict[str, RegionKind] = {k.name: k for k in (
-    RegionKind("rms_norm", programs.rms_norm, (_H,), True, ("rms_norm",), "ir",
+_QKV = ("input_layernorm", "self_attn.qkv_proj")
+_RMS, _GEMMA = "rms", "gemma"
+KINDS: Mapping[str, RegionKind] = MappingProxyType({k.name: k for k in (
+    RegionKind("rms_norm", programs.rms_norm, (_H,), Form(_RMS), "ir",
                doc="an RMSNorm without residual (a layer's first input norm, q/k norm)"),
-    RegionKind("fused_add_rms_norm", programs.fused_add_rms_norm, (_H,), True, ("fused_add_rms_norm",), "ir",
+    RegionKind("fused_add_rms_norm", programs.fused_add_rms_norm, (_H,), Form(_RMS, residual=True), "ir",
                doc="residual add + RMSNorm, writing the sum as the next residual"),
-    RegionKind("silu_and_mul", programs.silu_and_mul, (Dim("intermediate", "gate", -1),), False,
-               ("silu_and_mul",), "custom_op", doc="SiluAndMul on the two halves of gate_up's output"),
-    RegionKind("swiglu", programs.swiglu, (_H, _I), False, ("linear", "silu_and_mul"), "mlp",
+    RegionKind("silu_and_mul", programs.silu_and_mul, _GATE, Form(act="silu"), "custom_op",
+               doc="SiluAndMul on the two halves of gate_up's output"),
+    RegionKind("swiglu", programs.swiglu, (_H, _I), Form(projection=True, act="silu"), "mlp",
                ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + SiLU*mul", _MLPS),
-    RegionKind("rmsnorm_linear", programs.rmsnorm_linear, (_H, Dim("out", "w", 0)), True, ("rms_norm", "linear"),
-               "decoder_layer", ("input_layernorm", "self_attn.qkv_proj"),
-               "a first layer's input RMSNorm (no residual yet) + qkv projection", _LAYERS),
-    RegionKind("fused_add_rmsnorm_linear", programs.fused_add_rmsnorm_linear, (_H, Dim("out", "w", 0)), True,
-               ("fused_add_rms_norm", "linear"), "decoder_layer", ("input_layernorm", "self_attn.qkv_proj"),
+    RegionKind("rmsnorm_linear", programs.rmsnorm_linear, (_H, _O), Form(_RMS, projection=True), "decoder_layer",
+               _QKV, "a first layer's input RMSNorm (no residual yet) + qkv projection", _LAYERS),
+    RegionKind("fused_add_rmsnorm_linear", programs.fused_add_rmsnorm_linear, (_H, _O),
+               Form(_RMS, residual=True, projection=True), "decoder_layer", _QKV,
                "a layer's input residual add + RMSNorm + qkv projection; the kernel writes the residual", _LAYERS),
     # a projection that adds a bias (Qwen2's qkv): served by the compiled-mode fusion pass only
-    RegionKind("rmsnorm_linear_bias", programs.rmsnorm_linear_bias, (_H, Dim("out", "w", 0)), True,
-               ("rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
-               "a first layer's input RMSNorm + a qkv projection with a bias"),
-    RegionKind("fused_add_rmsnorm_linear_bias", programs.fused_add_rmsnorm_linear_bias, (_H, Dim("out", "w", 0)),
-               True, ("fused_add_rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
+    RegionKind("rmsnorm_linear_bias", programs.rmsnorm_linear_bias, (_H, _O), Form(_RMS, projection=True, bias=True),
+               "pattern", _QKV, "a first layer's input RMSNorm + a qkv projection with a bias"),
+    RegionKind("fused_add_rmsnorm_linear_bias", programs.fused_add_rmsnorm_linear_bias, (_H, _O),
+               Form(_RMS, residual=True, projection=True, bias=True), "pattern", _QKV,
                "a layer's input residual add + RMSNorm + a qkv projection with a bias; the kernel writes the "
                "residual"),
-    RegionKind("rmsnorm_swiglu", programs.rmsnorm_swiglu, (_H, _I), True,
-               ("fused_add_rms_norm", "linear", "silu_and_mul"), "decoder_layer",
-               ("post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn"),
+    RegionKind("rmsnorm_swiglu", programs.rmsnorm_swiglu, (_H, _I), Form(_RMS, projection=True, act="silu"),
+               "decoder_layer", ("post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn"),
                "the post-attention residual add + RMSNorm + gate_up projection + SiLU*mul; the add runs "
-               "as one elementwise kernel before it (vLLM folds it into its norm), the rest as one kernel", _LAYERS),
+               "as one elementwise kernel before it (vLLM folds it into its norm), the rest as one kernel", _LAYERS,
+               add_beside=True),
     # Gemma (GemmaRMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w) in float32; GeluAndMul(approximate="tanh")),
-    RegionKind("gelu_tanh_and_mul", programs.gelu_tanh_and_mul, (Dim("intermediate", "gate", -1),), False,
-               ("gelu_tanh_and_mul",), "custom_op",
+    RegionKind("gelu_tanh_and_mul", programs.gelu_tanh_and_mul, _GATE, Form(act="gelu_tanh"), "custom_op",
                doc="GeluAndMul(approximate='tanh') on the two halves of gate_up's output"),
     # served by the compiled-mode fusion pass only
-    RegionKind("gemma_rms_norm", programs.gemma_rms_norm, (_H,), True, ("gemma_rms_norm",), "pattern",
+    RegionKind("gemma_rms_norm", programs.gemma_rms_norm, (_H,), Form(_GEMMA), "pattern",
                doc="Gemma's RMSNorm scaling by (1 + w), without residual"),
-    RegionKind("gemma_fused_add_rms_norm", programs.gemma_fused_add_rms_norm, (_H,), True,
-               ("gemma_fused_add_rms_norm",), "pattern",
-               doc="residual add + Gemma's RMSNorm scaling by (1 + w), writing the sum as the next residual"),
-    RegionKind("geglu", programs.geglu, (_H, _I), False, ("linear", "gelu_tanh_and_mul"), "pattern",
+    RegionKind("gemma_fused_add_rms_norm", programs.gemma_fused_add_rms_norm, (_H,), Form(_GEMMA, residual=True),
+               "pattern", doc="residual add + Gemma's RMSNorm scaling by (1 + w), writing the sum as the next residual"),
+    RegionKind("geglu", programs.geglu, (_H, _I), Form(projection=True, act="gelu_tanh"), "pattern",
                ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + tanh-GELU*mul (Gemma's GeGLU)"),
     # the norm before it is post_attention_layernorm (Gemma) or pre_feedforward_layernorm (Gemma 2):
     # no module roles, the fusion pass serves it wherever capture finds it
-    RegionKind("rmsnorm_geglu", programs.rmsnorm_geglu, (_H, _I), True,
-               ("fused_add_rms_norm", "linear", "gelu_tanh_and_mul"), "pattern",
-               doc="the residual add + RMSNorm before Gemma's MLP + gate_up projection + tanh-GELU*mul; the add "
-                   "runs as one elementwise kernel before it, the rest as one kernel"),
+    RegionKind("rmsnorm_geglu", programs.rmsnorm_geglu, (_H, _I), Form(_RMS, projection=True, act="gelu_tanh"),
+               "pattern", doc="the residual add + RMSNorm before Gemma's MLP + gate_up projection + tanh-GELU*mul; "
+                              "the add runs as one elementwise kernel before it, the rest as one kernel",
+               add_beside=True),
     # the same regions on Gemma's norm where its float32 weight w + 1 is not of the activations' dtype
     # (bf16, fp16): the kernels take the stored weight and scale by 1 + w themselves
-    RegionKind("gemma_rmsnorm_linear", programs.gemma_rmsnorm_linear, (_H, Dim("out", "w", 0)), True,
-               ("gemma_rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
-               "a first layer's input Gemma RMSNorm (1 + w) + qkv projection"),
-    RegionKind("gemma_fused_add_rmsnorm_linear", programs.gemma_fused_add_rmsnorm_linear, (_H, Dim("out", "w", 0)),
-               True, ("gemma_fused_add_rms_norm", "linear"), "pattern", ("input_layernorm", "self_attn.qkv_proj"),
+    RegionKind("gemma_rmsnorm_linear", programs.gemma_rmsnorm_linear, (_H, _O), Form(_GEMMA, projection=True),
+               "pattern", _QKV, "a first layer's input Gemma RMSNorm (1 + w) + qkv projection"),
+    RegionKind("gemma_fused_add_rmsnorm_linear", programs.gemma_fused_add_rmsnorm_linear, (_H, _O),
+               Form(_GEMMA, residual=True, projection=True), "pattern", _QKV,
                "a layer's input residual add + Gemma RMSNorm (1 + w) + qkv projection; the kernel writes the "
                "residual"),
-    RegionKind("gemma_rmsnorm_geglu", programs.gemma_rmsnorm_geglu, (_H, _I), True,
-               ("gemma_fused_add_rms_norm", "linear", "gelu_tanh_and_mul"), "pattern",
-               doc="rmsnorm_geglu on Gemma's norm (1 + w): the residual add beside the kernel, the rest as one"),
-)}
-# kinds whose served path runs a residual add beside the kernel (counted in the modeled speedup)
-SERVED_ADD = frozenset({"rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"})
+    RegionKind("gemma_rmsnorm_geglu", programs.gemma_rmsnorm_geglu, (_H, _I),
+               Form(_GEMMA, projection=True, act="gelu_tanh"), "pattern",
+               doc="rmsnorm_geglu on Gemma's norm (1 + w): the residual add beside the kernel, the rest as one",
+               add_beside=True),
+)})
+_BY_FORM: Mapping[Form, RegionKind] = MappingProxyType({k.form: k for k in KINDS.values()})
+assert len(_BY_FORM) == len(KINDS), "two kinds of one form"
+# the op-level kinds (one of vLLM's norm or activation ops) and the regions holding a projection, largest first
+OP_KINDS = tuple(k for k in KINDS.values() if not k.form.projection)
+REGION_KINDS = tuple(sorted((k for k in KINDS.values() if k.form.projection), key=lambda k: k.rank))
+
+
+def kind_of(form: Form) -> RegionKind | None:
+    """The kind of this structure, or None where prism has none (e.g. Gemma's norm before a SiLU MLP)."""
+    return _BY_FORM.get(form)
+
+
+def hooked(hook: str) -> tuple[RegionKind, ...]:
+    """The kinds the plugin serves through `hook` (one of HOOKS), in table order."""
+    return tuple(k for k in KINDS.values() if k.hook == hook)
 
 
 @dataclass(frozen=True)
@@ -157,7 +284,7 @@ class Site:
 def servable(kind: str, modules: Iterable[str]) -> bool:
     """Whether a plugin hook serves this kind at these modules, by module role: the eager-mode class
     hooks' rule, which warmup and the doctor follow. In compiled mode the fusion pass serves a region
-    wherever capture reports it (both use `patch.patterns.find_regions`), whatever the roles."""
+    wherever capture reports it (both use `patch.dataflow.find_regions`), whatever the roles."""
     k = KINDS.get(kind)
     if k is None:
         return False

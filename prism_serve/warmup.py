@@ -6,7 +6,7 @@ runs inside a larger served region in both modes, is skipped and says so; larges
 region whose search fails leaves its parts to be warmed instead):
 reuse the stored verified designs of its Program when the registry has any (shape-
 generic: a design of the same Program family is rebuilt and re-verified, not searched again),
-else search with Prism's generator (`optimize.generate.search`); instantiate the best
+else search with Prism's generator (`optimize.pipeline.search`); instantiate the best
 design for this device and each num_tokens bucket;
 check it on the layer's real weights and the inputs vLLM saw against vLLM's own
 outputs; on a GPU, time it against vLLM's own path (`baseline`); store every kernel with

@@ -3,7 +3,7 @@
     python scripts/bench_patch.py --json FILE [--kernels 1000] [--calls 20000]
 
 Dispatch overhead: the cost prism adds to each call of a patched op before its kernel runs
-(`ops.pick`: device check, table and num_tokens bucket lookup, launch bookkeeping), timed per
+(`Runtime.pick`: device check, table and num_tokens bucket lookup, launch bookkeeping), timed per
 call over batches, median taken; target < 5 us. Alongside, end to end: the prism op's Python
 impl against a direct call of the same compiled kernel, interleaved pairs (on the CPU the
 interpreted kernel's jitter swamps this difference; on a GPU it is the real figure), and the
@@ -45,6 +45,7 @@ from rich.table import Table as RichTable
 from prism_serve.optimize.workloads import programs
 from prism_serve.patch import ops, seed
 from prism_serve.patch.device import current_device
+from prism_serve.region_table import KINDS
 from prism_serve.registry import open_registry
 from prism_serve.registry.store import add_kernels
 
@@ -96,6 +97,7 @@ if has_vllm:
     out["message"] = plugin.STATUS.message
     plugin.unpatch()
 from prism_serve.patch.device import current_device
+from prism_serve.region_table import KINDS
 t = time.perf_counter()
 p = plugin.plan(device=current_device(use_vllm=False)[0], device_type=current_device(use_vllm=False)[1])
 out["plan_s"] = time.perf_counter() - t
@@ -135,8 +137,8 @@ def dispatch(url: str, calls: int) -> dict:
     p = plan(url, device, device_type, force=False)
     if p.table is None or not p.table.ops:
         raise SystemExit(f"no table to time: {p.message}")
-    ops.define_ops()
-    ops.STATE.table = p.table
+    rt = ops.open_runtime(p.table)
+    norm = KINDS["rms_norm"]
     dev = "cuda" if device_type == "cuda" else "cpu"
     hidden = HIDDEN[0]
     dtype = torch.float16 if dev == "cuda" else torch.float32
@@ -145,26 +147,26 @@ def dispatch(url: str, calls: int) -> dict:
     rows = 64
     x = torch.randn(rows, hidden, device=dev, dtype=dtype)
     w = torch.rand(hidden, device=dev, dtype=dtype)
-    launcher = ops.pick("rms_norm", x, hidden, EPS)
+    launcher = rt.pick("rms_norm", x, hidden, EPS)
     assert launcher is not None
     out: dict = {}
-    out["pick_us"] = statistics.median(per_call_us(lambda: ops.pick("rms_norm", x, hidden, EPS), calls))
+    out["pick_us"] = statistics.median(per_call_us(lambda: rt.pick("rms_norm", x, hidden, EPS), calls))
     miss = torch.randn(rows, hidden + 1, device=dev, dtype=dtype)
-    out["miss_pick_us"] = statistics.median(per_call_us(lambda: ops.pick("rms_norm", miss, hidden + 1, EPS), calls))
+    out["miss_pick_us"] = statistics.median(per_call_us(lambda: rt.pick("rms_norm", miss, hidden + 1, EPS), calls))
     # end to end, kernel included: interleaved pairs so drift hits both sides alike
     pairs = 30 if dev == "cpu" else 2000
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     direct, via, boundary = [], [], []
     for _ in range(5):
         launcher.run(x, w)
-        ops.rms_norm_impl(x, w, EPS)
+        ops.run(rt, norm, x, w, EPS)
     sync()
     for _ in range(pairs):
         t = time.perf_counter_ns()
         launcher.run(x, w)
         sync()
         t1 = time.perf_counter_ns()
-        ops.rms_norm_impl(x, w, EPS)
+        ops.run(rt, norm, x, w, EPS)
         sync()
         t2 = time.perf_counter_ns()
         torch.ops.prism.rms_norm(x, w, EPS)

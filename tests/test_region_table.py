@@ -109,3 +109,25 @@ def test_the_eager_classes_are_the_ones_the_hooks_patch():
     assert KINDS["swiglu"].eager_classes == mlps
     assert all(KINDS[k].eager_classes == layers for k in hooks.LAYER_FALLBACKS)
     assert not [k for k, kind in KINDS.items() if kind.hook in ("mlp", "decoder_layer") and not kind.eager_classes]
+
+
+def test_a_kinds_name_is_written_in_the_region_table_alone():
+    """Every other module derives what it needs from a kind's structure (`RegionKind.form`, `args`):
+    outside optimize/ no module but the region table writes a kind's name, except vLLM's own op
+    names where vLLM's op is matched or called (the patterns' and capture's vLLM forms)."""
+    import ast
+    from pathlib import Path
+
+    import prism_serve
+
+    root = Path(prism_serve.__file__).parent
+    written: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        if path.relative_to(root).parts[0] == "optimize":
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Constant) and n.value in KINDS:
+                written.setdefault(n.value, set()).add(str(path.relative_to(root)))
+    vllms = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul"}
+    assert {k: m for k, m in written.items() if k not in vllms and m != {"region_table.py"}} == {}
+    assert all("region_table.py" in m for m in written.values())

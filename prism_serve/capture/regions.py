@@ -6,7 +6,7 @@ group of nodes (for time per module and the single ops: RMSNorm, residual add + 
 SiluAndMul). A module holding vLLM's RMSNorm op is a norm whatever its class (vLLM's RMSNorm,
 GemmaRMSNorm, the Transformers backend's TPAwareRMSNorm), Gemma's where the op's weight is traced
 as a stored weight + 1. The regions holding a projection are found by the fusion pass's own matcher
-(`prism_serve.patch.patterns.find_regions`, by data flow over vLLM's ops, whatever the
+(`prism_serve.patch.dataflow.find_regions`, by data flow over vLLM's ops, whatever the
 model's classes), so capture reports exactly the regions the pass would replace:
 RMSNorm -> projection is ``rmsnorm_linear`` (or ``fused_add_rmsnorm_linear`` when the
 norm adds a residual), projection -> SiLU*mul is ``swiglu``, RMSNorm -> projection ->
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from prism_serve.patch import patterns
+from prism_serve.patch import dataflow, patterns
+from prism_serve.region_table import KINDS, Form, kind_of
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -147,13 +148,13 @@ class Norm:
 
 def _norm(g: Group) -> Norm | None:
     for n in g.nodes:
-        target = str(n.target)
-        if "fused_add_rms_norm" in target:
+        target = str(n.target)  # vLLM's op, as its name reads (a vllm_ir op or prism's of that form)
+        if patterns.VLLM_NORMS[True] in target:
             getitems = {u.args[1]: u for u in n.users if u.target is operator.getitem}
             if 0 not in getitems:
                 return None
             return Norm(g, n, True, n.args[0], n.args[1], n.args[2], float(n.args[3]), getitems[0], getitems.get(1))
-        if "rms_norm" in target:
+        if patterns.VLLM_NORMS[False] in target:
             return Norm(g, n, False, n.args[0], None, n.args[1], float(n.args[2]), n, None)
     return None
 
@@ -173,7 +174,7 @@ def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
         if nm is not None:
             regions += _norm_regions(g, nm)
         elif "RMSNorm" in g.cls:
-            regions.append(_region("gemma_rms_norm" if "Gemma" in g.cls else "rms_norm", [g], {}, "float32", [], [],
+            regions.append(_region(kind_of(Form("gemma" if "Gemma" in g.cls else "rms")).name, [g], {}, "float32", [], [],
                                    supported=False, reason=f"{g.cls} not traced as a vllm_ir rms_norm op"))
         elif g.cls in ("SiluAndMul", "GeluAndMul") and g.ext_inputs and g.ext_outputs:
             regions.append(_act_region(g))
@@ -188,14 +189,15 @@ def _act_region(g: Group) -> dict:
     """SiluAndMul, or GeluAndMul with approximate="tanh" (Gemma's): the gate function of the halves."""
     x, y = g.ext_inputs[0], g.ext_outputs[0]
     inter = _last(y)
-    kind = "silu_and_mul"
+    kind = kind_of(Form(act="silu")).name
     if g.cls == "GeluAndMul":
-        fns = {patterns.act_fn(n) for n in g.nodes} - {None}
+        fns = {dataflow.act_fn(n) for n in g.nodes} - {None}
+        tanh = kind_of(Form(act="gelu_tanh")).name
         if fns != {"gelu_tanh"}:
             return _region("gelu_and_mul", [g], {}, _dtype(y), [], [], supported=False,
                            reason="GeluAndMul with exact GELU (approximate='none'): only the tanh form has a "
-                                  "region kind (gelu_tanh_and_mul)")
-        kind = "gelu_tanh_and_mul"
+                                  f"region kind ({tanh})")
+        kind = tanh
     return _region(kind, [g], {"intermediate": inter}, _dtype(y),
                    [_before(x, g.nodes[0], slice=[0, inter]), _before(x, g.nodes[0], slice=[inter, 2 * inter])],
                    [_after(y, g.nodes[-1])])
@@ -210,19 +212,19 @@ def _norm_regions(g: Group, nm: Norm) -> list[dict]:
     extra = {"rows": True} if rows else {}
     dims = {"hidden": hidden} | ({"rows_per_token": _rows_per_token(_shape(nm.x))} if rows else {})
     w = _before(nm.weight, nm.op)
-    raw = patterns.gemma_weight(nm.weight)
+    raw = dataflow.gemma_weight(nm.weight)
     gemma = raw is not None and _dtype(raw[0]) == dtype
-    prefix = "gemma_" if gemma else ""
+    kind = kind_of(Form("gemma" if gemma else "rms", nm.fused)).name
     if gemma:
         w = _before(raw[0], raw[1])  # read where the offset chain reads it (the Interpreter frees it after)
     elif _dtype(nm.weight) != dtype:
-        return [_region("fused_add_rms_norm" if nm.fused else "rms_norm", [g], {}, dtype, [], [], supported=False,
+        return [_region(kind, [g], {}, dtype, [], [], supported=False,
                         reason=f"norm weight dtype {_dtype(nm.weight)} is not the activation's ({dtype})")]
     if nm.fused:
         out = [_after(nm.out)] + ([_after(nm.sum)] if nm.sum is not None else [])
-        return [_region(prefix + "fused_add_rms_norm", [g], dims, dtype,
+        return [_region(kind, [g], dims, dtype,
                         [_before(nm.x, nm.op, **extra), _before(nm.residual, nm.op, **extra), w], out, nm.eps)]
-    return [_region(prefix + "rms_norm", [g], dims, dtype, [_before(nm.x, nm.op, **extra), w],
+    return [_region(kind, [g], dims, dtype, [_before(nm.x, nm.op, **extra), w],
                     [_after(nm.out, **extra)], nm.eps)]
 
 
@@ -245,7 +247,7 @@ def _path(n: fx.Node | None) -> str | None:
     return mod[0] if mod else None
 
 
-def _projection_region(r: patterns.Region) -> dict | None:
+def _projection_region(r: dataflow.Region) -> dict | None:
     """A matched region as capture reports it: modules, dims, and refs in the Program builder's order."""
     lin, norm = r.linear, r.norm
     at = lin.done or lin.out  # where the projection's result is complete
@@ -259,9 +261,10 @@ def _projection_region(r: patterns.Region) -> dict | None:
         return {"kind": r.kind, "layer": layer, "modules": paths, "dims": {}, "eps": norm.eps if norm else None,
                 "dtype": dtype, "supported": False, "reason": r.why, "inputs": [], "outputs": []}
     hidden, n = r.key[1]
+    form = KINDS[r.kind].form
     param = {"param": _path(at)}
     halves = [param | {"slice": [0, n]}, param | {"slice": [n, 2 * n]}]
-    if r.kind in ("swiglu", "geglu"):
+    if form.norm is None:
         first = lin.nodes[0]
         inputs, dims = [_before(lin.x, first), *halves], {"hidden": hidden, "intermediate": n}
     else:
@@ -270,26 +273,26 @@ def _projection_region(r: patterns.Region) -> dict | None:
         # a Gemma norm's stored weight, read where its offset chain reads it (the Interpreter frees it after)
         w = _before(norm.weight, norm.weight_read or norm.node)
         x_ref = _after(norm.sum) if norm.residual is not None else _before(norm.x, norm.node)
-        if r.kind in ("rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"):
+        if form.act:
             inputs, dims = [x_ref, w, *halves], {"hidden": hidden, "intermediate": n}
-        elif "fused_add_rmsnorm_linear" in r.kind:
+        elif form.residual:
             inputs, dims = [_before(norm.x, norm.node), _before(norm.residual, norm.node), w, param], \
                 {"hidden": hidden, "out": n}
         else:
             inputs, dims = [x_ref, w, param], {"hidden": hidden, "out": n}
-        if r.kind.endswith("_bias"):  # the projection's bias, as the graph hands it to the GEMM
+        if form.bias:  # the projection's bias, as the graph hands it to the GEMM
             inputs.append(_before(lin.bias, lin.nodes[0]))
     if r.act is not None:
         outputs = [_after(r.act)]
     else:
-        outputs = [_after(lin.out, at)] + ([_after(norm.sum)] if r.kind.startswith("fused_add_") else [])
+        outputs = [_after(lin.out, at)] + ([_after(norm.sum)] if form.residual else [])
     return {"kind": r.kind, "layer": layer, "modules": paths, "dims": dims, "eps": norm.eps if norm else None,
             "dtype": dtype, "supported": True, "reason": None, "inputs": inputs, "outputs": outputs}
 
 
 def projection_regions(graph: fx.Graph) -> list[dict]:
     """The regions holding a projection, as the fusion pass's matcher finds them."""
-    return [d for d in map(_projection_region, patterns.find_regions(graph)) if d is not None]
+    return [d for d in map(_projection_region, dataflow.find_regions(graph)) if d is not None]
 
 
 ROTARY_REASON = ("rotary gathers cos/sin rows of cos_sin_cache by position and rotates the {style} of "

@@ -13,23 +13,25 @@ report, unsupported regions with the matcher's reason.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 
 from prism_serve.capture.embedded import resolve_model
+from prism_serve.patch.explain import mismatch
 from prism_serve.patch.table import TORCH_DTYPES
-from prism_serve.region_table import KINDS
+from prism_serve.region_table import KINDS, Form, kind_of
 
 # decoder-only models whose layers vLLM builds from RMSNorm and SiluAndMul -> the classes of a
 # decoder layer and of its MLP (what the eager-mode class hooks go by; Qwen3's MLP is Qwen2MLP)
-LAYER_CLASSES = {"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaMLP"),
+LAYER_CLASSES = MappingProxyType({"LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaMLP"),
                  "MistralForCausalLM": ("MistralDecoderLayer", "LlamaMLP"),
                  "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2MLP"),
-                 "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen2MLP")}
-ARCHITECTURES = set(LAYER_CLASSES)
-QK_NORM = {"Qwen3ForCausalLM"}
+                 "Qwen3ForCausalLM": ("Qwen3DecoderLayer", "Qwen2MLP")})
+ARCHITECTURES = frozenset(LAYER_CLASSES)
+QK_NORM = frozenset({"Qwen3ForCausalLM"})
 # a qkv projection with a bias: the input side's kinds are the `_bias` ones (compiled mode only)
-BIASED_QKV = {"Qwen2ForCausalLM"}
+BIASED_QKV = frozenset({"Qwen2ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ class Site:
         return frozenset(self.spans or (self.layer,))
 
 
+def _kind(**form) -> str:
+    return kind_of(Form(**form)).name
+
+
 def sites(cfg: dict) -> list[Site]:
     """vLLM's ops and the region table's regions per decoder layer: the first layer's input norm
     has no residual yet. Larger regions come first."""
@@ -58,25 +64,27 @@ def sites(cfg: dict) -> list[Site]:
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     qkv = (heads + 2 * kv_heads) * head_dim
+    norm, add_norm, silu = _kind(norm="rms"), _kind(norm="rms", residual=True), _kind(act="silu")
+    mlp, post = _kind(projection=True, act="silu"), _kind(norm="rms", projection=True, act="silu")
     out = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         spans = {k: tuple(p + m for m in KINDS[k].modules) for k in KINDS if KINDS[k].modules}
         if arch in ARCHITECTURES:
-            side = ("rmsnorm_linear" if i == 0 else "fused_add_rmsnorm_linear") + ("_bias" if arch in BIASED_QKV else "")
+            side = _kind(norm="rms", residual=i > 0, projection=True, bias=arch in BIASED_QKV)
             out += [Site(p + "self_attn", side, (hidden, qkv), eps, "input_layernorm + qkv_proj as one kernel",
                          spans[side]),
-                    Site(p + "mlp", "rmsnorm_swiglu", (hidden, inter), eps,
-                         "post_attention_layernorm + gate_up_proj + act_fn as one kernel", spans["rmsnorm_swiglu"])]
-        out.append(Site(p + "mlp.gate_up_proj", "swiglu", (hidden, inter), None, "gate_up_proj + act_fn as one kernel",
-                        spans["swiglu"]))
-        out.append(Site(p + "input_layernorm", "rms_norm" if i == 0 else "fused_add_rms_norm", hidden, eps))
+                    Site(p + "mlp", post, (hidden, inter), eps,
+                         "post_attention_layernorm + gate_up_proj + act_fn as one kernel", spans[post])]
+        out.append(Site(p + "mlp.gate_up_proj", mlp, (hidden, inter), None, "gate_up_proj + act_fn as one kernel",
+                        spans[mlp]))
+        out.append(Site(p + "input_layernorm", norm if i == 0 else add_norm, hidden, eps))
         if arch in QK_NORM:
-            out += [Site(p + "self_attn.q_norm", "rms_norm", head_dim, eps, "rows are tokens x heads"),
-                    Site(p + "self_attn.k_norm", "rms_norm", head_dim, eps, "rows are tokens x kv heads")]
-        out.append(Site(p + "post_attention_layernorm", "fused_add_rms_norm", hidden, eps))
-        out.append(Site(p + "mlp.act_fn", "silu_and_mul", inter, None))
-    out.append(Site("model.norm", "fused_add_rms_norm", hidden, eps))
+            out += [Site(p + "self_attn.q_norm", norm, head_dim, eps, "rows are tokens x heads"),
+                    Site(p + "self_attn.k_norm", norm, head_dim, eps, "rows are tokens x kv heads")]
+        out.append(Site(p + "post_attention_layernorm", add_norm, hidden, eps))
+        out.append(Site(p + "mlp.act_fn", silu, inter, None))
+    out.append(Site("model.norm", add_norm, hidden, eps))
     return out
 
 
@@ -152,7 +160,7 @@ def patch_report(model: str | Path | None = None, registry: str | None = None, d
         report["sites_from"] = "capture: the regions vLLM's compiled graph holds, as the fusion pass matches them"
         all_sites, classes = capture_sites(capture), capture.get("classes", {})
     quant = cfg.get("quantization_config") or None
-    rows = [_explain(s, dtype, p, url, device, _never(s, dtype, quant, lora)) for s in all_sites]
+    rows = [_explain(s, dtype, p, url, device, _never(s, dtype, quant, lora), str(path)) for s in all_sites]
     own = [(r["patched"], r.get("why"), r.get("kernel")) for r in rows]  # before regions take sites in
     _take_in(all_sites, rows, [ok for ok, _, _ in own])
     _eager(all_sites, rows, own, classes)
@@ -222,15 +230,17 @@ def _served(all_sites: list[Site], rows: list[dict], dtype: str, p) -> tuple[dic
     if p.table is None:
         return {}, []
     want = TORCH_DTYPES.get(dtype)
-    keys = {(s.op, s.dim, s.eps) for s in all_sites} | {(s.op.replace("fused_add_", ""), s.dim, s.eps)
-                                                         for s in all_sites if s.op.startswith("fused_add_rmsnorm")}
+    # a residual add + RMSNorm + projection runs its plain form's kernel where it has none of its own
+    plain = {s: KINDS[s.op].without_residual for s in all_sites
+             if s.op in KINDS and KINDS[s.op].form.projection and KINDS[s.op].form.norm == "rms"}
+    keys = {(s.op, s.dim, s.eps) for s in all_sites} | {(k.name, s.dim, s.eps) for s, k in plain.items() if k}
     stored = sorted({op for op, per in p.table.ops.items() for (dt, dim, eps) in per
                      if dt == want and (op, dim, eps) in keys})
     served = {op: [r["layer"] for r in rows if r.get("kernel") == op] for op in stored}
     return served, [op for op, layers in served.items() if not layers]
 
 
-SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+SAFETENSORS_DTYPES = MappingProxyType({"F32": "float32", "F16": "float16", "BF16": "bfloat16"})
 
 
 def serving_dtype(model_dtype: str) -> str:
@@ -255,7 +265,7 @@ def _never(s: Site, dtype: str, quant: dict | None, lora: bool) -> str | None:
         return s.note.removeprefix("unsupported: ") or f"{s.op}: no region kind of prism's"
     if dtype not in TORCH_DTYPES:
         return f"unsupported dtype {dtype}: prism's kernels are {', '.join(TORCH_DTYPES)} only"
-    if "linear" not in KINDS[s.op].vllm_path:
+    if not KINDS[s.op].form.projection:
         return None
     if quant is not None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
@@ -288,7 +298,7 @@ def _weights_dtype(path: Path) -> str | None:
     return max(count, key=count.get) if count else None
 
 
-def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dict:
+def _explain(s: Site, dtype: str, p, url: str, device, never: str | None, model: str) -> dict:
     row = {"layer": s.layer, "op": s.op, "pattern": " -> ".join(KINDS[s.op].vllm_path) if s.op in KINDS else "",
            "dim": s.dim, "patched": False}
     if s.note and never is None:
@@ -302,7 +312,8 @@ def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dic
         row["buckets"] = [f"{lo}-{hi}: kernel {lz.kernel_id}" for lo, hi, lz in zip(entry.los, entry.his,
                                                                                   entry.launchers)]
         row["why"] = "kernels for every num_tokens in these buckets; other sizes run vLLM's own path"
-        if kernel == s.op.removeprefix("gemma_") != s.op:  # a plain norm kernel on Gemma's computed weight
+        own = KINDS[s.op].form
+        if KINDS[kernel].form == replace(own, norm="rms") != own:  # a plain norm kernel on Gemma's computed weight
             row["why"] += (f"; vLLM's RMSNorm op on the float32 w + 1 goes to prism's IR provider, whose {kernel} "
                            "kernel runs it")
         elif kernel != s.op:
@@ -312,6 +323,9 @@ def _explain(s: Site, dtype: str, p, url: str, device, never: str | None) -> dic
         row["why"] = p.message.removeprefix("prism-serve: ")
         return row
     row["why"] = _why_not(s, dtype, url, device, p)
+    gap = mismatch(s.op, (TORCH_DTYPES[dtype], s.dim, s.eps), p.table.ops.get(s.op, {}), model) if p.table else None
+    if gap is not None:  # the kernels this device has for the kind are for another dtype or size
+        row["why"] += f"; {gap}"
     return row
 
 
@@ -321,14 +335,16 @@ def _kernel(s: Site, dtype, table) -> tuple[str, object]:
     kernel for that key takes it first (the IR provider, as Dynamo traces), before Gemma's own.
     A residual add + norm + projection without its own kernel runs its norm + projection kernel
     on the sum (the plugin adds the residual beside it)."""
-    plain = s.op.removeprefix("gemma_")
-    if s.op in ("gemma_rms_norm", "gemma_fused_add_rms_norm") and dtype == TORCH_DTYPES["float32"]:
+    kind = KINDS[s.op]
+    if kind.form.norm == "gemma" and not kind.form.projection and dtype == TORCH_DTYPES["float32"]:
+        plain = kind_of(replace(kind.form, norm="rms")).name
         entry = table.entry(plain, dtype, s.dim, s.eps)
         if entry is not None:
             return plain, entry
     entry = table.entry(s.op, dtype, s.dim, s.eps)
-    if entry is None and "fused_add_rmsnorm_linear" in s.op:
-        return s.op.replace("fused_add_", ""), table.entry(s.op.replace("fused_add_", ""), dtype, s.dim, s.eps)
+    if entry is None and kind.form.projection and kind.without_residual is not None:
+        plain = kind.without_residual.name
+        return plain, table.entry(plain, dtype, s.dim, s.eps)
     return s.op, entry
 
 

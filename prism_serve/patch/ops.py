@@ -1,56 +1,43 @@
-"""The prism torch custom ops (`prism::rms_norm`, `prism::fused_add_rms_norm`,
-`prism::silu_and_mul`, Gemma's `prism::gemma_rms_norm`, `prism::gemma_fused_add_rms_norm` and
-`prism::gelu_tanh_and_mul`, and the whole-region `prism::swiglu`, `prism::geglu`, `prism::rmsnorm_geglu`,
-`prism::rmsnorm_linear`, `prism::fused_add_rmsnorm_linear`, their `_bias` forms (a projection that
-adds a bias, as Qwen2's qkv), their `gemma_` forms and `prism::gemma_rmsnorm_geglu` (on Gemma's
-stored norm weight w, scaling by 1 + w) and `prism::rmsnorm_swiglu`): opaque to
-torch.compile, with fake impls, dispatching by num_tokens.
+"""The `prism::<kind>` torch custom ops, one per region kind of the region table, and their one
+generic dispatch: opaque to torch.compile, with fake impls, dispatching by num_tokens.
 
-Each op picks the registry kernel for (dtype, dim, eps, rows) from the table installed at
-startup; a miss (no kernel for that shape, dtype or device, or a kernel that failed) runs
-vLLM's own path (`FALLBACKS`, set by the vLLM hooks; the torch references below otherwise).
-The ops holding a projection take its weight either as the plain [out, in] tensor or, where
-vLLM's CPU build packed it, as what the graph holds instead: vLLM's 0-d oneDNN handle tensor plus
-`out_features`, or the weight packed for its AMX GEMM (`_C.weight_packed_linear`, small bf16/fp16
-weights on AMX machines). The kernel then runs on the plain weight recorded when vLLM packed it
-(`PACKED`, `PACKED_AMX`), and a miss runs vLLM's own path, its packed GEMM included.
+Everything per kind is derived from its `RegionKind`: the op's schema from `args` and `outputs`,
+its fake from its form (what it keeps of x's shape), the kernel's inputs in the Program's order, and
+vLLM's path on a miss. As vLLM registers its ops from one function and its fake
+(`direct_register_custom_op`), the schemas are defined once per process (`define`) and the
+kernels are registered per `Runtime` (`open_runtime`): a `torch.library.Library` fragment whose
+impls close over that runtime, dropped when it closes. The op objects (`torch.ops.prism.<kind>`)
+stay the same across runtimes, so graphs compiled against them (Inductor, the fusion pass's
+patterns) stay valid; the impl is registered for CompositeExplicitAutograd, as torch's own
+`custom_op` does, and the fake for Meta, so Dynamo traces the op as opaque.
 
-Calls are counted per op (`COUNTS`: kernel launches, `MISSES`: fallbacks) and written as JSON
-to $PRISM_SERVE_COUNTERS (at exit, and every half second while serving), so tests can prove
-the kernels ran.
+Each call picks the registry kernel for (dtype, dim, eps, rows) from the runtime's table; a miss
+(no kernel for that shape, dtype or device, or a kernel that failed) runs vLLM's own path (the
+runtime's `fallbacks`, set by the vLLM hooks; the torch references below otherwise). The ops
+holding a projection take its weight either as the plain [out, in] tensor or, where vLLM's CPU
+build packed it, as what the graph holds instead: vLLM's 0-d oneDNN handle tensor plus
+`out_features`, or the weight packed for its AMX GEMM. The kernel then runs on the plain weight
+recorded when vLLM packed it, and a miss runs vLLM's own path, its packed GEMM included.
 """
 
+from __future__ import annotations
 
-import atexit
-import json
-import logging
-import os
-import threading
-import time
-from collections.abc import Callable
+import functools
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
+from prism_serve.patch.explain import mismatch
+from prism_serve.patch.runtime import Runtime, current, log, out_features
 from prism_serve.patch.table import Table
+from prism_serve.region_table import KINDS, Form, RegionKind, kind_of
 
-log = logging.getLogger("vllm.prism_serve.ops")  # among vLLM's own lines, like the plugin's (see plugin.py)
-COUNTERS_ENV = "PRISM_SERVE_COUNTERS"
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear",
-            "rmsnorm_swiglu", "gemma_rms_norm", "gemma_fused_add_rms_norm", "gelu_tanh_and_mul", "geglu",
-            "rmsnorm_linear_bias", "fused_add_rmsnorm_linear_bias", "rmsnorm_geglu", "gemma_rmsnorm_linear",
-            "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_geglu")
-
-
-class _State:
-    def __init__(self) -> None:
-        self.table: Table | None = None
-        self.failed: set[int] = set()  # kernel ids that raised at run time: never launched again
-
-
-STATE = _State()
-COUNTS: dict[str, int] = dict.fromkeys(OP_NAMES, 0)
-MISSES: dict[str, int] = dict.fromkeys(OP_NAMES, 0)
+# the schema type of each argument name a RegionKind's `args` uses
+ARG_TYPES = MappingProxyType({"x": "Tensor", "residual": "Tensor", "weight": "Tensor", "norm_weight": "Tensor",
+                              "w_gate_up": "Tensor", "bias": "Tensor", "epsilon": "float", "site": "int",
+                              "out_features": "int"})
+DEFAULTS = MappingProxyType({"out_features": -1})  # where the hooks' calls leave an argument out
 
 
 # --- vLLM's semantics in torch: the fallback when no vLLM hook supplied its own path ---------
@@ -75,549 +62,189 @@ def ref_silu_and_mul(x: Tensor) -> Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
-def ref_swiglu(x: Tensor, w_gate_up: Tensor, site: int) -> Tensor:
-    """silu(x @ W_gate^T) * (x @ W_up^T) with W_gate_up = [W_gate; W_up] (vLLM's merged layout)."""
-    return ref_silu_and_mul(torch.nn.functional.linear(x, w_gate_up))
-
-
-def ref_rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int) -> Tensor:
-    """rms_norm(x) * g @ W^T: a decoder's input norm feeding its qkv projection."""
-    return torch.nn.functional.linear(ref_rms_norm(x, norm_weight, epsilon), weight)
-
-
-def ref_fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
-                                 site: int) -> tuple[Tensor, Tensor]:
-    """(fused_add_rms_norm(x, residual) @ W^T, x + residual): a decoder's input side."""
-    y, r = ref_fused_add_rms_norm(x, residual, norm_weight, epsilon)
-    return torch.nn.functional.linear(y, weight), r
-
-
-def ref_rmsnorm_linear_bias(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor, epsilon: float,
-                            site: int) -> Tensor:
-    """rms_norm(x) * g @ W^T + b: the input norm feeding a qkv projection with a bias (Qwen2)."""
-    return torch.nn.functional.linear(ref_rms_norm(x, norm_weight, epsilon), weight, bias)
-
-
-def ref_fused_add_rmsnorm_linear_bias(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor,
-                                      epsilon: float, site: int) -> tuple[Tensor, Tensor]:
-    y, r = ref_fused_add_rms_norm(x, residual, norm_weight, epsilon)
-    return torch.nn.functional.linear(y, weight, bias), r
-
-
-def ref_rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int) -> Tensor:
-    """SiLU*mul of rms_norm(x) * g @ [W_gate; W_up]^T: a decoder's post-attention norm and MLP input."""
-    return ref_swiglu(ref_rms_norm(x, norm_weight, epsilon), w_gate_up, site)
-
-
 def ref_gelu_tanh_and_mul(x: Tensor) -> Tensor:
     """vLLM's GeluAndMul(approximate="tanh").forward_native (its path on the CPU build)."""
     d = x.shape[-1] // 2
     return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
-def ref_gemma_rms_norm(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
-    """vLLM's GemmaRMSNorm: its RMSNorm op (the current fallback) on the float32 weight + 1."""
-    return FALLBACKS["rms_norm"](x, weight.float() + 1.0, epsilon)
+# vLLM's RMSNorm ops by whether they add the residual, and its activations by gate function
+NORM_REFS = MappingProxyType({False: ref_rms_norm, True: ref_fused_add_rms_norm})
+ACT_REFS = MappingProxyType({"silu": ref_silu_and_mul, "gelu_tanh": ref_gelu_tanh_and_mul})
 
 
-def ref_gemma_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    return FALLBACKS["fused_add_rms_norm"](x, residual, weight.float() + 1.0, epsilon)
+def _gemma(rt: Runtime, plain: RegionKind, x: Tensor, *rest):
+    """vLLM's GemmaRMSNorm: its RMSNorm op (the current fallback of `plain`) on the float32 weight + 1."""
+    *inputs, weight, epsilon = rest
+    return rt.fallbacks[plain.name](x, *inputs, weight.float() + 1.0, epsilon)
 
 
-FALLBACKS: dict[str, Callable] = {"rms_norm": ref_rms_norm, "fused_add_rms_norm": ref_fused_add_rms_norm,
-                                  "silu_and_mul": ref_silu_and_mul, "swiglu": ref_swiglu,
-                                  "rmsnorm_linear": ref_rmsnorm_linear,
-                                  "fused_add_rmsnorm_linear": ref_fused_add_rmsnorm_linear,
-                                  "rmsnorm_linear_bias": ref_rmsnorm_linear_bias,
-                                  "fused_add_rmsnorm_linear_bias": ref_fused_add_rmsnorm_linear_bias,
-                                  "rmsnorm_swiglu": ref_rmsnorm_swiglu, "gemma_rms_norm": ref_gemma_rms_norm,
-                                  "gemma_fused_add_rms_norm": ref_gemma_fused_add_rms_norm,
-                                  "gelu_tanh_and_mul": ref_gelu_tanh_and_mul,
-                                  "geglu": lambda x, w_gate_up, site: ref_gelu_tanh_and_mul(
-                                      torch.nn.functional.linear(x, w_gate_up)),
-                                  "rmsnorm_geglu": lambda x, norm_weight, w_gate_up, epsilon, site:
-                                      ref_gelu_tanh_and_mul(torch.nn.functional.linear(
-                                          ref_rms_norm(x, norm_weight, epsilon), w_gate_up)),
-                                  "gemma_rmsnorm_linear": lambda x, norm_weight, weight, epsilon, site:
-                                      torch.nn.functional.linear(ref_gemma_rms_norm(x, norm_weight, epsilon), weight),
-                                  "gemma_fused_add_rmsnorm_linear": lambda x, residual, norm_weight, weight, epsilon,
-                                  site: _project(ref_gemma_fused_add_rms_norm(x, residual, norm_weight, epsilon),
-                                                 weight),
-                                  "gemma_rmsnorm_geglu": lambda x, norm_weight, w_gate_up, epsilon, site:
-                                      ref_gelu_tanh_and_mul(torch.nn.functional.linear(
-                                          ref_gemma_rms_norm(x, norm_weight, epsilon), w_gate_up))}
-
-
-def _project(normed: tuple[Tensor, Tensor], weight: Tensor) -> tuple[Tensor, Tensor]:
-    y, r = normed
-    return torch.nn.functional.linear(y, weight), r
-
-
-# --- a projection's weight: the plain tensor, or what vLLM's CPU build packed it into ---------
-
-# oneDNN handle (the pointer value vLLM keeps in its handler tensor) -> the plain [out, in] weight it
-# was packed from, recorded by the plugin while vLLM loads the weights (`hooks._install_packed`)
-PACKED: dict[int, Tensor] = {}
-# data pointer of every weight vLLM packed for its AMX GEMM (`_C.weight_packed_linear`) while the
-# plugin was installed -> the plain [out, in] weight, or None where no region kernel serves its shape.
-# A packed weight has the plain one's dtype and shape, so only this tells the two apart.
-PACKED_AMX: dict[int, Tensor | None] = {}
-
-
-def is_handle(weight: Tensor) -> bool:
-    """vLLM's oneDNN handler tensor: a 0-d int64 tensor holding the packed GEMM's pointer."""
-    return weight.dim() == 0 and weight.dtype == torch.int64
-
-
-def _is_amx_packed(weight: Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.data_ptr() in PACKED_AMX
-
-
-def plain_weight(weight: Tensor) -> Tensor | None:
-    """The [out, in] weight a kernel multiplies with, or None where none was recorded."""
-    if is_handle(weight):
-        return PACKED.get(int(weight.item()))
-    return PACKED_AMX[weight.data_ptr()] if _is_amx_packed(weight) else weight
-
-
-def _out_features(weight: Tensor, out_features: int) -> int:
-    return out_features if is_handle(weight) else weight.shape[0]
-
-
-def vllm_linear(x: Tensor, weight: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
-    """vLLM's projection: its oneDNN GEMM on the handle, its AMX GEMM on a weight it packed for
-    that, or torch's linear."""
-    if not is_handle(weight) and not _is_amx_packed(weight):
-        return torch.nn.functional.linear(x, weight, bias)
-    out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype, device=x.device)
-    if is_handle(weight):
-        torch.ops._C.onednn_mm(out, x.reshape(-1, x.shape[-1]), bias, weight)
-    else:
-        torch.ops._C.weight_packed_linear(out.reshape(-1, out_features), x.reshape(-1, x.shape[-1]), weight, bias, True)
+def references(rt: Runtime) -> dict:
+    """vLLM's path per op-level kind in torch, the fallbacks of a runtime no vLLM hook changed: its
+    RMSNorm ops, its activations; Gemma's norm is vLLM's RMSNorm op (whatever `rt` runs for it) on
+    the float32 weight + 1. A region holding a projection falls back through these (`vllm_path`)."""
+    out = {}
+    for kind in KINDS.values():
+        f = kind.form
+        if f.projection:
+            continue
+        if f.act:
+            out[kind.name] = ACT_REFS[f.act]
+        elif f.norm == "rms":
+            out[kind.name] = NORM_REFS[f.residual]
+        else:
+            out[kind.name] = functools.partial(_gemma, rt, kind_of(Form("rms", f.residual)))
     return out
 
 
-def _vllm_region(kind: str, site: int, weight: Tensor, out_features: int, *args, bias: Tensor | None = None):
-    """vLLM's own path for a region kernel miss: the class-level hook's (site >= 0, eager mode), or
-    vLLM's ops in order (regions the fusion pass made): its norm, its projection (with its bias,
-    for a `_bias` kind), its activation. `args` are the op's own, the bias left out."""
-    if site >= 0:
-        return FALLBACKS[kind](*args) if bias is None else FALLBACKS[kind](*args[:-2], bias, *args[-2:])
-    if kind == "swiglu":
-        return FALLBACKS["silu_and_mul"](vllm_linear(args[0], weight, out_features))
-    if kind == "geglu":
-        return FALLBACKS["gelu_tanh_and_mul"](vllm_linear(args[0], weight, out_features))
-    gemma = "gemma_" if kind.startswith("gemma_") else ""  # Gemma's norm on its stored weight
-    if kind.removeprefix("gemma_").startswith("fused_add_rmsnorm_linear"):
-        x, residual, norm_weight, _, eps, _ = args
-        y, r = FALLBACKS[gemma + "fused_add_rms_norm"](x, residual, norm_weight, eps)
-        return vllm_linear(y, weight, out_features, bias), r
-    x, norm_weight, _, eps, _ = args
-    y = vllm_linear(FALLBACKS[gemma + "rms_norm"](x, norm_weight, eps), weight, out_features, bias)
-    act = {"rmsnorm_swiglu": "silu_and_mul", "rmsnorm_geglu": "gelu_tanh_and_mul"}.get(kind.removeprefix("gemma_"))
-    return FALLBACKS[act](y) if act else y
+def vllm_path(rt: Runtime, kind: RegionKind, a: dict):
+    """vLLM's own path for a miss, on the op's arguments `a` (by name): the op-level kind's fallback;
+    for a region, the eager hook's (a patched model site, `site` >= 0), or vLLM's ops in order (regions
+    the fusion pass made): its norm, its projection (with its bias), its activation."""
+    f = kind.form
+    if not f.projection:
+        return rt.fallbacks[kind.name](*(a[n] for n in kind.args))
+    if a["site"] >= 0 and kind.name in rt.fallbacks:
+        return rt.fallbacks[kind.name](*(a[n] for n in kind.args if n != "out_features"))
+    weight = a["w_gate_up" if f.act else "weight"]
+    y, r = a["x"], None
+    if f.norm:
+        normed = rt.fallbacks[kind.norm_op.name](y, *((a["residual"],) if f.residual else ()), a["norm_weight"],
+                                                 a["epsilon"])
+        y, r = normed if f.residual else (normed, None)
+    y = rt.vllm_linear(y, weight, out_features(weight, a["out_features"]), a.get("bias"))
+    if f.act:
+        y = rt.fallbacks[kind.act_op.name](y)
+    return (y, r) if f.residual else y
+
+
+def reference(kind: str):
+    """The torch reference of `kind`'s op, with the op's arguments (vLLM's path with no vLLM hook)."""
+    rt = Runtime()
+    rt.fallbacks.update(references(rt))
+    k = KINDS[kind]
+
+    def ref(*args):
+        return vllm_path(rt, k, _named(k, args, {}))
+    return ref
 
 
 # --- dispatch --------------------------------------------------------------------------
-
-def pick(op: str, x: Tensor, dim: int, eps: float | None):
-    """The launcher for this call, counted, or None: prism's whole per-call dispatch cost
-    (table and bucket lookup, bookkeeping) before the kernel launch."""
-    table = STATE.table
-    if table is None or x.device.type != table.device:
-        return None
-    buckets = table.entry(op, x.dtype, dim, eps)
-    if buckets is None:
-        return None
-    launcher = buckets.pick(x.numel() // x.shape[-1])  # rows: tokens (x heads for q/k norm)
-    if launcher is None or launcher.kernel_id in STATE.failed:
-        return None
-    COUNTS[op] += 1
-    return launcher
-
-
-def _failed(op: str, launcher, exc: BaseException) -> None:
-    """A kernel raised at run time: vLLM's own path serves its calls from now on."""
-    COUNTS[op] -= 1
-    STATE.failed.add(launcher.kernel_id)
-    log.warning("prism-serve: kernel %d for %s failed (%s: %s); vLLM's own path serves it from now on",
-                launcher.kernel_id, op, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-
 
 def _rows(x: Tensor, dim: int) -> Tensor:
     return x if x.dim() == 2 else x.reshape(-1, dim)
 
 
-def rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float, op: str = "rms_norm") -> Tensor:
-    dim = x.shape[-1]
-    launcher = pick(op, x, dim, epsilon)
+def _named(kind: RegionKind, args: tuple, kwargs: dict) -> dict:
+    return {n: DEFAULTS[n] for n in kind.args if n in DEFAULTS} | dict(zip(kind.args, args)) | kwargs
+
+
+def run(rt: Runtime, kind: RegionKind, *args, **kwargs):
+    """The one dispatch of every prism op: the kernel for this call where the table has one (its
+    inputs in its Program's order, its outputs in the op's shapes), else vLLM's path; counted."""
+    a = _named(kind, args, kwargs)
+    f, x = kind.form, a["x"]
+    hidden = x.shape[-1]
+    weight = a.get("w_gate_up" if f.act else "weight") if f.projection else None
+    if f.projection:
+        n = out_features(weight, a["out_features"])
+        last = n // 2 if f.act else n
+        dim = (hidden, last)
+    else:
+        last = dim = hidden // 2 if f.act else hidden
+    same = not f.residual or (a["residual"].shape == x.shape and a["residual"].dtype == x.dtype)
+    launcher = rt.pick(kind.name, x, dim, a.get("epsilon")) if same else None
+    w = rt.plain_weight(weight) if launcher is not None and f.projection else None
+    if launcher is not None and f.projection and w is None:
+        rt.counts[kind.name] -= 1  # no plain weight was recorded for this handle
+        launcher = None
     if launcher is not None:
         try:
-            (y,) = launcher.run(_rows(x, dim), weight)
-            return y if x.dim() == 2 else y.view(x.shape)
+            outs = launcher.run(*_kernel_inputs(kind, a, w, hidden, last))
+            y = outs[0] if x.dim() == 2 else outs[0].view(*x.shape[:-1], last)
+            if not f.residual:
+                return y
+            return y, (outs[1] if x.dim() == 2 else outs[1].view(x.shape))
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed(op, launcher, exc)
-    MISSES[op] += 1
-    return FALLBACKS[op](x, weight, epsilon)
-
-
-def fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float,
-                            op: str = "fused_add_rms_norm") -> tuple[Tensor, Tensor]:
-    dim = x.shape[-1]
-    same = residual.shape == x.shape and residual.dtype == x.dtype
-    launcher = pick(op, x, dim, epsilon) if same else None
-    if launcher is not None:
-        try:
-            y, r = launcher.run(_rows(x, dim), _rows(residual, dim), weight)
-            return (y, r) if x.dim() == 2 else (y.view(x.shape), r.view(x.shape))
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed(op, launcher, exc)
-    MISSES[op] += 1
-    return FALLBACKS[op](x, residual, weight, epsilon)
-
-
-def silu_and_mul_impl(x: Tensor, op: str = "silu_and_mul") -> Tensor:
-    d = x.shape[-1] // 2
-    launcher = pick(op, x, d, None)
-    if launcher is not None:
-        try:
-            x2 = _rows(x, 2 * d)
-            (y,) = launcher.run(x2[:, :d], x2[:, d:])
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], d)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed(op, launcher, exc)
-    MISSES[op] += 1
-    return FALLBACKS[op](x)
-
-
-def gemma_rms_norm_impl(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
-    return rms_norm_impl(x, weight, epsilon, "gemma_rms_norm")
-
-
-def gemma_fused_add_rms_norm_impl(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-    return fused_add_rms_norm_impl(x, residual, weight, epsilon, "gemma_fused_add_rms_norm")
-
-
-def gelu_tanh_and_mul_impl(x: Tensor) -> Tensor:
-    return silu_and_mul_impl(x, "gelu_tanh_and_mul")
-
-
-def geglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1) -> Tensor:
-    return swiglu_impl(x, w_gate_up, site, out_features, "geglu")
-
-
-def swiglu_impl(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1, op: str = "swiglu") -> Tensor:
-    inter = _out_features(w_gate_up, out_features) // 2
-    launcher = pick(op, x, (x.shape[-1], inter), None)
-    w = plain_weight(w_gate_up) if launcher is not None else None
-    if w is not None:
-        try:
-            (y,) = launcher.run(_rows(x, x.shape[-1]), w[:inter], w[inter:])
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], inter)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed(op, launcher, exc)
-    elif launcher is not None:
-        COUNTS[op] -= 1  # no plain weight was recorded for this handle
-    MISSES[op] += 1
-    return _vllm_region(op, site, w_gate_up, 2 * inter, x, w_gate_up, site)
-
-
-def rmsnorm_linear_impl(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
-                        out_features: int = -1, bias: Tensor | None = None, op: str | None = None) -> Tensor:
-    """`rmsnorm_linear`, with `bias` the `rmsnorm_linear_bias` kernel (the bias its last input), or
-    (`op`) `gemma_rmsnorm_linear`: the same inputs, the norm scaling by 1 + norm_weight."""
-    op = op or ("rmsnorm_linear" if bias is None else "rmsnorm_linear_bias")
-    hidden, out = x.shape[-1], _out_features(weight, out_features)
-    launcher = pick(op, x, (hidden, out), epsilon)
-    w = plain_weight(weight) if launcher is not None else None
-    if w is not None:
-        try:
-            (y,) = launcher.run(_rows(x, hidden), norm_weight, w, *(() if bias is None else (bias,)))
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], out)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed(op, launcher, exc)
-    elif launcher is not None:
-        COUNTS[op] -= 1
-    MISSES[op] += 1
-    return _vllm_region(op, site, weight, out, x, norm_weight, weight, epsilon, site, bias=bias)
-
-
-def fused_add_rmsnorm_linear_impl(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
-                                  site: int, out_features: int = -1, bias: Tensor | None = None,
-                                  op: str | None = None) -> tuple[Tensor, Tensor]:
-    """`fused_add_rmsnorm_linear`, with `bias` its `_bias` kernel (the bias its last input), or (`op`)
-    `gemma_fused_add_rmsnorm_linear`."""
-    op = op or ("fused_add_rmsnorm_linear" if bias is None else "fused_add_rmsnorm_linear_bias")
-    hidden, out = x.shape[-1], _out_features(weight, out_features)
-    same = residual.shape == x.shape and residual.dtype == x.dtype
-    launcher = pick(op, x, (hidden, out), epsilon) if same else None
-    w = plain_weight(weight) if launcher is not None else None
-    if w is not None:
-        try:
-            y, r = launcher.run(_rows(x, hidden), _rows(residual, hidden), norm_weight, w,
-                                *(() if bias is None else (bias,)))
-            return (y, r) if x.dim() == 2 else (y.view(*x.shape[:-1], out), r.view(x.shape))
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed(op, launcher, exc)
-    elif launcher is not None:
-        COUNTS[op] -= 1
-    MISSES[op] += 1
-    return _vllm_region(op, site, weight, out, x, residual, norm_weight, weight, epsilon, site, bias=bias)
-
-
-def rmsnorm_swiglu_impl(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
-                        out_features: int = -1, op: str = "rmsnorm_swiglu") -> Tensor:
-    """`rmsnorm_swiglu`, or (`op`) `rmsnorm_geglu` / `gemma_rmsnorm_geglu`: the same inputs, another
-    activation (and norm)."""
-    inter = _out_features(w_gate_up, out_features) // 2
-    launcher = pick(op, x, (x.shape[-1], inter), epsilon)
-    w = plain_weight(w_gate_up) if launcher is not None else None
-    if w is not None:
-        try:
-            (y,) = launcher.run(_rows(x, x.shape[-1]), norm_weight, w[:inter], w[inter:])
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], inter)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            _failed(op, launcher, exc)
-    elif launcher is not None:
-        COUNTS[op] -= 1
-    MISSES[op] += 1
-    return _vllm_region(op, site, w_gate_up, 2 * inter, x, norm_weight, w_gate_up, epsilon, site)
-
-
-# --- torch custom ops: opaque to Dynamo, with fake impls for torch.compile -------------------
-
-def _define() -> dict[str, object]:
-    defined = {}
-
-    @torch.library.custom_op("prism::rms_norm", mutates_args=())
-    def rms_norm(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
-        return rms_norm_impl(x, weight, epsilon)
-
-    @rms_norm.register_fake
-    def _(x, weight, epsilon):
-        return torch.empty_like(x)
-
-    @torch.library.custom_op("prism::fused_add_rms_norm", mutates_args=())
-    def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-        return fused_add_rms_norm_impl(x, residual, weight, epsilon)
-
-    @fused_add_rms_norm.register_fake
-    def _(x, residual, weight, epsilon):
-        return torch.empty_like(x), torch.empty_like(x)
-
-    @torch.library.custom_op("prism::silu_and_mul", mutates_args=())
-    def silu_and_mul(x: Tensor) -> Tensor:
-        return silu_and_mul_impl(x)
-
-    @silu_and_mul.register_fake
-    def _(x):
-        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-    # the projection's weight: a plain [out, in] tensor, or vLLM's oneDNN handle and `out_features`
-    @torch.library.custom_op("prism::swiglu", mutates_args=())
-    def swiglu(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1) -> Tensor:
-        return swiglu_impl(x, w_gate_up, site, out_features)
-
-    @swiglu.register_fake
-    def _(x, w_gate_up, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
-
-    @torch.library.custom_op("prism::rmsnorm_linear", mutates_args=())
-    def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
-                       out_features: int = -1) -> Tensor:
-        return rmsnorm_linear_impl(x, norm_weight, weight, epsilon, site, out_features)
-
-    @rmsnorm_linear.register_fake
-    def _(x, norm_weight, weight, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features)))
-
-    @torch.library.custom_op("prism::fused_add_rmsnorm_linear", mutates_args=())
-    def fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float,
-                                 site: int, out_features: int = -1) -> tuple[Tensor, Tensor]:
-        return fused_add_rmsnorm_linear_impl(x, residual, norm_weight, weight, epsilon, site, out_features)
-
-    @fused_add_rmsnorm_linear.register_fake
-    def _(x, residual, norm_weight, weight, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features))), torch.empty_like(x)
-
-    @torch.library.custom_op("prism::rmsnorm_linear_bias", mutates_args=())
-    def rmsnorm_linear_bias(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor, epsilon: float, site: int,
-                            out_features: int = -1) -> Tensor:
-        return rmsnorm_linear_impl(x, norm_weight, weight, epsilon, site, out_features, bias)
-
-    @rmsnorm_linear_bias.register_fake
-    def _(x, norm_weight, weight, bias, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features)))
-
-    @torch.library.custom_op("prism::fused_add_rmsnorm_linear_bias", mutates_args=())
-    def fused_add_rmsnorm_linear_bias(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor, bias: Tensor,
-                                      epsilon: float, site: int, out_features: int = -1) -> tuple[Tensor, Tensor]:
-        return fused_add_rmsnorm_linear_impl(x, residual, norm_weight, weight, epsilon, site, out_features, bias)
-
-    @fused_add_rmsnorm_linear_bias.register_fake
-    def _(x, residual, norm_weight, weight, bias, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features))), torch.empty_like(x)
-
-    defined.update(rmsnorm_linear_bias=rmsnorm_linear_bias, fused_add_rmsnorm_linear_bias=fused_add_rmsnorm_linear_bias)
-
-    @torch.library.custom_op("prism::rmsnorm_swiglu", mutates_args=())
-    def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
-                       out_features: int = -1) -> Tensor:
-        return rmsnorm_swiglu_impl(x, norm_weight, w_gate_up, epsilon, site, out_features)
-
-    @rmsnorm_swiglu.register_fake
-    def _(x, norm_weight, w_gate_up, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
-
-    # Gemma: its norms take the stored weight w (the kernel scales by 1 + w), GeGLU as SwiGLU
-    @torch.library.custom_op("prism::gemma_rms_norm", mutates_args=())
-    def gemma_rms_norm(x: Tensor, weight: Tensor, epsilon: float) -> Tensor:
-        return gemma_rms_norm_impl(x, weight, epsilon)
-
-    @gemma_rms_norm.register_fake
-    def _(x, weight, epsilon):
-        return torch.empty_like(x)
-
-    @torch.library.custom_op("prism::gemma_fused_add_rms_norm", mutates_args=())
-    def gemma_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
-                                 epsilon: float) -> tuple[Tensor, Tensor]:
-        return gemma_fused_add_rms_norm_impl(x, residual, weight, epsilon)
-
-    @gemma_fused_add_rms_norm.register_fake
-    def _(x, residual, weight, epsilon):
-        return torch.empty_like(x), torch.empty_like(x)
-
-    @torch.library.custom_op("prism::gelu_tanh_and_mul", mutates_args=())
-    def gelu_tanh_and_mul(x: Tensor) -> Tensor:
-        return gelu_tanh_and_mul_impl(x)
-
-    @gelu_tanh_and_mul.register_fake
-    def _(x):
-        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-    @torch.library.custom_op("prism::geglu", mutates_args=())
-    def geglu(x: Tensor, w_gate_up: Tensor, site: int, out_features: int = -1) -> Tensor:
-        return geglu_impl(x, w_gate_up, site, out_features)
-
-    @geglu.register_fake
-    def _(x, w_gate_up, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
-
-    @torch.library.custom_op("prism::rmsnorm_geglu", mutates_args=())
-    def rmsnorm_geglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
-                      out_features: int = -1) -> Tensor:
-        return rmsnorm_swiglu_impl(x, norm_weight, w_gate_up, epsilon, site, out_features, "rmsnorm_geglu")
-
-    @rmsnorm_geglu.register_fake
-    def _(x, norm_weight, w_gate_up, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
-
-    defined.update(rmsnorm_geglu=rmsnorm_geglu)
-
-    # Gemma's norm + projection regions on the stored norm weight (bf16, fp16: vLLM's w + 1 is float32)
-    @torch.library.custom_op("prism::gemma_rmsnorm_linear", mutates_args=())
-    def gemma_rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, epsilon: float, site: int,
-                             out_features: int = -1) -> Tensor:
-        return rmsnorm_linear_impl(x, norm_weight, weight, epsilon, site, out_features, op="gemma_rmsnorm_linear")
-
-    @gemma_rmsnorm_linear.register_fake
-    def _(x, norm_weight, weight, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features)))
-
-    @torch.library.custom_op("prism::gemma_fused_add_rmsnorm_linear", mutates_args=())
-    def gemma_fused_add_rmsnorm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, weight: Tensor,
-                                       epsilon: float, site: int, out_features: int = -1) -> tuple[Tensor, Tensor]:
-        return fused_add_rmsnorm_linear_impl(x, residual, norm_weight, weight, epsilon, site, out_features,
-                                             op="gemma_fused_add_rmsnorm_linear")
-
-    @gemma_fused_add_rmsnorm_linear.register_fake
-    def _(x, residual, norm_weight, weight, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(weight, out_features))), torch.empty_like(x)
-
-    @torch.library.custom_op("prism::gemma_rmsnorm_geglu", mutates_args=())
-    def gemma_rmsnorm_geglu(x: Tensor, norm_weight: Tensor, w_gate_up: Tensor, epsilon: float, site: int,
-                            out_features: int = -1) -> Tensor:
-        return rmsnorm_swiglu_impl(x, norm_weight, w_gate_up, epsilon, site, out_features, "gemma_rmsnorm_geglu")
-
-    @gemma_rmsnorm_geglu.register_fake
-    def _(x, norm_weight, w_gate_up, epsilon, site, out_features=-1):
-        return x.new_empty((*x.shape[:-1], _out_features(w_gate_up, out_features) // 2))
-
-    defined.update(gemma_rmsnorm_linear=gemma_rmsnorm_linear, gemma_fused_add_rmsnorm_linear=gemma_fused_add_rmsnorm_linear,
-                   gemma_rmsnorm_geglu=gemma_rmsnorm_geglu)
-    defined.update(gemma_rms_norm=gemma_rms_norm, gemma_fused_add_rms_norm=gemma_fused_add_rms_norm,
-                   gelu_tanh_and_mul=gelu_tanh_and_mul, geglu=geglu)
-    defined.update(fused_add_rmsnorm_linear=fused_add_rmsnorm_linear, rmsnorm_swiglu=rmsnorm_swiglu)
-    defined.update(rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm, silu_and_mul=silu_and_mul,
-                   swiglu=swiglu, rmsnorm_linear=rmsnorm_linear)
-    return defined
-
-
-_DEFINED: dict[str, object] = {}
-
-
-def define_ops() -> dict[str, object]:
-    """Register the prism ops with torch once per process (idempotent)."""
-    if not _DEFINED:
-        if hasattr(torch.ops.prism, "rms_norm"):  # defined by an earlier import of another copy
-            _DEFINED.update({n: getattr(torch.ops.prism, n) for n in OP_NAMES})
+            rt.failed_kernel(kind.name, launcher, exc)
+    rt.misses[kind.name] += 1
+    if kind.name not in rt.explained:
+        _explain(rt, kind, x, dim, a.get("epsilon"))
+    return vllm_path(rt, kind, a)
+
+
+def _explain(rt: Runtime, kind: RegionKind, x: Tensor, dim, eps: float | None) -> None:
+    """At a kind's first miss that no kernel of the table could have served (another dtype, sizes or
+    epsilon than it holds for the kind), one line saying so (`explain.mismatch`)."""
+    if rt.table is None or x.device.type != rt.table.device:
+        return
+    line = mismatch(kind.name, (x.dtype, dim, eps), rt.table.ops.get(kind.name, {}), rt.model)
+    if line is not None:
+        rt.explained.add(kind.name)
+        log.warning("prism-serve: %s ran vLLM's path: %s", kind.name, line)
+
+
+def _kernel_inputs(kind: RegionKind, a: dict, w: Tensor | None, hidden: int, last: int) -> list[Tensor]:
+    """The kernel's inputs, in its Program's order: x (and the residual) as rows, the norm's weight,
+    the projection's plain weight (gate and up halves apart) and bias; an activation's two halves."""
+    f = kind.form
+    x = _rows(a["x"], hidden)
+    if not f.projection and f.act:
+        return [x[:, :last], x[:, last:]]
+    out = [x, *((_rows(a["residual"], hidden),) if f.residual else ())]
+    if not f.projection:
+        return [*out, a["weight"]]
+    out += [a["norm_weight"]] if f.norm else []
+    out += [w[:last], w[last:]] if f.act else [w]
+    return out + ([a["bias"]] if f.bias else [])
+
+
+# --- the ops: schemas and fakes once per process, kernels per runtime ---------------------
+
+def schema(kind: RegionKind) -> str:
+    """The op's schema, from the kind's argument spec: `(Tensor x, ..., float epsilon) -> Tensor`."""
+    args = ", ".join(f"{ARG_TYPES[n]} {n}" + (f"={DEFAULTS[n]}" if n in DEFAULTS else "") for n in kind.args)
+    outs = ", ".join("Tensor" for _ in kind.outputs)
+    return f"({args}) -> " + (outs if len(kind.outputs) == 1 else f"({outs})")
+
+
+def _fake(kind: RegionKind):
+    def fake(*args, **kwargs):
+        a = _named(kind, args, kwargs)
+        f, x = kind.form, a["x"]
+        if f.projection:
+            n = out_features(a["w_gate_up" if f.act else "weight"], a["out_features"])
+            y = x.new_empty((*x.shape[:-1], n // 2 if f.act else n))
         else:
-            _DEFINED.update(_define())
-    return _DEFINED
+            y = x.new_empty((*x.shape[:-1], x.shape[-1] // 2)) if f.act else torch.empty_like(x)
+        return (y, torch.empty_like(x)) if f.residual else y
+    return fake
 
 
-# --- counters --------------------------------------------------------------------------
-
-def counters() -> dict[str, dict[str, int]]:
-    return {"kernel": dict(COUNTS), "fallback": dict(MISSES), "failed_kernels": sorted(STATE.failed)}
-
-
-def _write_counters() -> None:
-    path = os.environ.get(COUNTERS_ENV)
-    if not path or not (any(COUNTS.values()) or any(MISSES.values())):
-        return  # a process that ran no prism op (e.g. vLLM's API server) leaves the file alone
-    try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(counters() | {"pid": os.getpid()}, f)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("prism-serve: cannot write counters to %s: %s", path, exc)
+@functools.cache
+def define() -> torch.library.Library | None:
+    """Define every `prism::<kind>` op with its fake, once per process (idempotent; None where an
+    earlier import of another copy defined them)."""
+    if hasattr(torch.ops.prism, next(iter(KINDS))):
+        return None
+    lib = torch.library.Library("prism", "FRAGMENT")
+    for kind in KINDS.values():
+        lib.define(kind.name + schema(kind))
+        torch.library.register_fake(f"prism::{kind.name}", _fake(kind), lib=lib)
+    return lib
 
 
-def _flush_periodically(period_s: float) -> None:
-    """vLLM's workers may end without running atexit: keep the file current while serving."""
-    last = None
-    while True:
-        time.sleep(period_s)
-        now = (tuple(COUNTS.values()), tuple(MISSES.values()))
-        if now != last:
-            _write_counters()
-            last = now
-
-
-_ATEXIT = []
-
-
-def install_counters_at_exit(period_s: float = 0.5) -> None:
-    """Write the counters to $PRISM_SERVE_COUNTERS at exit and, while serving, every `period_s`."""
-    if os.getpid() in _ATEXIT or not os.environ.get(COUNTERS_ENV):
-        return  # a forked child inherits the list but not the thread: it starts its own
-    if not _ATEXIT:
-        atexit.register(_write_counters)
-    threading.Thread(target=_flush_periodically, args=(period_s,), name="prism-counters", daemon=True).start()
-    _ATEXIT.append(os.getpid())
+def open_runtime(table: Table | None = None) -> Runtime:
+    """A runtime for `table` whose kernels the prism ops now run (the one before it is closed)."""
+    define()
+    if (old := current()) is not None:
+        old.close()
+    rt = Runtime(table)
+    rt.fallbacks.update(references(rt))
+    lib = torch.library.Library("prism", "FRAGMENT")
+    for kind in KINDS.values():
+        lib.impl(kind.name, functools.partial(run, rt, kind), "CompositeExplicitAutograd")
+    rt.own(lib)
+    return rt

@@ -46,7 +46,7 @@ Two kinds of pattern:
 - op forms (`Pattern`, torch's pattern matcher, as vLLM's own passes): vLLM's RMSNorm, residual
   add + RMSNorm and SiLU*mul, in their native or `vllm_ir` form, become the `prism::` op; and back
   (`reverted`) where only a larger region had a kernel for it and none took it;
-- regions holding a projection (`find_regions`, by data flow over those ops): RMSNorm -> projection
+- regions holding a projection (`dataflow.find_regions`, by data flow over those ops): RMSNorm -> projection
   (`rmsnorm_linear`, or `fused_add_rmsnorm_linear` when the norm adds the residual; their `_bias`
   forms where the projection adds a bias, as Qwen2's qkv),
   projection -> SiLU*mul (`swiglu`), projection -> tanh-GELU*mul (`geglu`, Gemma's GeluAndMul),
@@ -58,25 +58,15 @@ Two kinds of pattern:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor
 
-# the op-level kinds (prism ops) the op-form patterns produce
-OP_KINDS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "gemma_fused_add_rms_norm",
-            "gemma_rms_norm")
-# the regions holding a projection, largest first: the pass gives a node to the first that takes it
-REGION_KINDS = ("rmsnorm_swiglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu", "fused_add_rmsnorm_linear", "rmsnorm_linear",
-                "gemma_fused_add_rmsnorm_linear", "gemma_rmsnorm_linear", "fused_add_rmsnorm_linear_bias",
-                "rmsnorm_linear_bias", "swiglu", "geglu")
-# a region's activation after gate_up, by the function its gate goes through: without and with the norm
-ACTS = {"silu": "swiglu", "gelu_tanh": "geglu"}
-NORM_ACTS = {"silu": "rmsnorm_swiglu", "gelu_tanh": "rmsnorm_geglu"}
-GEMMA_NORM_ACTS = {"gelu_tanh": "gemma_rmsnorm_geglu"}  # on Gemma's norm (a SiLU MLP after it has no kind)
-KINDS = REGION_KINDS + OP_KINDS
+from prism_serve.region_table import KINDS, NORMS, OP_KINDS, REGION_KINDS, Form, RegionKind, kind_of
+
 # the table key a match needs: (torch dtype, dim or dims, eps)
 Key = tuple[torch.dtype, object, float | None]
 SITE = -1  # regions the pass creates have no model-layer site; a miss runs vLLM's ops in order
@@ -97,6 +87,13 @@ class Pattern:
 
 
 FORMS = ("native", "ir")
+# vLLM's IR norm ops, by whether they add a residual first (their names are vLLM's)
+VLLM_NORMS = MappingProxyType({False: "rms_norm", True: "fused_add_rms_norm"})
+
+
+def prism_op(kind: RegionKind):
+    """The `prism::<kind>` custom op (its OpOverloadPacket)."""
+    return getattr(torch.ops.prism, kind.name)
 
 
 def _body(op: str, form: str) -> Callable:
@@ -126,52 +123,55 @@ def _same(dtype: torch.dtype, *vals: Tensor) -> bool:
 _T, _H, _O = 5, 24, 40
 
 
-def rms_norm(dtype: torch.dtype, eps: float, form: str = "native") -> Pattern:
-    native = _body("rms_norm", form)
+def _offset(weight: Tensor) -> Tensor:
+    """GemmaRMSNorm's weight as it hands it to vLLM's RMSNorm op: float32, plus one."""
+    return weight.float() + 1.0
 
-    def pattern(x, weight):
-        return native(x, weight, eps)
 
-    def replacement(x, weight):
-        return torch.ops.prism.rms_norm(x, weight, eps)
-
+def _norm_key(residual: bool, eps: float) -> Callable[[dict[str, Tensor]], Key | None]:
     def key(v):
         x, w = v["x"], v["weight"]
-        if x.dim() != 2 or not _same(x.dtype, w) or tuple(w.shape) != (x.shape[-1],):
-            return None
-        return x.dtype, int(x.shape[-1]), eps
-
-    return Pattern("rms_norm", f"rms_norm/{dtype}/{eps}/{form}", pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)], key)
-
-
-def fused_add_rms_norm(dtype: torch.dtype, eps: float, residual_first: bool = False,
-                       form: str = "native") -> Pattern:
-    """vLLM's residual add + RMSNorm; `residual_first` for `residual + x` (the same sum)."""
-    native = _body("fused_add_rms_norm", form)
-
-    def pattern(x, residual, weight):
-        return native(residual, x, weight, eps) if residual_first else native(x, residual, weight, eps)
-
-    def replacement(x, residual, weight):
-        return torch.ops.prism.fused_add_rms_norm(x, residual, weight, eps)
-
-    def key(v):
-        x, r, w = v["x"], v["residual"], v["weight"]
+        r = v["residual"] if residual else x
         if x.dim() != 2 or r.shape != x.shape or not _same(x.dtype, r, w) or tuple(w.shape) != (x.shape[-1],):
             return None
         return x.dtype, int(x.shape[-1]), eps
-
-    return Pattern("fused_add_rms_norm", f"fused_add_rms_norm/{dtype}/{eps}/{'rx' if residual_first else 'xr'}/{form}",
-                   pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)], key)
+    return key
 
 
-def _silu_mul(gate_up: Tensor, d: int) -> Tensor:
-    """vLLM's SiluAndMul.forward_native on a [tokens, 2d] tensor."""
-    return torch.nn.functional.silu(gate_up[..., :d]) * gate_up[..., d:]
+def norm(kind: RegionKind, dtype: torch.dtype, eps: float, residual_first: bool = False,
+         form: str = "native") -> Pattern:
+    """vLLM's norm op as the op-level norm kind `kind` appears: its RMSNorm op, or its residual add +
+    RMSNorm (`residual_first` for `residual + x`, the same sum); Gemma's (GemmaRMSNorm) is vLLM's
+    op on `weight.float() + 1.0`, replaced by the Gemma op on the stored weight."""
+    f = kind.form
+    native = _body(VLLM_NORMS[f.residual], form)
+    offset = _offset if f.norm == "gemma" else (lambda w: w)
+    op = prism_op(kind)
+    row, vec = (lambda: _empty(_T, _H, dtype=dtype)), (lambda: _empty(_H, dtype=dtype))
+    if f.residual:
+        def pattern(x, residual, weight):
+            w = offset(weight)
+            return native(residual, x, w, eps) if residual_first else native(x, residual, w, eps)
+
+        def replacement(x, residual, weight):
+            return op(x, residual, weight, eps)
+
+        return Pattern(kind.name, f"{kind.name}/{dtype}/{eps}/{'rx' if residual_first else 'xr'}/{form}", pattern,
+                       replacement, lambda: [row(), row(), vec()], _norm_key(True, eps))
+
+    def pattern(x, weight):  # noqa: F811 - the form without residual
+        return native(x, offset(weight), eps)
+
+    def replacement(x, weight):  # noqa: F811
+        return op(x, weight, eps)
+
+    return Pattern(kind.name, f"{kind.name}/{dtype}/{eps}/{form}", pattern, replacement, lambda: [row(), vec()],
+                   _norm_key(False, eps))
 
 
+# a gated activation's gate function, as vLLM's forward_native applies it (SiluAndMul; GeluAndMul(approximate="tanh"))
+GATES = MappingProxyType({"silu": torch.nn.functional.silu,
+                          "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")})
 # an activation's input: [tokens, 2d], or [1, tokens, 2d] where vLLM's Transformers backend keeps the
 # batch dim (OLMo 2): its slices are on dim 2, another pattern
 ACT_RANKS = (2, 3)
@@ -181,73 +181,35 @@ def _act_input(rank: int, d: int, dtype: torch.dtype) -> Tensor:
     return _empty(*(1,) * (rank - 2), _T, 2 * d, dtype=dtype)
 
 
-def silu_and_mul(dtype: torch.dtype, d: int, rank: int = 2) -> Pattern:
+def act(kind: RegionKind, dtype: torch.dtype, d: int, rank: int = 2) -> Pattern:
+    """vLLM's gated activation `kind` (an op-level activation kind), `gate(x[..., :d]) * x[..., d:]`."""
+    gate, op = GATES[kind.form.act], prism_op(kind)
+
     def pattern(x):
-        return _silu_mul(x, d)
+        return gate(x[..., :d]) * x[..., d:]
 
     def replacement(x):
-        return torch.ops.prism.silu_and_mul(x)
+        return op(x)
 
     def key(v):
         x = v["x"]
         return (x.dtype, d, None) if x.dim() in ACT_RANKS and x.shape[-1] == 2 * d else None
 
-    return Pattern("silu_and_mul", f"silu_and_mul/{dtype}/{d}/{rank}d", pattern, replacement,
+    return Pattern(kind.name, f"{kind.name}/{dtype}/{d}/{rank}d", pattern, replacement,
                    lambda: [_act_input(rank, d, dtype)], key)
 
 
-def _offset(weight: Tensor) -> Tensor:
-    """GemmaRMSNorm's weight as it hands it to vLLM's RMSNorm op: float32, plus one."""
-    return weight.float() + 1.0
-
-
-def gemma_rms_norm(dtype: torch.dtype, eps: float, form: str = "native") -> Pattern:
-    """vLLM's GemmaRMSNorm without residual: its RMSNorm op on `weight.float() + 1.0`."""
-    native = _body("rms_norm", form)
-
-    def pattern(x, weight):
-        return native(x, _offset(weight), eps)
-
-    def replacement(x, weight):
-        return torch.ops.prism.gemma_rms_norm(x, weight, eps)
-
-    return Pattern("gemma_rms_norm", f"gemma_rms_norm/{dtype}/{eps}/{form}", pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)], rms_norm(dtype, eps).key)
-
-
-def gemma_fused_add_rms_norm(dtype: torch.dtype, eps: float, residual_first: bool = False,
-                             form: str = "native") -> Pattern:
-    """vLLM's GemmaRMSNorm with a residual: its fused add + RMSNorm op on `weight.float() + 1.0`."""
-    native = _body("fused_add_rms_norm", form)
-
-    def pattern(x, residual, weight):
-        w = _offset(weight)
-        return native(residual, x, w, eps) if residual_first else native(x, residual, w, eps)
-
-    def replacement(x, residual, weight):
-        return torch.ops.prism.gemma_fused_add_rms_norm(x, residual, weight, eps)
-
-    return Pattern("gemma_fused_add_rms_norm",
-                   f"gemma_fused_add_rms_norm/{dtype}/{eps}/{'rx' if residual_first else 'xr'}/{form}",
-                   pattern, replacement,
-                   lambda: [_empty(_T, _H, dtype=dtype), _empty(_T, _H, dtype=dtype), _empty(_H, dtype=dtype)],
-                   fused_add_rms_norm(dtype, eps).key)
-
-
-def _gelu_tanh_mul(gate_up: Tensor, d: int) -> Tensor:
-    """vLLM's GeluAndMul(approximate="tanh").forward_native on a [tokens, 2d] tensor."""
-    return torch.nn.functional.gelu(gate_up[..., :d], approximate="tanh") * gate_up[..., d:]
-
-
-def gelu_tanh_and_mul(dtype: torch.dtype, d: int, rank: int = 2) -> Pattern:
-    def pattern(x):
-        return _gelu_tanh_mul(x, d)
-
-    def replacement(x):
-        return torch.ops.prism.gelu_tanh_and_mul(x)
-
-    return Pattern("gelu_tanh_and_mul", f"gelu_tanh_and_mul/{dtype}/{d}/{rank}d", pattern, replacement,
-                   lambda: [_act_input(rank, d, dtype)], silu_and_mul(dtype, d).key)
+def op_forms(kind: RegionKind, dtype: torch.dtype, dim: int, eps: float | None) -> list[Pattern]:
+    """Every form of op-level kind `kind` at one key, as the pass puts them in; the first is the one a
+    revert puts back. Gemma's residual add + norm also where only its normed value is used (a model's
+    final norm: in half precision the sum's own rounding is then gone from the graph)."""
+    f = kind.form
+    if f.act:
+        return [act(kind, dtype, dim, r) for r in ACT_RANKS]
+    if not f.residual:
+        return [norm(kind, dtype, eps, False, form) for form in FORMS]
+    both = [norm(kind, dtype, eps, first, form) for first in (False, True) for form in FORMS]
+    return both + [_first_output(p) for p in both] if f.norm == "gemma" else both
 
 
 def _revert(p: Pattern) -> Pattern:
@@ -258,36 +220,40 @@ def _revert(p: Pattern) -> Pattern:
 
 def op_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
     """Per op-level kind, the keys its op form is wanted for: its own kernels', and those of every
-    region that starts or ends with it (the op is then the region's marker in the graph)."""
-    out: dict[str, set[Key]] = {k: set(served.get(k, ())) for k in OP_KINDS}
-    for kind in REGION_KINDS:
-        for dtype, dims, eps in served.get(kind, ()):
-            if kind not in ACTS.values():
-                norm = "gemma_" if kind.startswith("gemma_") else ""  # Gemma's: the norm on the stored weight
-                out[norm + "rms_norm"].add((dtype, dims[0], eps))
-                out[norm + "fused_add_rms_norm"].add((dtype, dims[0], eps))
-            if kind in ("swiglu", "rmsnorm_swiglu"):
-                out["silu_and_mul"].add((dtype, dims[1], None))
-            if kind in ("geglu", "rmsnorm_geglu", "gemma_rmsnorm_geglu"):
-                out["gelu_tanh_and_mul"].add((dtype, dims[1], None))
+    region that starts or ends with it (the op is then the region's marker in the graph): a region's
+    norm variant with and without residual, and its activation."""
+    out: dict[str, set[Key]] = {k.name: set(served.get(k.name, ())) for k in OP_KINDS}
+    for region in REGION_KINDS:
+        f = region.form
+        for dtype, dims, eps in served.get(region.name, ()):
+            if f.norm:
+                for residual in (False, True):
+                    out[kind_of(Form(f.norm, residual)).name].add((dtype, dims[0], eps))
+            if f.act:
+                out[region.act_op.name].add((dtype, dims[1], None))
     return {k: v for k, v in out.items() if v}
 
 
 def _gemma_region_keys(served: dict[str, set[Key]]) -> dict[str, set[Key]]:
-    """Per Gemma norm kind, the keys a Gemma region (`gemma_` region kinds) wants its op form for."""
-    keys = {f"{norm}{k}": {(dtype, dims[0], eps) for kind in REGION_KINDS if kind.startswith("gemma_")
-                           for dtype, dims, eps in served.get(kind, ())}
-            for norm in ("gemma_",) for k in ("rms_norm", "fused_add_rms_norm")}
-    return {k: v for k, v in keys.items() if v}
+    """Per Gemma norm kind, the keys a Gemma region wants its op form for."""
+    keys = {(dtype, dims[0], eps) for r in REGION_KINDS if r.form.norm == "gemma"
+            for dtype, dims, eps in served.get(r.name, ())}
+    return {k.name: set(keys) for k in _norm_ops("gemma")} if keys else {}
 
 
-# each op-level kind's forms for one key, as the pass puts them in and reverts them
-_MAKE = {"rms_norm": lambda dtype, dim, eps: [rms_norm(dtype, eps)],
-         "fused_add_rms_norm": lambda dtype, dim, eps: [fused_add_rms_norm(dtype, eps)],
-         "gemma_rms_norm": lambda dtype, dim, eps: [gemma_rms_norm(dtype, eps)],
-         "gemma_fused_add_rms_norm": lambda dtype, dim, eps: [gemma_fused_add_rms_norm(dtype, eps)],
-         "silu_and_mul": lambda dtype, dim, eps: [silu_and_mul(dtype, dim, r) for r in ACT_RANKS],
-         "gelu_tanh_and_mul": lambda dtype, dim, eps: [gelu_tanh_and_mul(dtype, dim, r) for r in ACT_RANKS]}
+def _norm_ops(variant: str, residual: bool | None = None) -> list[RegionKind]:
+    """The op-level norm kinds of `variant`, with a residual first, then without (or only `residual`)."""
+    return [kind_of(Form(variant, r)) for r in (True, False) if residual is None or r == residual]
+
+
+def _forms_at(kinds, wanted: dict[str, set[Key]]) -> list[Pattern]:
+    """The op forms of `kinds` at their keys in `wanted`, each registered form once."""
+    seen = {}
+    for kind in kinds:
+        for dtype, dim, eps in sorted(wanted.get(kind.name, ()), key=repr):
+            for p in op_forms(kind, dtype, dim, eps):
+                seen.setdefault(p.name, p)
+    return list(seen.values())
 
 
 def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
@@ -297,21 +263,10 @@ def tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
     float32 w + 1, is not of the activations' dtype, so no plain norm form matches them); elsewhere
     they come late (`late_tiers`)."""
     wanted = op_keys(served) | _gemma_region_keys(served)
-
-    def forms(op, make):
-        seen = {}
-        for dtype, dim, eps in sorted(wanted.get(op, ()), key=repr):
-            for p in make(dtype, dim, eps):
-                seen.setdefault(p.name, p)
-        return list(seen.values())
-
+    acts = [k for k in OP_KINDS if k.form.act]
     return [t for t in (
-        forms("fused_add_rms_norm", lambda dt, dim, eps: [fused_add_rms_norm(dt, eps, first, f)
-                                                          for first in (False, True) for f in FORMS])
-        + forms("gemma_fused_add_rms_norm", lambda dt, dim, eps: _gemma_add_forms(dt, eps)),
-        forms("rms_norm", lambda dt, dim, eps: [rms_norm(dt, eps, f) for f in FORMS])
-        + forms("gemma_rms_norm", lambda dt, dim, eps: [gemma_rms_norm(dt, eps, f) for f in FORMS])
-        + forms("silu_and_mul", _MAKE["silu_and_mul"]) + forms("gelu_tanh_and_mul", _MAKE["gelu_tanh_and_mul"]),
+        _forms_at([k for v in NORMS for k in _norm_ops(v, True)], wanted),
+        _forms_at([k for v in NORMS for k in _norm_ops(v, False)] + acts, wanted),
     ) if t]
 
 
@@ -321,40 +276,24 @@ def late_tiers(served: dict[str, set[Key]]) -> list[list[Pattern]]:
     with its computed weight, to the regions holding one (`rmsnorm_linear`, ...), as any RMSNorm;
     what none took is then matched with the weight's offset (only here, so a float32 region never
     receives the raw weight). In half precision the Gemma regions' keys come early (`tiers`)."""
-    def forms(op, make):
-        seen = {}
-        for dtype, dim, eps in sorted(served.get(op, ()), key=repr):
-            for p in make(dtype, eps):
-                seen.setdefault(p.name, p)
-        return list(seen.values())
-
-    return [t for t in (
-        forms("gemma_fused_add_rms_norm", _gemma_add_forms),
-        forms("gemma_rms_norm", lambda dt, eps: [gemma_rms_norm(dt, eps, f) for f in FORMS]),
-    ) if t]
-
-
-def _gemma_add_forms(dtype: torch.dtype, eps: float) -> list[Pattern]:
-    """Gemma's residual add + norm in every form, also where only its normed value is used (a
-    model's final norm: in half precision the sum's own rounding is then gone from the graph)."""
-    both = [gemma_fused_add_rms_norm(dtype, eps, first, f) for first in (False, True) for f in FORMS]
-    return both + [_first_output(p) for p in both]
+    return [t for t in (_forms_at([k], served) for k in _norm_ops("gemma")) if t]
 
 
 def reverted(served: dict[str, set[Key]]) -> list[Pattern]:
     """prism op -> vLLM's native form, for each key the op form was wanted for only by a region."""
     wanted = op_keys(served)
     out = {}
-    for op, keys in wanted.items():
-        for dtype, dim, eps in sorted(keys - set(served.get(op, ())), key=repr):
+    for name, keys in wanted.items():
+        kind = KINDS[name]
+        for dtype, dim, eps in sorted(keys - set(served.get(name, ())), key=repr):
             # the first form only: every form of an op is one prism call, and a revert traced at two
             # dims would slice a 3-D value on the wrong dim; a batched op that no region took stays
             # prism's, its miss running vLLM's path
-            for p in _MAKE[op](dtype, dim, eps)[:1]:
-                out.setdefault(p.name, _revert(p))
-                if op.endswith("fused_add_rms_norm"):  # also where only the normed value is used (a final norm)
-                    first = _first_output(p)
-                    out.setdefault(first.name, _revert(first))
+            p = op_forms(kind, dtype, dim, eps)[0]
+            out.setdefault(p.name, _revert(p))
+            if kind.form.residual:  # also where only the normed value is used (a final norm)
+                first = _first_output(p)
+                out.setdefault(first.name, _revert(first))
     return list(out.values())
 
 
@@ -366,385 +305,3 @@ def _first_output(p: Pattern) -> Pattern:
     def replacement(x, residual, weight):
         return p.replacement(x, residual, weight)[0]
     return Pattern(p.kind, p.name + "/first", pattern, replacement, p.inputs, p.key)
-
-
-# --- regions holding a projection: found by data flow over the ops above ----------------------
-
-def _op(name: str):
-    """The OpOverload `namespace::name.default`, or None where this process has no such op."""
-    ns, op = name.split("::")
-    try:
-        return getattr(getattr(torch.ops, ns), op).default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _targets(*names: str) -> frozenset:
-    return frozenset(t for t in map(_op, names) if t is not None)
-
-
-VIEWS = ("aten::view", "aten::reshape", "aten::_unsafe_view")
-
-
-@dataclass(frozen=True)
-class Norm:
-    """An RMSNorm op node: its inputs, its normed output and, for residual add + RMSNorm, the sum.
-    A Gemma norm (`gemma`) scales by 1 + `weight`, the stored weight: prism's Gemma op, or vLLM's
-    op on `weight.float() + 1.0` where that float32 weight is not of x's dtype (bf16, fp16)."""
-
-    node: fx.Node
-    x: fx.Node
-    residual: fx.Node | None
-    weight: fx.Node
-    eps: float
-    out: fx.Node  # the normed value (the op itself, or its getitem 0)
-    sum: fx.Node | None  # the residual sum (getitem 1), when used
-    gemma: bool = False
-    weight_read: fx.Node | None = None  # where the stored weight is read (Dynamo's graph: its first reader)
-
-
-@dataclass(frozen=True)
-class Linear:
-    """A projection without quantization: `weight` is the plain [out, in] weight, or vLLM's oneDNN
-    handle on the CPU build; `nodes` are its own nodes, which nothing outside uses."""
-
-    x: fx.Node
-    weight: fx.Node
-    bias: fx.Node | None
-    out: fx.Node  # the node holding its result
-    out_features: int
-    nodes: tuple[fx.Node, ...]
-    done: fx.Node | None = None  # where `out` is written in place (Dynamo's graph): the call; else None
-
-
-@dataclass(frozen=True)
-class Region:
-    """One region instance: its kind, table key, and the ops it spans."""
-
-    kind: str
-    key: Key | None  # None: the structure matched but the region cannot be served (see `why`)
-    norm: Norm | None
-    linear: Linear | None
-    act: fx.Node | None  # the SiLU*mul / GELU*mul node (prism's op, or the `mul` of vLLM's torch form)
-    why: str | None = None
-    act_nodes: tuple[fx.Node, ...] = ()  # the activation's own nodes
-
-    @property
-    def nodes(self) -> frozenset[fx.Node]:
-        """The nodes the region replaces (its norm's inputs and its outputs' users stay)."""
-        ns = set(self.linear.nodes) if self.linear else set()
-        if self.norm is not None:
-            ns.add(self.norm.node)
-            ns.update(u for u in self.norm.node.users if u.target is operator.getitem)
-        if self.act is not None:
-            ns.update((self.act, *self.act_nodes))
-        return frozenset(ns)
-
-
-def _val(n) -> Tensor | None:
-    v = n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
-    return v if isinstance(v, Tensor) else None
-
-
-def _packet(target):
-    return getattr(target, "_overloadpacket", target)
-
-
-def _is(n: fx.Node, *names: str) -> bool:
-    """`n` calls one of the ops `names` (any overload)."""
-    return n.op == "call_function" and _packet(n.target) in {_packet(t) for t in _targets(*names)}
-
-
-def gemma_weight(w) -> tuple[fx.Node, fx.Node] | None:
-    """GemmaRMSNorm's norm weight `w.float() + 1.0` as Dynamo traces it: (the stored weight, the
-    first node reading it), or None when `w` is not that."""
-    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target in (operator.add, torch.add)
-            and len(w.args) == 2 and w.args[1] == 1.0 and not w.kwargs and isinstance(w.args[0], fx.Node)):
-        return None
-    src = w.args[0]
-    if src.op == "call_method" and src.target == "float" and len(src.args) == 1:
-        return src.args[0], src
-    return src, w
-
-
-def _gemma_norm(norm: Norm) -> Norm:
-    """`norm` (vLLM's op) as a Gemma norm on the stored weight where its weight is the float32
-    `w + 1` of a w of x's dtype that is not float32 (where it is, the computed weight is x's dtype
-    and the norm an RMSNorm like any other); else `norm` itself."""
-    raw = gemma_weight(norm.weight)
-    x, w = _val(norm.x), _val(norm.weight)
-    if raw is None or x is None or w is None or w.dtype == x.dtype or _val(raw[0]) is None \
-            or _val(raw[0]).dtype != x.dtype:
-        return norm
-    return Norm(norm.node, norm.x, norm.residual, raw[0], norm.eps, norm.out, norm.sum, True, raw[1])
-
-
-def norm_at(n: fx.Node) -> Norm | None:
-    """`n` as an RMSNorm op (prism's, or vLLM's IR op: in Dynamo's graph and before its lowering),
-    or Gemma's (prism's Gemma op, or vLLM's op on Gemma's computed weight, see `Norm`), or None."""
-    if n.op != "call_function":
-        return None
-    args = list(n.args) + [n.kwargs[k] for k in ("epsilon", "variance_size") if k in n.kwargs]
-    gemma = _is(n, "prism::gemma_rms_norm", "prism::gemma_fused_add_rms_norm")
-    if _is(n, "prism::rms_norm", "vllm_ir::rms_norm", "prism::gemma_rms_norm"):
-        x, w, eps, *rest = args
-        if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
-            return None
-        norm = Norm(n, x, None, w, eps, n, None, gemma)
-    elif _is(n, "prism::fused_add_rms_norm", "vllm_ir::fused_add_rms_norm", "prism::gemma_fused_add_rms_norm"):
-        x, r, w, eps, *rest = args
-        if rest and rest[0] is not None or not isinstance(eps, float) or not isinstance(w, fx.Node):
-            return None
-        items = {u.args[1]: u for u in n.users if u.target is operator.getitem}
-        if 0 not in items or len(items) != len(n.users):
-            return None
-        norm = Norm(n, x, r, w, eps, items[0], items.get(1), gemma)
-    else:
-        return None
-    return norm if gemma or not _is(n, "vllm_ir::rms_norm", "vllm_ir::fused_add_rms_norm") else _gemma_norm(norm)
-
-
-def _only_user(n: fx.Node) -> fx.Node | None:
-    return next(iter(n.users)) if len(n.users) == 1 else None
-
-
-def _is_view(n: fx.Node) -> bool:
-    return (n.op == "call_method" and n.target in ("view", "reshape")) or n.target in _targets(*VIEWS) \
-        or n.target is torch.reshape
-
-
-def _same_shape_views(n: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    """Follow `n` through views that keep its shape and have no other consumer."""
-    views = []
-    while (u := _only_user(n)) is not None and _is_view(u) and u.args[0] is n:
-        if _val(u) is None or _val(n) is None or tuple(_val(u).shape) != tuple(_val(n).shape):
-            break
-        views.append(u)
-        n = u
-    return n, views
-
-
-def _transposed(w) -> fx.Node | None:
-    """`w` in `permute(w, [1, 0])` or `t(w)`: the plain [out, in] weight of an mm."""
-    if not isinstance(w, fx.Node) or len(w.users) != 1:
-        return None
-    if w.target in _targets("aten::permute") and list(w.args[1]) == [1, 0]:
-        return w.args[0]
-    if w.target in _targets("aten::t"):
-        return w.args[0]
-    return None
-
-
-# vLLM CPU's GEMMs that write their result into a buffer they are handed: op -> the schema names of
-# (that buffer, the activation, the weight or oneDNN handle, the bias)
-OUT_GEMMS = {"_C::onednn_mm": ("c", "a", "handler_tensor", "bias"),
-             "_C::weight_packed_linear": ("out", "mat1", "mat2", "bias")}
-
-
-def _out_gemm(u: fx.Node) -> Linear | None:
-    """`u` as one of `OUT_GEMMS`: in Inductor's graph functionalized (`auto_functionalized`, the
-    result its item 1) or called in place; in Dynamo's graph called in place on `out.reshape(-1, n)`
-    of a fresh buffer `out`, which is what later ops read."""
-    functional = u.target is torch.ops.higher_order.auto_functionalized and bool(u.args)
-    if functional:
-        name = next((n for n in OUT_GEMMS if _op(n) is not None and u.args[0] == _op(n)), None)
-    else:
-        name = next((n for n in OUT_GEMMS if _is(u, n)), None)
-    if name is None:
-        return None
-    out_name, x_name, w_name, bias_name = OUT_GEMMS[name]
-    if functional:
-        kw = u.kwargs
-        if not isinstance(kw.get(x_name), fx.Node) or not isinstance(kw.get(w_name), fx.Node):
-            return None
-        items = {i.args[1]: i for i in u.users if i.target is operator.getitem}
-        # its output is item 1 (the written buffer); an item 0 (the op's own None) may linger unused
-        if 1 not in items or len(items) != len(u.users) or any(i != 1 and items[i].users for i in items):
-            return None
-        val = _val(items[1])  # the buffer, an empty one, is left to Inductor's DCE
-        return Linear(kw[x_name], kw[w_name], kw.get(bias_name), items[1], int(val.shape[-1]),
-                      (u, *items.values())) if val is not None else None
-    names = [a.name for a in _op(name)._schema.arguments]
-    if len(u.args) != len(names) or u.kwargs:
-        return None
-    arg = dict(zip(names, u.args))
-    out, x, w = arg[out_name], arg[x_name], arg[w_name]
-    if not all(isinstance(a, fx.Node) for a in (out, x, w)):
-        return None
-    views = []
-    if _is_view(out) and isinstance(out.args[0], fx.Node) and len(out.users) == 1:
-        views, out = [out], out.args[0]  # Dynamo's graph: the call writes a view of the buffer
-    val = _val(out)
-    return Linear(x, w, arg[bias_name], out, int(val.shape[-1]), (u, *views), u) if val is not None else None
-
-
-def linear_at(u: fx.Node) -> Linear | None:
-    """`u` as a projection (torch's mm / addmm on a transposed plain weight, or one of vLLM CPU's
-    GEMMs, `OUT_GEMMS`), whose activation is its `x`; or None."""
-    if u.op != "call_function":
-        return None
-    if (lin := _out_gemm(u)) is not None:
-        return lin
-    val = _val(u)
-    if val is None:
-        return None
-    if u.target in (torch._C._nn.linear, torch.nn.functional.linear) and not u.kwargs and len(u.args) in (2, 3):
-        return Linear(u.args[0], u.args[1], u.args[2] if len(u.args) == 3 else None, u, int(val.shape[-1]), (u,))
-    if u.target in _targets("aten::mm") and (w := _transposed(u.args[1])) is not None:
-        return Linear(u.args[0], w, None, u, int(val.shape[-1]), (u.args[1], u))
-    if u.target in _targets("aten::addmm") and len(u.args) == 3 and not u.kwargs \
-            and (w := _transposed(u.args[2])) is not None:
-        return Linear(u.args[1], w, u.args[0], u, int(val.shape[-1]), (u.args[2], u))
-    return None
-
-
-def linear_from(x: fx.Node) -> Linear | None:
-    """The projection that alone consumes `x` (through same-shape views, which it then owns), or None."""
-    end, views = _same_shape_views(x)
-    u = _only_user(end)
-    lin = linear_at(u) if u is not None else None
-    if lin is None or lin.x is not end:
-        return None
-    return Linear(x, lin.weight, lin.bias, lin.out, lin.out_features, (*views, *lin.nodes), lin.done)
-
-
-def _consumers(lin: Linear) -> list[fx.Node]:
-    return [u for u in lin.out.users if u is not lin.done and u not in lin.nodes]
-
-
-def _halves(x: fx.Node, a, b) -> bool:
-    """`a` and `b` read the first and the second half of `x`'s last dim (`x[..., :d]`, `x[..., d:]`)."""
-    def last(n):
-        if not (isinstance(n, fx.Node) and n.target is operator.getitem and n.args[0] is x):
-            return None
-        idx = n.args[1]
-        return idx[-1] if isinstance(idx, tuple) and idx and idx[0] is Ellipsis and len(idx) == 2 else None
-    sa, sb, val = last(a), last(b), _val(x)
-    if not (isinstance(sa, slice) and isinstance(sb, slice)) or val is None:
-        return False
-    d = int(val.shape[-1]) // 2
-    return (sa.start, sa.stop, sa.step, sb.start, sb.stop, sb.step) == (None, d, None, d, None, None)
-
-
-def act_fn(n: fx.Node) -> str | None:
-    """The gate function `n` applies: "silu", "gelu_tanh" (GELU with approximate="tanh"), or None."""
-    if n.op != "call_function":
-        return None
-    if n.target in (torch.nn.functional.silu, torch.ops.aten.silu.default):
-        return "silu"
-    gelu = n.target in (torch.nn.functional.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default)
-    approximate = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
-    return "gelu_tanh" if gelu and approximate == "tanh" else None
-
-
-_PRISM_ACTS = {"prism::silu_and_mul": "silu", "prism::gelu_tanh_and_mul": "gelu_tanh"}
-
-
-def act_after(lin: Linear) -> tuple[fx.Node, tuple[fx.Node, ...], str] | None:
-    """The gated activation that alone consumes the projection's result: (its output node, its own
-    nodes, its gate function: "silu" or "gelu_tanh"); prism's op (the pass's graph), or vLLM's torch
-    form `act(x[..., :d]) * x[..., d:]` (Dynamo's): SiluAndMul, or GeluAndMul(approximate="tanh")."""
-    users = _consumers(lin)
-    if len(users) == 1 and users[0].args and users[0].args[0] is lin.out:
-        fn = next((f for name, f in _PRISM_ACTS.items() if _is(users[0], name)), None)
-        if fn is not None:
-            return users[0], (), fn
-    if len(users) != 2 or any(len(u.users) != 1 for u in users):
-        return None
-    gates = [u for u in users if act_fn(next(iter(u.users))) is not None]
-    if len(gates) != 1:
-        return None
-    act = next(iter(gates[0].users))
-    mul = _only_user(act)
-    up = next(u for u in users if u is not gates[0])
-    if mul is None or mul.target not in (operator.mul, torch.mul) or list(mul.args) != [act, up] \
-            or _only_user(up) is not mul or not _halves(lin.out, gates[0], up):
-        return None
-    return mul, (*users, act), act_fn(act)
-
-
-def _weight_ok(lin: Linear, x: Tensor) -> str | None:
-    """Why the projection's weight cannot go to a prism kernel, or None."""
-    w = _val(lin.weight)
-    if w is None:
-        return "weight without a traced value"
-    if w.dim() == 0:  # vLLM's oneDNN handle: only unquantized layers of the model's dtype are packed so
-        return None if w.dtype == torch.int64 else "weight is neither a tensor nor vLLM's oneDNN handle"
-    if w.dtype != x.dtype:
-        return f"weight dtype {str(w.dtype).removeprefix('torch.')} is not the activation's (quantized?)"
-    if w.dim() != 2 or int(w.shape[1]) != int(x.shape[-1]):
-        return "weight is not [out, hidden]"
-    return None
-
-
-def _region(kind: str, norm: Norm | None, lin: Linear, act_found: tuple | None) -> Region:
-    act, act_nodes = act_found[:2] if act_found else (None, ())
-    x = _val(norm.x if norm else lin.x)
-    why = None
-    if x is None or x.dim() != 2:
-        why = "activation is not [tokens, hidden]"
-    elif norm is not None and (_val(norm.weight) is None or _val(norm.weight).dtype != x.dtype
-                               or tuple(_val(norm.weight).shape) != (x.shape[-1],)):
-        why = "norm weight of another dtype or size"
-    elif norm is not None and norm.residual is not None and (
-            _val(norm.residual) is None or _val(norm.residual).dtype != x.dtype
-            or tuple(_val(norm.residual).shape) != tuple(x.shape)):
-        why = "residual of another dtype or shape"
-    elif act is not None and lin.bias is not None:
-        why = "gate_up projection with a bias"
-    elif act is not None and lin.out_features % 2:
-        why = "odd gate_up size"
-    elif lin.bias is not None and (_val(lin.bias) is None or _val(lin.bias).dtype != x.dtype):
-        why = "projection bias of another dtype"  # vLLM's AMX GEMM takes its bias in float32
-    else:
-        why = _weight_ok(lin, x)
-    if why is not None:
-        return Region(kind, None, norm, lin, act, why, act_nodes)
-    hidden, n = int(x.shape[-1]), lin.out_features
-    dims = (hidden, n // 2) if act is not None else (hidden, n)
-    return Region(kind, (x.dtype, dims, norm.eps if norm else None), norm, lin, act, None, act_nodes)
-
-
-def _gemma_regions(norm: Norm, lin: Linear, act: tuple | None, kind: str) -> list[Region]:
-    """The regions a Gemma norm starts: its `gemma_` kinds; a biased projection or a SiLU MLP after
-    it has none, and is reported with the reason."""
-    out = []
-    if act is not None:
-        name = GEMMA_NORM_ACTS.get(act[2])
-        out.append(_region(name, norm, lin, act) if name else Region(
-            "gemma_rmsnorm_swiglu", None, norm, lin, act[0], f"Gemma's norm (1 + w) before {act[2]}*mul: no region kind",
-            act[1]))
-    if kind.endswith("_bias"):
-        out.append(Region("gemma_" + kind, None, norm, lin, None, "Gemma's norm (1 + w) before a biased "
-                          "projection: no region kind"))
-    else:
-        out.append(_region("gemma_" + kind, norm, lin, None))
-    return out
-
-
-def find_regions(graph: fx.Graph) -> list[Region]:
-    """Every instance of every region kind holding a projection, in graph order; regions of
-    different kinds may overlap (a residual add + RMSNorm feeding gate_up + SiLU*mul is both
-    `fused_add_rmsnorm_linear` and `rmsnorm_swiglu`, and its projection + activation `swiglu`)."""
-    out: list[Region] = []
-    for n in graph.nodes:
-        norm = norm_at(n)
-        if norm is not None:
-            lin = linear_from(norm.out)
-            if lin is None:
-                continue
-            act = act_after(lin)
-            kind = ("fused_add_rmsnorm_linear" if norm.residual is not None else "rmsnorm_linear") + (
-                "_bias" if lin.bias is not None else "")
-            if norm.gemma:
-                out += _gemma_regions(norm, lin, act, kind)
-                continue
-            if act is not None:
-                out.append(_region(NORM_ACTS[act[2]], norm, lin, act))
-            out.append(_region(kind, norm, lin, None))
-            continue
-        lin = linear_at(n)
-        act = act_after(lin) if lin is not None else None
-        if act is not None:
-            out.append(_region(ACTS[act[2]], None, lin, act))
-    return out

@@ -38,10 +38,10 @@ class Status:
     kernels: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     seconds: float = 0.0
+    installed: object | None = field(default=None, repr=False)  # the hooks.Installed, owning the runtime
 
 
 STATUS = Status()
-_INSTALLED = []
 
 
 def flag(name: str) -> bool:
@@ -164,12 +164,10 @@ def _register(refused: list[tuple[int, str]]) -> tuple[str, str]:
         refused += p.table.refused
     if p.state != "ready":
         return p.state, p.message
-    from prism_serve.patch import ops
     from prism_serve.patch.hooks import install
     table = p.table
-    installed = install(table)
-    _INSTALLED.append(installed)
-    ops.install_counters_at_exit()
+    installed = STATUS.installed = install(table)
+    installed.runtime.write_counters_at_exit()
     STATUS.patched, STATUS.kernels = list(installed.names), table.kernels(installed.kinds)
     shapes = ", ".join(f"{op} x{n}" for op, n in table.summary().items() if op in installed.kinds)
     text = (f"prism-serve: patched {', '.join(installed.names) or 'nothing'} with {STATUS.kernels} {p.which} "
@@ -198,6 +196,6 @@ def _line(exc: BaseException, typed: bool = False) -> str:
 
 def unpatch() -> None:
     """Undo what `register()` installed in this process (tests and the benchmark)."""
-    while _INSTALLED:
-        _INSTALLED.pop().revert()
+    if STATUS.installed is not None:
+        STATUS.installed.revert()
     STATUS.__init__()

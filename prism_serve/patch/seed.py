@@ -12,7 +12,7 @@ from prism_serve.errors import SGraphError
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
-from prism_serve.region_table import KINDS
+from prism_serve.region_table import KINDS, Form, kind_of
 from prism_serve.registry.gate import admit
 from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, current_versions
 
@@ -20,8 +20,12 @@ from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, curre
 BUCKETS = (((1, 8), 4), ((9, 8192), 16))
 
 
-OP_KINDS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
-REGION_KINDS = ("rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu")  # what warmup stores for a decoder
+# a Llama / Qwen3 decoder's op-level kinds (RMSNorm, residual add + RMSNorm, SiLU*mul) and the regions
+# warmup stores for it (its input side without and with the residual, its post-attention side)
+_NORM = kind_of(Form("rms"))
+OP_KINDS = tuple(kind_of(f).name for f in (Form("rms"), Form("rms", residual=True), Form(act="silu")))
+REGION_KINDS = tuple(kind_of(f).name for f in (Form("rms", projection=True), Form("rms", residual=True, projection=True),
+                                               Form("rms", projection=True, act="silu")))
 
 
 def model_programs(config_path, dtype: str = "float32", kinds=OP_KINDS) -> list:
@@ -33,8 +37,8 @@ def model_programs(config_path, dtype: str = "float32", kinds=OP_KINDS) -> list:
     head_dim = cfg.get("head_dim") or hidden // heads
     dims = {"hidden": hidden, "intermediate": inter, "out": (heads + 2 * kv_heads) * head_dim}
     progs = [KINDS[k].program(dims, dtype, eps) for k in kinds]
-    if "rms_norm" in kinds and cfg.get("model_type") == "qwen3":
-        progs.append(KINDS["rms_norm"].program({"hidden": head_dim}, dtype, eps))
+    if _NORM.name in kinds and cfg.get("model_type") == "qwen3":
+        progs.append(_NORM.program({"hidden": head_dim}, dtype, eps))
     return progs
 
 

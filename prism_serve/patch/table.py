@@ -17,6 +17,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -24,7 +25,7 @@ from prism_serve.region_table import KINDS
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16})
 # Kernels of a CPU registry are instantiated against a GPU spec only to bound their tile sizes;
 # the interpreter has no limits of its own, and warmup instantiates CPU kernels the same way.
 CPU_BOUNDS_GPU = "h100"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prism_serve.capture.embedded import embedded_path
-from prism_serve.patch import seed
+from prism_serve.patch import runtime, seed
 from prism_serve.patch.device import current_device
 from prism_serve.registry import add_kernel, open_registry
 
@@ -20,6 +20,14 @@ def fill(path, results) -> str:
             add_kernel(s, r)
     reg.close()
     return url
+
+
+@pytest.fixture(autouse=True)
+def _runtime_closed():
+    """A runtime a test opened (`ops.open_runtime`) is closed after it: the next test starts with none."""
+    yield
+    if (rt := runtime.current()) is not None:
+        rt.close()
 
 
 REGIONS = seed.OP_KINDS + seed.REGION_KINDS + ("swiglu",)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from prism_serve.patch import fusion, ops, patterns
+from prism_serve.patch import dataflow, fusion, ops
 from prism_serve.patch.table import Buckets, Table
 
 vllm_ir = pytest.importorskip("vllm.ir")
@@ -31,17 +31,22 @@ def table(*entries, device: str = "cpu") -> Table:
 
 def graph_of(fn, *args):
     """`fn`'s graph as Inductor hands it to a post-grad pass (dead nodes eliminated, as there)."""
-    ops.define_ops()
+    ops.define()
     gm = make_fx(fn, select_decomp_table(), tracing_mode="symbolic")(*args)
     gm.graph.eliminate_dead_code()
     return gm
 
 
-def rewrite(fn, args, tab: Table):
+def rewrite(fn, args, tab: Table, rt=None):
     """(replaced kinds, prism op names left in the graph) after the pass, checking the rewritten
-    graph still computes `fn` (torch on the same inputs) for 1 and 7 tokens."""
+    graph still computes `fn` (torch on the same inputs) for 1 and 7 tokens; in a runtime of its
+    own for `tab`, or `rt` (which then serves `tab`)."""
     gm = graph_of(fn, *args)
-    done = fusion.rewrite(gm.graph, tab)
+    if rt is None:
+        rt = ops.open_runtime(tab)
+    if rt.table is not tab:
+        rt.table, rt.matchers = tab, None
+    done = fusion.rewrite(gm.graph, rt)
     gm.recompile()
     for rows in (1, 7):
         fresh = [torch.randn(rows, *a.shape[1:], dtype=a.dtype) if a.dim() == 2 and a.shape[0] == args[0].shape[0]
@@ -275,25 +280,26 @@ def test_a_decoder_is_served_region_by_region(gemm):
     assert done == {"rms_norm": 1, "fused_add_rms_norm": 4, "silu_and_mul": 2}
 
 
-def test_region_kernels_run_on_the_weights_vllm_packed(regions_registry, monkeypatch):
+def test_region_kernels_run_on_the_weights_vllm_packed(regions_registry):
     """Real kernels (tiny-llama's sizes): the pass puts vLLM's oneDNN handles in the region ops, and
     the kernels run on the plain weights the plugin recorded when vLLM's create_onednn_mm packed them."""
-    from prism_serve.patch import hooks
+    from prism_serve.patch import hooks, packed
     from prism_serve.patch.plugin import plan
 
     tab = plan(regions_registry, force=True).table
+    rt = ops.open_runtime(tab)
     h, qkv_out, inter = 128, 256, 256
     done = hooks.Installed([], [])
-    hooks._install_packed(tab, done)
+    packed.install(rt, done)
     try:
         qkv, gate_up = Proj("onednn", qkv_out, hidden=h), Proj("onednn", 2 * inter, hidden=h)
         other = Proj("onednn", 96, hidden=h)  # no region kernel has this shape: not recorded
     finally:
         done.revert()
     for proj in (qkv, gate_up):  # the layer's own weight (its storage, kept), not a copy
-        got = ops.plain_weight(proj.arg)
+        got = rt.plain_weight(proj.arg)
         assert got.shape == proj.w.shape and got.data_ptr() == proj.w.data_ptr() and got.is_contiguous()
-    assert ops.plain_weight(other.arg) is None
+    assert rt.plain_weight(other.arg) is None
 
     def layer(x, r, g1, wq, g2, wg):
         y, s = native_add_rms(x, r, g1, 1e-6)
@@ -301,25 +307,24 @@ def test_region_kernels_run_on_the_weights_vllm_packed(regions_registry, monkeyp
         hh, s2 = native_add_rms(attn, s, g2, 1e-6)
         return _silu_mul(gate_up(hh, wg), inter), s2
     args = [torch.randn(5, h), torch.randn(5, h), w_(h), qkv.arg, w_(h), gate_up.arg]
-    monkeypatch.setattr(ops.STATE, "table", tab)
     gm = graph_of(layer, *args)
-    assert dict(fusion.rewrite(gm.graph, tab)) == {"fused_add_rmsnorm_linear": 1, "rmsnorm_swiglu": 1}
+    assert dict(fusion.rewrite(gm.graph, rt)) == {"fused_add_rmsnorm_linear": 1, "rmsnorm_swiglu": 1}
     gm.recompile()
-    before = dict(ops.COUNTS), dict(ops.MISSES)
+    before = dict(rt.counts), dict(rt.misses)
     for rows in (1, 7, 12):  # both buckets
         fresh = [torch.randn(rows, h), torch.randn(rows, h), *args[2:]]
         for got, want in zip(gm(*fresh), layer(*fresh), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    ran = {k: ops.COUNTS[k] - before[0][k] for k in ("fused_add_rmsnorm_linear", "rmsnorm_swiglu")}
+    ran = {k: rt.counts[k] - before[0][k] for k in ("fused_add_rmsnorm_linear", "rmsnorm_swiglu")}
     assert ran == {"fused_add_rmsnorm_linear": 3, "rmsnorm_swiglu": 3}
-    assert ops.MISSES == before[1]
+    assert rt.misses == before[1]
     # a handle packed before the plugin was there (no plain weight recorded): vLLM's path, oneDNN included
     unrecorded = Proj("onednn", qkv_out, hidden=h)
     x, g = torch.randn(4, h), w_(h)
     got = torch.ops.prism.rmsnorm_linear(x, g, unrecorded.arg, 1e-6, -1, qkv_out)
     torch.testing.assert_close(got, F.linear(native_rms(x, g, 1e-6), unrecorded.w), rtol=1e-4, atol=1e-4)
-    assert ops.COUNTS["rmsnorm_linear"] == before[0]["rmsnorm_linear"]
-    assert ops.MISSES["rmsnorm_linear"] == before[1]["rmsnorm_linear"] + 1
+    assert rt.counts["rmsnorm_linear"] == before[0]["rmsnorm_linear"]
+    assert rt.misses["rmsnorm_linear"] == before[1]["rmsnorm_linear"] + 1
 
 
 def _silu_mul(gu, d):
@@ -376,14 +381,14 @@ def test_region_near_misses_stay_vllms(name, gemm):
 def test_the_region_key_refuses_a_weight_of_another_dtype():
     # where the structure matches, the key is what keeps a quantized (int8) weight out
     gm = graph_of(lambda x, g, w: F.linear(native_rms(x, g, EPS), w.float()), x_(), w_(H), w_(QKV, H))
-    ops_ = fusion.matchers(table(NORM_LINEAR))[0]
+    ops_ = fusion.matchers(ops.open_runtime(table(NORM_LINEAR)))[0]
     for p in ops_:
         p.apply(gm.graph)
-    assert [(r.kind, r.key) for r in patterns.find_regions(gm.graph)] == [("rmsnorm_linear", NORM_LINEAR[1])]
+    assert [(r.kind, r.key) for r in dataflow.find_regions(gm.graph)] == [("rmsnorm_linear", NORM_LINEAR[1])]
     gm = graph_of(lambda x, g, w: F.linear(native_rms(x, g, EPS), w), x_(), w_(H), w_(QKV, H, dtype=torch.int8))
-    for p in fusion.matchers(table(NORM_LINEAR))[0]:
+    for p in fusion.matchers(ops.open_runtime(table(NORM_LINEAR)))[0]:
         p.apply(gm.graph)
-    found = patterns.find_regions(gm.graph)
+    found = dataflow.find_regions(gm.graph)
     assert [(r.kind, r.key) for r in found] == [("rmsnorm_linear", None)] and "int8" in found[0].why
 
 
@@ -404,12 +409,12 @@ class Packed:
     `convert_weight_packed` under the plugin's hook (`served`: a shape a region kernel serves, so
     the plain weight is recorded), the GEMM writing into a fresh buffer (vLLM's weight_packed_linear_cpu)."""
 
-    def __init__(self, out: int, served: bool = True, bias: torch.Tensor | None = None):
-        from prism_serve.patch import hooks
+    def __init__(self, rt, out: int, served: bool = True, bias: torch.Tensor | None = None):
+        from prism_serve.patch import hooks, packed
 
         self.out, self.w, self.b = out, w_(out, AH, dtype=BF16), bias
         done = hooks.Installed([], [])
-        hooks._install_amx_packed({(BF16, out, AH) if served else (BF16, 1, 1)}, done)
+        packed.install_amx(rt, {(BF16, out, AH) if served else (BF16, 1, 1)}, done)
         try:
             self.arg = torch.ops._C.convert_weight_packed(self.w)
         finally:
@@ -426,7 +431,8 @@ def test_a_decoder_on_vllms_amx_gemm_is_served_region_by_region():
     vLLM's did (each region op misses here and runs vLLM's path: its norm, then its AMX GEMM on
     the packed weight, which only the plugin's record tells apart from a plain weight)."""
     _amx()
-    qkv, gate_up = Packed(AQKV), Packed(2 * AINTER)
+    rt = ops.open_runtime()
+    qkv, gate_up = Packed(rt, AQKV), Packed(rt, 2 * AINTER)
 
     def layer(x, r, g1, wq, g2, wg):
         y, s = native_add_rms(x, r, g1, EPS)
@@ -435,46 +441,49 @@ def test_a_decoder_on_vllms_amx_gemm_is_served_region_by_region():
         return _silu_mul(gate_up(h, wg), AINTER), s
     args = [x_(dim=AH).to(BF16), x_(dim=AH).to(BF16), w_(AH, dtype=BF16), qkv.arg, w_(AH, dtype=BF16), gate_up.arg]
     tab = table(("fused_add_rmsnorm_linear", (BF16, (AH, AQKV), EPS)), ("rmsnorm_swiglu", (BF16, (AH, AINTER), EPS)))
-    assert rewrite(layer, args, tab) == ({"fused_add_rmsnorm_linear": 1, "rmsnorm_swiglu": 1},
-                                         {"fused_add_rmsnorm_linear", "rmsnorm_swiglu"})
-    assert ops.plain_weight(qkv.arg) is not None and ops.plain_weight(qkv.arg).data_ptr() == qkv.w.data_ptr()
+    assert rewrite(layer, args, tab, rt) == ({"fused_add_rmsnorm_linear": 1, "rmsnorm_swiglu": 1},
+                                             {"fused_add_rmsnorm_linear", "rmsnorm_swiglu"})
+    assert rt.plain_weight(qkv.arg) is not None and rt.plain_weight(qkv.arg).data_ptr() == qkv.w.data_ptr()
 
 
 def test_a_packed_weight_without_a_recorded_plain_one_runs_vllms_amx_gemm():
     _amx()
-    proj = Packed(AQKV, served=False)
-    assert ops.plain_weight(proj.arg) is None  # marked packed, never taken for a plain weight
+    rt = ops.open_runtime()
+    proj = Packed(rt, AQKV, served=False)
+    assert rt.plain_weight(proj.arg) is None  # marked packed, never taken for a plain weight
     x, g = torch.randn(4, AH, dtype=BF16), w_(AH, dtype=BF16)
-    before = ops.MISSES["rmsnorm_linear"]
+    before = rt.misses["rmsnorm_linear"]
     got = torch.ops.prism.rmsnorm_linear(x, g, proj.arg, EPS, -1, AQKV)
     want = proj(native_rms(x, g, EPS), proj.arg)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert ops.MISSES["rmsnorm_linear"] == before + 1
+    assert rt.misses["rmsnorm_linear"] == before + 1
 
 
 def test_vllms_amx_gemm_with_its_float32_bias_is_left_alone():
     """vLLM's AMX path keeps a projection's bias in float32, which no `_bias` kernel takes."""
     _amx()
-    qkv = Packed(AQKV, bias=torch.randn(AQKV))
+    rt = ops.open_runtime()
+    qkv = Packed(rt, AQKV, bias=torch.randn(AQKV))
 
     def fn(x, g, w, b):
         return qkv(native_rms(x, g, EPS), w, b)
     args = [x_(dim=AH).to(BF16), w_(AH, dtype=BF16), qkv.arg, qkv.b]
-    assert rewrite(fn, args, table(("rmsnorm_linear_bias", (BF16, (AH, AQKV), EPS)))) == ({}, set())
+    assert rewrite(fn, args, table(("rmsnorm_linear_bias", (BF16, (AH, AQKV), EPS))), rt) == ({}, set())
     gm = graph_of(fn, *args)
-    for p in fusion.matchers(table(("rmsnorm_linear_bias", (BF16, (AH, AQKV), EPS))))[0]:
+    rt.matchers, rt.table = None, table(("rmsnorm_linear_bias", (BF16, (AH, AQKV), EPS)))
+    for p in fusion.matchers(rt)[0]:
         p.apply(gm.graph)
-    found = patterns.find_regions(gm.graph)
+    found = dataflow.find_regions(gm.graph)
     assert [(r.kind, r.why) for r in found] == [("rmsnorm_linear_bias", "projection bias of another dtype")]
 
 
 # --- the pass in vLLM's config and its cache key ---------------------------------------------
 
-def test_uuid_follows_the_table_keys_and_changes_vllms_compile_hash(monkeypatch):
+def test_uuid_follows_the_table_keys_and_changes_vllms_compile_hash():
     from vllm.config import CompilationConfig
 
     def config_hash(t):
-        monkeypatch.setattr(ops.STATE, "table", t)
+        ops.open_runtime(t)
         cc = CompilationConfig(mode=3, inductor_compile_config={"post_grad_custom_post_pass": fusion.PrismFusionPass()})
         return fusion.PrismFusionPass().uuid(), cc.compute_hash()
 

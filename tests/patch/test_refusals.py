@@ -46,10 +46,9 @@ def _misbehaving(bad: dict):
 
 @pytest.fixture
 def live():
-    ops.define_ops()
-    previous, failed = ops.STATE.table, set(ops.STATE.failed)
-    yield
-    ops.STATE.table, ops.STATE.failed = previous, failed
+    rt = ops.open_runtime()
+    yield rt
+    rt.close()
 
 
 def test_bad_loads_are_refused_within_the_bound_and_the_rest_serve(kernels_registry, monkeypatch, live):
@@ -67,14 +66,14 @@ def test_bad_loads_are_refused_within_the_bound_and_the_rest_serve(kernels_regis
                                silu[1].id: "ended the loading process (exit status 5)",
                                fused[0].id: "took longer than 2 s to load"}
     assert {kid for kid, why in t.skipped} == set(bad)
-    ops.STATE.table = t
+    live.table = t
     gen = torch.Generator().manual_seed(0)
     w = 1 + 0.1 * torch.randn(128, generator=gen)
     for rows, served in ((3, False), (12, True)):  # bucket 1-8 of the norm was refused, 9-8192 serves
         x = torch.randn(rows, 128, generator=gen)
-        kernel, miss = ops.COUNTS["rms_norm"], ops.MISSES["rms_norm"]
+        kernel, miss = live.counts["rms_norm"], live.misses["rms_norm"]
         torch.testing.assert_close(torch.ops.prism.rms_norm(x, w, EPS), ops.ref_rms_norm(x, w, EPS))
-        assert (ops.COUNTS["rms_norm"] - kernel, ops.MISSES["rms_norm"] - miss) == ((1, 0) if served else (0, 1))
+        assert (live.counts["rms_norm"] - kernel, live.misses["rms_norm"] - miss) == ((1, 0) if served else (0, 1))
 
 
 def test_a_kernel_that_raises_system_exit_when_called_falls_back_for_good(kernels_registry, live, caplog):
@@ -85,16 +84,16 @@ def test_a_kernel_that_raises_system_exit_when_called_falls_back_for_good(kernel
     def payload(*args):
         exit(3)
     launcher.run = payload
-    ops.STATE.table = t
+    live.table = t
     x = torch.randn(4, 512)
-    before = (ops.COUNTS["silu_and_mul"], ops.MISSES["silu_and_mul"])
+    before = (live.counts["silu_and_mul"], live.misses["silu_and_mul"])
     with caplog.at_level(logging.WARNING, logger="vllm.prism_serve.ops"):
         for _ in range(3):
             torch.testing.assert_close(torch.ops.prism.silu_and_mul(x), ops.ref_silu_and_mul(x))
-    assert (ops.COUNTS["silu_and_mul"] - before[0], ops.MISSES["silu_and_mul"] - before[1]) == (0, 3)
+    assert (live.counts["silu_and_mul"] - before[0], live.misses["silu_and_mul"] - before[1]) == (0, 3)
     lines = [r.getMessage() for r in caplog.records if "prism-serve:" in r.getMessage()]
     assert len(lines) == 1 and f"kernel {launcher.kernel_id} for silu_and_mul failed (SystemExit: 3)" in lines[0]
-    assert launcher.kernel_id in ops.STATE.failed
+    assert launcher.kernel_id in live.failed
 
 
 @pytest.fixture

@@ -67,12 +67,32 @@ def runs(checkpoints, kernels_registry, regions_registry, tmp_path_factory):
             attack_url, attack = _attack_registry(tmp, marker)
             configs.append(config("attacks", attack_url, "eager",
                                   faults={"load": attack["load exits"], "call": attack["call exits"]}))
+            configs.append(config("bf16 kernels", _bf16_registry(tmp), "eager"))  # vLLM runs float32
         for name, result in run_vllm(path, tmp, configs).items():
             out[m, name] = result
         if m == "tiny-llama":
             out[m, "faults"] = faults
             out[m, "attacks"]["attack"], out[m, "attacks"]["marker"] = attack, str(marker)
     return out
+
+
+def _bf16_registry(tmp: Path) -> str:
+    """tiny-llama's op kernels warmed for bfloat16 (as `prism-serve warmup` does by default)."""
+    progs = seed.model_programs(embedded_path("tiny-llama") / "config.json", dtype="bfloat16")
+    return fill(tmp / "bf16.db", seed.results(progs, current_device(use_vllm=False)[0], model="tiny-llama"))
+
+
+def test_kernels_of_another_dtype_say_why_nothing_ran(runs, checkpoints):
+    """Warmed in bfloat16, served in float32: nothing runs (kernels are keyed by dtype), and the
+    first miss says so in one line naming both dtypes and the warmup command that fills the gap."""
+    result = runs["tiny-llama", "bf16 kernels"]
+    assert result["runs"]["eager"]["tokens"] == runs["tiny-llama", "stock"]["runs"]["eager"]["tokens"]
+    assert not any(result["runs"]["eager"]["kernel"].values())
+    said = [line for line in result["log_lines"] if "ran vLLM's path" in line]
+    assert len(said) == 1, result["log_lines"]
+    assert ("silu_and_mul ran vLLM's path: the registry's silu_and_mul kernels for this device are for bfloat16, "
+            "vLLM runs float32") in said[0]
+    assert f"`prism-serve warmup {checkpoints['tiny-llama']} --dtype float32` would add them" in said[0]
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -32,10 +32,11 @@ def run(model: str, mode: str, dtype: str = "float32") -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from prism_serve.patch import fusion, hooks, ops
+    from prism_serve.patch.runtime import Runtime, current
 
-    before, graphs, replaced = ops.counters(), fusion.RUNS["graphs"], fusion.REPLACED.copy()
-    sites = len(hooks.LAYER_SITES) + len(hooks.SITES)
+    rt = current() or Runtime()  # the runtime the plugin installed for this config (none: nothing ran)
+    before, graphs, replaced = rt.counters(), rt.runs["graphs"], rt.replaced.copy()
+    sites = len(rt.layer_sites) + len(rt.sites)
     has_weights = any(f.endswith(".safetensors") for f in os.listdir(model))
     t0 = time.time()
     llm = LLM(model=model, load_format="auto" if has_weights else "dummy", skip_tokenizer_init=True,
@@ -44,9 +45,9 @@ def run(model: str, mode: str, dtype: str = "float32") -> dict:
     cc = llm.llm_engine.vllm_config.compilation_config
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-    after = ops.counters()
+    after = rt.counters()
     # plain weights held while the model lives, recorded when vLLM packed them (oneDNN, AMX)
-    packed = sorted(list(w.shape) for w in (*ops.PACKED.values(), *ops.PACKED_AMX.values()) if w is not None)
+    packed = sorted(list(w.shape) for w in (*rt.packed.values(), *rt.packed_amx.values()) if w is not None)
     del llm
     gc.collect()
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(time.time() - t0, 2),
@@ -55,8 +56,8 @@ def run(model: str, mode: str, dtype: str = "float32") -> dict:
             # what vLLM compiled with and what the fusion pass did in this run
             "compile": {"mode": int(cc.mode), "backend": cc.backend,
                         "config_pass": type(cc.inductor_compile_config.get("post_grad_custom_post_pass")).__name__,
-                        "graphs": fusion.RUNS["graphs"] - graphs, "replaced": dict(fusion.REPLACED - replaced),
-                        "class_hooked": len(hooks.LAYER_SITES) + len(hooks.SITES) - sites, "packed": packed}}
+                        "graphs": rt.runs["graphs"] - graphs, "replaced": dict(rt.replaced - replaced),
+                        "class_hooked": len(rt.layer_sites) + len(rt.sites) - sites, "packed": packed}}
 
 
 def inject_faults(spec: dict):
@@ -94,7 +95,8 @@ def run_config(model: str, config: dict, scratch: str, modelinfos: str) -> dict:
     """One config, as a fresh process with its settings would run it (`modelinfos`: vLLM's
     model-info cache of this machine)."""
     from prism_serve import patch
-    from prism_serve.patch import STATUS, ops
+    from prism_serve.patch import STATUS
+    from prism_serve.patch.runtime import Runtime, current
 
     patch.unpatch()
     for key in [k for k in os.environ if k.startswith("PRISM_SERVE_")]:
@@ -117,7 +119,7 @@ def run_config(model: str, config: dict, scratch: str, modelinfos: str) -> dict:
             undo()
     result["plugin"] = {"state": STATUS.state, "message": STATUS.message, "patched": STATUS.patched,
                         "kernels": STATUS.kernels, "skipped": STATUS.skipped, "seconds": STATUS.seconds}
-    result["counters"] = ops.counters()
+    result["counters"] = (current() or Runtime()).counters()
     patch.register()  # vLLM may call the plugin again: nothing changes, nothing is logged
     result["again"] = {"state": STATUS.state, "message": STATUS.message}
     from vllm import ir
