@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from prism_serve.optimize.instantiate.cost import modeled_us, unfused_us
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.target.gpus import GpuSpec
 from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
 from prism_serve.optimize.ir.reference import as_torch_function
@@ -177,7 +178,7 @@ def _vllm_run(kind: RegionKind, vops, eps: float | None) -> Callable[..., tuple[
             w = rest.pop(0)
             y = torch.nn.functional.linear(y, w, rest.pop(0) if f.bias else None)
         if f.act:
-            y = _silu(vops, y) if f.act == "silu" else _gelu_tanh(y)
+            y = _silu(vops, y) if f.act == Op.SILU else _gelu_tanh(y)
         return (y, r) if f.residual else (y,)
     return run
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Callable
 
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import Program
 from prism_serve.optimize.workloads import programs
 
@@ -48,7 +49,7 @@ class Dim:
 # a norm's variant: vLLM's RMSNorm, or Gemma's (x * rsqrt(mean(x^2) + eps) * (1 + w), on the stored w)
 NORMS = ("rms", "gemma")
 # a gated activation on the two halves of gate_up's output: SiLU (SwiGLU), tanh-GELU (Gemma's GeGLU)
-ACTS = ("silu", "gelu_tanh")
+ACTS = (Op.SILU, Op.GELU_TANH)
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,9 @@ KINDS: Mapping[str, RegionKind] = MappingProxyType({k.name: k for k in (
                doc="an RMSNorm without residual (a layer's first input norm, q/k norm)"),
     RegionKind("fused_add_rms_norm", programs.fused_add_rms_norm, (_H,), Form(_RMS, residual=True), "ir",
                doc="residual add + RMSNorm, writing the sum as the next residual"),
-    RegionKind("silu_and_mul", programs.silu_and_mul, _GATE, Form(act="silu"), "custom_op",
+    RegionKind("silu_and_mul", programs.silu_and_mul, _GATE, Form(act=Op.SILU), "custom_op",
                doc="SiluAndMul on the two halves of gate_up's output"),
-    RegionKind("swiglu", programs.swiglu, (_H, _I), Form(projection=True, act="silu"), "mlp",
+    RegionKind("swiglu", programs.swiglu, (_H, _I), Form(projection=True, act=Op.SILU), "mlp",
                ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + SiLU*mul", _MLPS),
     RegionKind("rmsnorm_linear", programs.rmsnorm_linear, (_H, _O), Form(_RMS, projection=True), "decoder_layer",
                _QKV, "a first layer's input RMSNorm (no residual yet) + qkv projection", _LAYERS),
@@ -222,24 +223,24 @@ KINDS: Mapping[str, RegionKind] = MappingProxyType({k.name: k for k in (
                Form(_RMS, residual=True, projection=True, bias=True), "pattern", _QKV,
                "a layer's input residual add + RMSNorm + a qkv projection with a bias; the kernel writes the "
                "residual"),
-    RegionKind("rmsnorm_swiglu", programs.rmsnorm_swiglu, (_H, _I), Form(_RMS, projection=True, act="silu"),
+    RegionKind("rmsnorm_swiglu", programs.rmsnorm_swiglu, (_H, _I), Form(_RMS, projection=True, act=Op.SILU),
                "decoder_layer", ("post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn"),
                "the post-attention residual add + RMSNorm + gate_up projection + SiLU*mul; the add runs "
                "as one elementwise kernel before it (vLLM folds it into its norm), the rest as one kernel", _LAYERS,
                add_beside=True),
     # Gemma (GemmaRMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w) in float32; GeluAndMul(approximate="tanh")),
-    RegionKind("gelu_tanh_and_mul", programs.gelu_tanh_and_mul, _GATE, Form(act="gelu_tanh"), "custom_op",
+    RegionKind("gelu_tanh_and_mul", programs.gelu_tanh_and_mul, _GATE, Form(act=Op.GELU_TANH), "custom_op",
                doc="GeluAndMul(approximate='tanh') on the two halves of gate_up's output"),
     # served by the compiled-mode fusion pass only
     RegionKind("gemma_rms_norm", programs.gemma_rms_norm, (_H,), Form(_GEMMA), "pattern",
                doc="Gemma's RMSNorm scaling by (1 + w), without residual"),
     RegionKind("gemma_fused_add_rms_norm", programs.gemma_fused_add_rms_norm, (_H,), Form(_GEMMA, residual=True),
                "pattern", doc="residual add + Gemma's RMSNorm scaling by (1 + w), writing the sum as the next residual"),
-    RegionKind("geglu", programs.geglu, (_H, _I), Form(projection=True, act="gelu_tanh"), "pattern",
+    RegionKind("geglu", programs.geglu, (_H, _I), Form(projection=True, act=Op.GELU_TANH), "pattern",
                ("mlp.gate_up_proj", "mlp.act_fn"), "an MLP's gate_up projection + tanh-GELU*mul (Gemma's GeGLU)"),
     # the norm before it is post_attention_layernorm (Gemma) or pre_feedforward_layernorm (Gemma 2):
     # no module roles, the fusion pass serves it wherever capture finds it
-    RegionKind("rmsnorm_geglu", programs.rmsnorm_geglu, (_H, _I), Form(_RMS, projection=True, act="gelu_tanh"),
+    RegionKind("rmsnorm_geglu", programs.rmsnorm_geglu, (_H, _I), Form(_RMS, projection=True, act=Op.GELU_TANH),
                "pattern", doc="the residual add + RMSNorm before Gemma's MLP + gate_up projection + tanh-GELU*mul; "
                               "the add runs as one elementwise kernel before it, the rest as one kernel",
                add_beside=True),
@@ -252,7 +253,7 @@ KINDS: Mapping[str, RegionKind] = MappingProxyType({k.name: k for k in (
                "a layer's input residual add + Gemma RMSNorm (1 + w) + qkv projection; the kernel writes the "
                "residual"),
     RegionKind("gemma_rmsnorm_geglu", programs.gemma_rmsnorm_geglu, (_H, _I),
-               Form(_GEMMA, projection=True, act="gelu_tanh"), "pattern",
+               Form(_GEMMA, projection=True, act=Op.GELU_TANH), "pattern",
                doc="rmsnorm_geglu on Gemma's norm (1 + w): the residual add beside the kernel, the rest as one",
                add_beside=True),
 )})

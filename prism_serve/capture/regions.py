@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch import dataflow, patterns
 from prism_serve.region_table import KINDS, Form, kind_of
 
@@ -189,11 +190,11 @@ def _act_region(g: Group) -> dict:
     """SiluAndMul, or GeluAndMul with approximate="tanh" (Gemma's): the gate function of the halves."""
     x, y = g.ext_inputs[0], g.ext_outputs[0]
     inter = _last(y)
-    kind = kind_of(Form(act="silu")).name
+    kind = kind_of(Form(act=Op.SILU)).name
     if g.cls == "GeluAndMul":
         fns = {dataflow.act_fn(n) for n in g.nodes} - {None}
-        tanh = kind_of(Form(act="gelu_tanh")).name
-        if fns != {"gelu_tanh"}:
+        tanh = kind_of(Form(act=Op.GELU_TANH)).name
+        if fns != {Op.GELU_TANH}:
             return _region("gelu_and_mul", [g], {}, _dtype(y), [], [], supported=False,
                            reason="GeluAndMul with exact GELU (approximate='none'): only the tanh form has a "
                                   f"region kind ({tanh})")

@@ -19,6 +19,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, fx
 
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch.patterns import VLLM_NORMS, Key
 from prism_serve.region_table import OP_KINDS, Form, RegionKind, kind_of
 
@@ -291,10 +292,10 @@ def act_fn(n: fx.Node) -> str | None:
     if n.op != "call_function":
         return None
     if n.target in (torch.nn.functional.silu, torch.ops.aten.silu.default):
-        return "silu"
+        return Op.SILU
     gelu = n.target in (torch.nn.functional.gelu, torch._C._nn.gelu, torch.ops.aten.gelu.default)
     approximate = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
-    return "gelu_tanh" if gelu and approximate == "tanh" else None
+    return Op.GELU_TANH if gelu and approximate == "tanh" else None
 
 
 def act_after(lin: Linear) -> tuple[fx.Node, tuple[fx.Node, ...], str] | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from prism_serve.capture.embedded import resolve_model
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch.explain import mismatch
 from prism_serve.patch.table import TORCH_DTYPES
 from prism_serve.region_table import KINDS, Form, kind_of
@@ -64,8 +65,8 @@ def sites(cfg: dict) -> list[Site]:
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     qkv = (heads + 2 * kv_heads) * head_dim
-    norm, add_norm, silu = _kind(norm="rms"), _kind(norm="rms", residual=True), _kind(act="silu")
-    mlp, post = _kind(projection=True, act="silu"), _kind(norm="rms", projection=True, act="silu")
+    norm, add_norm, silu = _kind(norm="rms"), _kind(norm="rms", residual=True), _kind(act=Op.SILU)
+    mlp, post = _kind(projection=True, act=Op.SILU), _kind(norm="rms", projection=True, act=Op.SILU)
     out = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."

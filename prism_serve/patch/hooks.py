@@ -36,6 +36,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch import fusion, ops, packed
 from prism_serve.patch.runtime import Runtime
 from prism_serve.patch.table import Table
@@ -45,7 +46,7 @@ PROVIDER = "prism"
 # the kinds served as vLLM IR providers (their names are vLLM's IR ops), by whether they add a residual
 IR_KINDS = MappingProxyType({k.form.residual: k for k in hooked("ir")})
 # the activation kinds served by CustomOp replacement
-SILU, GELU_TANH = kind_of(Form(act="silu")), kind_of(Form(act="gelu_tanh"))
+SILU, GELU_TANH = kind_of(Form(act=Op.SILU)), kind_of(Form(act=Op.GELU_TANH))
 # the whole regions of eager mode: an MLP's (hook "mlp"), a decoder layer's input side (by whether its
 # norm adds the residual) and its post-attention side (hook "decoder_layer")
 (MLP_KIND,) = hooked("mlp")

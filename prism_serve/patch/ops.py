@@ -28,6 +28,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch.explain import mismatch
 from prism_serve.patch.runtime import Runtime, current, log, out_features
 from prism_serve.patch.table import Table
@@ -70,7 +71,7 @@ def ref_gelu_tanh_and_mul(x: Tensor) -> Tensor:
 
 # vLLM's RMSNorm ops by whether they add the residual, and its activations by gate function
 NORM_REFS = MappingProxyType({False: ref_rms_norm, True: ref_fused_add_rms_norm})
-ACT_REFS = MappingProxyType({"silu": ref_silu_and_mul, "gelu_tanh": ref_gelu_tanh_and_mul})
+ACT_REFS = MappingProxyType({Op.SILU: ref_silu_and_mul, Op.GELU_TANH: ref_gelu_tanh_and_mul})
 
 
 def _gemma(rt: Runtime, plain: RegionKind, x: Tensor, *rest):

@@ -65,6 +65,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.region_table import KINDS, NORMS, OP_KINDS, REGION_KINDS, Form, RegionKind, kind_of
 
 # the table key a match needs: (torch dtype, dim or dims, eps)
@@ -170,8 +171,8 @@ def norm(kind: RegionKind, dtype: torch.dtype, eps: float, residual_first: bool 
 
 
 # a gated activation's gate function, as vLLM's forward_native applies it (SiluAndMul; GeluAndMul(approximate="tanh"))
-GATES = MappingProxyType({"silu": torch.nn.functional.silu,
-                          "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")})
+GATES = MappingProxyType({Op.SILU: torch.nn.functional.silu,
+                          Op.GELU_TANH: lambda t: torch.nn.functional.gelu(t, approximate="tanh")})
 # an activation's input: [tokens, 2d], or [1, tokens, 2d] where vLLM's Transformers backend keeps the
 # batch dim (OLMo 2): its slices are on dim 2, another pattern
 ACT_RANKS = (2, 3)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from prism_serve.errors import SGraphError
+from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
@@ -23,9 +24,9 @@ BUCKETS = (((1, 8), 4), ((9, 8192), 16))
 # a Llama / Qwen3 decoder's op-level kinds (RMSNorm, residual add + RMSNorm, SiLU*mul) and the regions
 # warmup stores for it (its input side without and with the residual, its post-attention side)
 _NORM = kind_of(Form("rms"))
-OP_KINDS = tuple(kind_of(f).name for f in (Form("rms"), Form("rms", residual=True), Form(act="silu")))
+OP_KINDS = tuple(kind_of(f).name for f in (Form("rms"), Form("rms", residual=True), Form(act=Op.SILU)))
 REGION_KINDS = tuple(kind_of(f).name for f in (Form("rms", projection=True), Form("rms", residual=True, projection=True),
-                                               Form("rms", projection=True, act="silu")))
+                                               Form("rms", projection=True, act=Op.SILU)))
 
 
 def model_programs(config_path, dtype: str = "float32", kinds=OP_KINDS) -> list:
