@@ -239,16 +239,16 @@ def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     valid instance that differs in one symbol among them."""
     from prism_serve.optimize.instantiate.cost import modeled_us
     from prism_serve.optimize.instantiate.tune import best_modeled, enumerate_instances, symbol_choices
-    from prism_serve.optimize.pipeline import search
+    from prism_serve.optimize.pipeline import instances
 
     g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=1024, out=1024))
-    exhaustive = [r[0] for r in search._rankings(g, H100, (1, 16))]
+    exhaustive = [r[0] for r in instances.rankings(g, H100, (1, 16))]
     every = [i.values for i in enumerate_instances(g, H100)]
-    assert math.prod(len(c) for c in symbol_choices(g).values()) <= search.EXHAUSTIVE_ASSIGNMENTS
-    monkeypatch.setattr(search, "EXHAUSTIVE_ASSIGNMENTS", 0)
-    monkeypatch.setattr(search, "enumerate_instances", lambda *a: pytest.fail("enumerated"))
-    rankings = search._rankings(g, H100, (1, 16), keep=2)
-    assert [len(r) for r in search._rankings(g, H100, (1, 16))] == [1, 1]  # one kept: no neighbours
+    assert math.prod(len(c) for c in symbol_choices(g).values()) <= instances.EXHAUSTIVE_ASSIGNMENTS
+    monkeypatch.setattr(instances, "EXHAUSTIVE_ASSIGNMENTS", 0)
+    monkeypatch.setattr(instances, "enumerate_instances", lambda *a: pytest.fail("enumerated"))
+    rankings = instances.rankings(g, H100, (1, 16), keep=2)
+    assert [len(r) for r in instances.rankings(g, H100, (1, 16))] == [1, 1]  # one kept: no neighbours
     for best, *near in rankings[:1]:  # the open last bucket puts the scaling ones first (below)
         assert [round(c.modeled_us, 6) for c in near] == sorted(round(c.modeled_us, 6) for c in near)
         keys = [tuple(sorted(c.assignment.items())) for c in near]
@@ -257,16 +257,16 @@ def test_a_design_of_many_assignments_is_instantiated_by_descent(monkeypatch):
     # the open bucket: after the descent's instance, the neighbours within NEAR_TIE of it at 16
     # tokens come first, those that scale best to the probe size first among them
     best, *near = rankings[1]
-    tied = [c for c in near if c.modeled_us <= best.modeled_us * search.NEAR_TIE]
+    tied = [c for c in near if c.modeled_us <= best.modeled_us * instances.NEAR_TIE]
     probe = lambda c: round(modeled_us(c.instance, max(16 * 16, 4096), H100), 6)  # noqa: E731
     assert tied and near[:len(tied)] == sorted(tied, key=probe) and len(near) > len(tied)
     descended = [r[0] for r in rankings]
     assert descended[0].modeled_us == best_modeled(g, H100, 1).modeled_us
-    assert descended[1].modeled_us <= best_modeled(g, H100, 16).modeled_us * search.NEAR_TIE
+    assert descended[1].modeled_us <= best_modeled(g, H100, 16).modeled_us * instances.NEAR_TIE
     # the descent can stop at a local optimum (never below the exhaustive best); here, crossing
     # ridges with joint moves, it reaches it; the open bucket trades up to NEAR_TIE for scaling
     assert descended[0].modeled_us == exhaustive[0].modeled_us
-    assert exhaustive[1].modeled_us <= descended[1].modeled_us * search.NEAR_TIE
+    assert exhaustive[1].modeled_us <= descended[1].modeled_us * instances.NEAR_TIE
 
 
 def test_with_the_static_check_only_instances_ptxas_does_not_spill_are_measured(monkeypatch):
@@ -274,7 +274,7 @@ def test_with_the_static_check_only_instances_ptxas_does_not_spill_are_measured(
     the best-ranked ones that (a stand-in) ptxas does not spill, and the winner carries its facts;
     without the check, the top `measure_top` of the ranking are timed, as before."""
     from prism_serve.optimize.instantiate import tune
-    from prism_serve.optimize.pipeline import search
+    from prism_serve.optimize.pipeline import instances
 
     from .test_tune import FakePtxas
 
@@ -288,7 +288,7 @@ def test_with_the_static_check_only_instances_ptxas_does_not_spill_are_measured(
     run = lambda check: optimize(prog, "h100", (1, 16), max_kernels=1, budget_s=300, top=1, workers=1,  # noqa: E731
                                  timer=timer, measure_top=2, static_check=check)
     plain = run(False)
-    rankings = search._rankings(plain.best.sgraph, H100, (1, 16))
+    rankings = instances.rankings(plain.best.sgraph, H100, (1, 16))
     assert sorted(timed) == sorted((c.num_tokens, sorted(c.assignment.items())) for r in rankings for c in r[:2])
     spilling = [c.assignment for r in rankings for c in r[:2]]
     monkeypatch.setattr(tune, "compile_facts", FakePtxas(spilling=spilling))

@@ -481,7 +481,8 @@ def _shape_code(inst: Instance, name: str) -> str:
     return "(" + ", ".join(dims) + ",)"
 
 
-_MODULES: dict[str, ModuleType] = {}
+_MODULES: dict[str, ModuleType] = {}  # by source digest, the most recently loaded last
+_MODULES_MAX = 256  # a module dropped is loaded again from its file alike
 
 
 def load(source: str) -> ModuleType:
@@ -489,6 +490,7 @@ def load(source: str) -> ModuleType:
     from prism_serve.paths import cache_dir
     digest = hashlib.sha256(source.encode()).hexdigest()[:24]
     if digest in _MODULES:
+        _MODULES[digest] = _MODULES.pop(digest)
         return _MODULES[digest]
     folder = cache_dir() / "kernels"
     folder.mkdir(parents=True, exist_ok=True)
@@ -503,6 +505,8 @@ def load(source: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:  # a generated module that fails to import is a codegen bug
         raise CodegenError(f"generated kernel module {path} failed to load: {exc}") from exc
+    if len(_MODULES) >= _MODULES_MAX:
+        del _MODULES[next(iter(_MODULES))]
     _MODULES[digest] = module
     return module
 

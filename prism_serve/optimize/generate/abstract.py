@@ -35,6 +35,7 @@ from egglog.bindings import EggSmolError
 
 from prism_serve.optimize.ir.ops import OPS, ROOT, Kind, Op, of_kind, symbols
 from prism_serve.optimize.verify import egglog_threads  # noqa: F401 - one thread, before any e-graph runs
+from prism_serve.optimize.verify.field import field_identities
 
 Term = tuple
 BINARY = of_kind(Kind.BINARY)
@@ -100,14 +101,8 @@ def _facts(x: Abs, y: Abs, e: Abs, lb: AbsLabel, other: AbsLabel):
 
 @ruleset
 def _algebra(x: Abs, y: Abs, z: Abs, lb: AbsLabel):
-    yield rewrite(x + y).to(y + x)
-    yield rewrite(x * y).to(y * x)
-    yield rewrite((x * y) * z).to(x * (y * z))
-    yield rewrite(x * (y * z)).to((x * y) * z)
-    yield rewrite((x + y) + z).to(x + (y + z))
-    yield rewrite((x / y) * z).to((x * z) / y)
-    yield rewrite((x * z) / y).to((x / y) * z)
-    yield rewrite(x * y.rsqrt()).to(x / y.sqrt())
+    yield from field_identities(x, y, z)
+    yield rewrite((x * z) / y).to((x / y) * z)  # the converses, which the proof's algebra does without
     yield rewrite(x / y.sqrt()).to(x * y.rsqrt())
     for red in ("rsum", "rmean"):
         yield rewrite(getattr(x * y, red)(lb)).to(getattr(x, red)(lb) * y, indep(y, lb))

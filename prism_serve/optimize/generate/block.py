@@ -154,8 +154,10 @@ class Value:
                 self.rescale, self.labels)
 
 
+# The terms of the current generation context by id (`new_terms`); ids count on across contexts,
+# so none is ever reused
 _INTERNED: dict[Term, int] = {}
-_SORT_KEYS: dict[int, str] = {}
+_NEXT_ID = itertools.count()
 _STAGES = ("pre", "loop", "post")
 _UNPLACED = 1 << 30  # the `_key` position of a value that is no node of the Program
 
@@ -163,9 +165,16 @@ _UNPLACED = 1 << 30  # the `_key` position of a value that is no node of the Pro
 def intern(expr: Term) -> int:
     eid = _INTERNED.get(expr)
     if eid is None:
-        eid = _INTERNED[expr] = len(_INTERNED)
-        _SORT_KEYS[eid] = repr(expr)
+        eid = _INTERNED[expr] = next(_NEXT_ID)
     return eid
+
+
+def new_terms() -> None:
+    """Forget the interned terms: a new generation context starts (`context.make_context`), so
+    the table holds one search's terms at a time. A value of an earlier context keeps an id no
+    term of this one gets."""
+    _INTERNED.clear()
+    _TAGS.clear()
 
 
 @dataclass(frozen=True)
@@ -424,7 +433,7 @@ class BlockGenerator:
         key = self._keys.get(at)
         if key is None:
             position = self.oracle.position(v.expr, tuple(base_label(lb) for lb in v.labels))
-            key = self._keys[at] = (_UNPLACED if position is None else position, _SORT_KEYS[v.eid],
+            key = self._keys[at] = (_UNPLACED if position is None else position, repr(v.expr),
                                     any(v.whole) and NUM_TOKENS not in v.labels, _STAGES.index(v.stage),
                                     v.partial or "", v.whole)
         return key

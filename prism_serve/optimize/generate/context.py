@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prism_serve.optimize.generate.abstract import BINARY, REDUCE, UNARY, Oracle, Term
-from prism_serve.optimize.generate.block import Value
+from prism_serve.optimize.generate.block import Value, new_terms
 from prism_serve.optimize.generate.design import program_context
 from prism_serve.optimize.ir.ops import OPS, Op
 from prism_serve.optimize.ir.program import Program, TensorType
@@ -50,6 +50,8 @@ def program_terms(flat: Program, labels) -> dict[str, Term]:
 
 
 def make_context(prog: Program) -> Context:
+    """A search's generation context (its interned terms start afresh: `block.new_terms`)."""
+    new_terms()
     flat, labels, tensors, consts = program_context(prog)
     terms = program_terms(flat, labels)
     inputs = {f"@{n}": Value(f"@{n}", t.type, t.labels, terms[n]) for n, t in tensors.items()}

@@ -19,7 +19,8 @@ from typing import Any
 from prism_serve.errors import PrismError, ProgramError, SGraphError
 from prism_serve.optimize.ir import dims as D
 from prism_serve.optimize.ir import sgraph as S
-from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.ops import OPS as OP_DEFS
+from prism_serve.optimize.ir.ops import Op, OpDef
 from prism_serve.optimize.ir.program import (
     ARITY,
     DEFAULTS,
@@ -27,7 +28,6 @@ from prism_serve.optimize.ir.program import (
     IR_VERSION,
     NUM_TOKENS,
     OPS,
-    REDUCTIONS,
     TF32,
     Node,
     Program,
@@ -201,16 +201,27 @@ DIM_ATTR = lambda v, w, e: int_in(v, -MAX_RANK, MAX_RANK - 1, w, e)  # noqa: E73
 _EPS = lambda v, w, e: float_in(v, 0.0, 1.0, w, e, open_lo=True)  # noqa: E731
 _VALUE = lambda v, w, e: float_in(v, -1e30, 1e30, w, e)  # noqa: E731
 
-# required and optional attributes per op, each with its check
-ATTR_SCHEMA: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {
-    "input": ({"shape": _shape, "dtype": OneOf(DTYPES)}, {}),
-    "const": ({"value": _VALUE}, {}),
-    Op.MATMUL: ({}, {"transpose_b": boolean, "precision": OneOf((TF32,))}),
-    Op.RMS_NORM: ({"eps": _EPS}, {}),
+# The check of each IR op attribute the registry declares (`OpDef.attrs`), by its name: its bounds
+ATTR_CHECKS: dict[str, Check] = {"shape": _shape, "dtype": OneOf(DTYPES), "value": _VALUE, "eps": _EPS,
+                                 "dim": DIM_ATTR, "keepdim": boolean, "transpose_b": boolean}
+
+
+def _op_schema(d: OpDef) -> tuple[dict[str, Check], dict[str, Check]]:
+    """An op's required attributes (those without a default) and optional ones, each with its check."""
+    return ({k: ATTR_CHECKS[k] for k in d.attrs if k not in d.defaults},
+            {k: ATTR_CHECKS[k] for k in d.attrs if k in d.defaults})
+
+
+# required and optional attributes per op, each with its check: the registry's ops, a block kernel's
+# matmul precision (`program.is_tf32`) and the block-level ops
+ATTR_SCHEMA: dict[str, tuple[dict[str, Check], dict[str, Check]]] = \
+    {op: _op_schema(d) for op, d in OP_DEFS.items() if d.attrs}
+ATTR_SCHEMA[Op.MATMUL][1]["precision"] = OneOf((TF32,))
+ATTR_SCHEMA |= {
     "load": ({"tensor": name, "imap": _map}, {"fmap": _opt_index}),
     "store": ({"tensor": name, "omap": _map}, {"fmap": _opt_index}),
     "accum": ({"kind": OneOf(ACCUM_KINDS)}, {}),
-} | {op: ({"dim": DIM_ATTR}, {"keepdim": boolean}) for op in REDUCTIONS}
+}
 BLOCK_ARITY = {"load": 0, "store": 1, "accum": (1, 2)}
 
 

@@ -54,16 +54,13 @@ from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import Design, build
 from prism_serve.optimize.generate.kernel import KernelGenerator
-from prism_serve.optimize.instantiate.cost import modeled_us, unfused_us
-from prism_serve.optimize.instantiate.static import facts_json
+from prism_serve.optimize.instantiate.cost import unfused_us
 from prism_serve.optimize.instantiate.timing import Timer, cuda_timer
-from prism_serve.optimize.instantiate.tune import (NEAR_TIE, PROBE_TOKENS, SCALE_PROBE, SCREEN_DEPTH, Candidate,
-                                                   best_modeled, enumerate_instances, measure, rank, rank_open, screen,
-                                                   symbol_choices, with_neighbours)
-from prism_serve.optimize.ir.canonical import canonical_hash
+from prism_serve.optimize.instantiate.tune import SCREEN_DEPTH
 from prism_serve.optimize.ir.program import Program
 from prism_serve.optimize.ir.sgraph import SGraph
 from prism_serve.optimize.pipeline import stages
+from prism_serve.optimize.pipeline.instances import Found, Verified, instantiate, rankings
 from prism_serve.optimize.pipeline.workers import Config, InlinePool, Pool, default_workers
 from prism_serve.optimize.target.gpus import GpuSpec, get_gpu
 from prism_serve.optimize.verify.check import NumericVerdict
@@ -119,28 +116,6 @@ class SearchStats:
                 "work": self.work, "steps": self.steps, "open_subtrees": self.open_subtrees,
                 "search_s": self.search_s, "verify_s": self.verify_s, "static_s": self.static_s,
                 "static_spilled": self.static_spilled, "stopped_by_budget": self.stopped_by_budget}
-
-
-@dataclass(frozen=True)
-class Found:
-    """A verified sGraph with its best instance per num_tokens bucket."""
-
-    design: Design
-    sgraph: SGraph
-    proof: ProofResult
-    numeric_error: float  # worst over the small-instantiation checks, relative to max |ref|
-    kernels: tuple[Candidate, ...]
-
-    def kernel_for(self, num_tokens: int) -> Candidate:
-        return next(c for c in self.kernels if c.num_tokens == num_tokens)
-
-    def to_json(self) -> dict:
-        return {"design": self.design.to_json(), "describe": self.design.describe(),
-                "canonical_hash": canonical_hash(self.sgraph), "sgraph": self.sgraph.to_json(),
-                "proof": {"ok": self.proof.ok, "reason": self.proof.reason, "seconds": self.proof.seconds},
-                "numeric_error": self.numeric_error,
-                "kernels": [{"num_tokens": c.num_tokens, "params": c.assignment, "modeled_us": c.modeled_us,
-                             "measured_us": c.measured_us, "ptxas": facts_json(c.facts)} for c in self.kernels]}
 
 
 @dataclass(frozen=True)
@@ -235,76 +210,10 @@ class _Costed:
         return sorted(self.items, key=lambda t: (t[0], t[1].describe()))
 
 
-# Symbol assignments up to which a verified design's instances are ranked exhaustively. Past it,
-# enumerating and ranking them takes longer than the search's budget leaves (a two-kernel
-# rmsnorm_linear design with a split: 85,184 assignments, 11,868 valid, 25 s), and the descent
-# ranks instead: it can stop at a local optimum (joint moves of two symbols cross the ridges
-# one-symbol moves stalled on; `tune.descend`), the price of a verified design within budget.
-EXHAUSTIVE_ASSIGNMENTS = 20_000
-
-
-def _rankings(g: SGraph, gpu: GpuSpec, buckets: tuple[int, ...], keep: int = 1) -> list[list[Candidate]]:
-    """A verified design's instances ranked per bucket, exhaustively (the descent that costs every
-    generated design can stop at a local optimum), the last bucket, which also serves every larger
-    size, by `rank_open`. A design of more than EXHAUSTIVE_ASSIGNMENTS has the descent's instance
-    (`_descended`) first, then, where more than one is kept, the instances one move from it
-    (`tune.with_neighbours`)."""
-    if math.prod(len(c) for c in symbol_choices(g).values()) > EXHAUSTIVE_ASSIGNMENTS:
-        descended = [_descended(g, gpu, nt, open_=nt == max(buckets)) for nt in buckets]
-        return [with_neighbours(g, gpu, d, open_=d.num_tokens == max(buckets)) if keep > 1 else [d]
-                for d in descended]
-    instances = enumerate_instances(g, gpu)
-    return [(rank_open if nt == max(buckets) else rank)(g, gpu, nt, instances) for nt in buckets]
-
-
-@dataclass(frozen=True)
-class _Verified:
-    """A design that passed both checks, with the head of its instances' ranking per bucket."""
-
-    design: Design
-    sgraph: SGraph
-    proof: ProofResult
-    numeric_error: float
-    rankings: tuple[tuple[Candidate, ...], ...]
-
-
-def _instantiate(verified: list[_Verified], gpu: GpuSpec, timer: Timer | None, top: int, stats: SearchStats,
-                 static_check: bool) -> list[Found]:
-    """Each verified design with its best instance per bucket: with `static_check`, the best-ranked
-    ones ptxas does not spill for `gpu`'s architecture (`tune.screen`, every design's buckets in one
-    go); on a device, the measured best of the `top` modeled ones that are left."""
-    rankings = [list(r) for v in verified for r in v.rankings]
-    if static_check and rankings:
-        t0 = time.perf_counter()
-        rankings = screen(rankings, gpu.arch, want=top if timer is not None else 1)
-        stats.static_s += time.perf_counter() - t0
-        stats.static_spilled += sum(bool(r and r[0].facts and any(f.spills for f in r[0].facts)) for r in rankings)
-    chosen = iter([(measure(r, timer, top) if timer is not None else None) or r[:1] for r in rankings])
-    return [Found(v.design, v.sgraph, v.proof, v.numeric_error, tuple(next(chosen)[0] for _ in v.rankings))
-            for v in verified]
-
-
-def _descended(g: SGraph, gpu: GpuSpec, num_tokens: int, open_: bool) -> Candidate:
-    """The descent's best instance at `num_tokens`; for the open last bucket (`rank_open`'s rule
-    on two candidates) the descent's best at the probe size instead where it models within
-    NEAR_TIE of it at `num_tokens` and faster at the probe size."""
-    best = best_modeled(g, gpu, num_tokens)
-    if best is None:
-        raise SGraphError(f"sGraph '{g.name}': no power-of-two assignment fits {gpu.name}")
-    probe = max(SCALE_PROBE * num_tokens, PROBE_TOKENS)
-    scaled = best_modeled(g, gpu, probe) if open_ else None
-    if scaled is not None:
-        here = Candidate(scaled.instance, num_tokens, modeled_us(scaled.instance, num_tokens, gpu))
-        if here.modeled_us <= best.modeled_us * NEAR_TIE and \
-                scaled.modeled_us < modeled_us(best.instance, probe, gpu):
-            return here
-    return best
-
-
 def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdict | None, seconds: float,
-           gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats, keep: int) -> _Verified | None:
+           gpu: GpuSpec, buckets: tuple[int, ...], stats: SearchStats, keep: int) -> Verified | None:
     """Count a verification's verdict; a verified design comes back with its `keep` best-ranked
-    instances per bucket (`_rankings`), for `_instantiate`."""
+    instances per bucket (`instances.rankings`), for `instances.instantiate`."""
     stats.verify_s += seconds
     if not proof.ok:
         stats.rejected["proof"] += 1
@@ -315,8 +224,8 @@ def _judge(design: Design, g: SGraph, proof: ProofResult, verdict: NumericVerdic
         log.warning("numeric check failed for %s: %s", design.describe(), "; ".join(verdict.reasons))
         return None
     stats.verified += 1
-    return _Verified(design, g, proof, verdict.worst_error,
-                     tuple(tuple(r[:keep]) for r in _rankings(g, gpu, buckets, keep)))
+    return Verified(design, g, proof, verdict.worst_error,
+                     tuple(tuple(r[:keep]) for r in rankings(g, gpu, buckets, keep)))
 
 
 def _generate(pool, gen: KernelGenerator, choices: list, costed: _Costed, work: float, deadline: float,
@@ -416,6 +325,114 @@ def _verify(pool, costed, verdicts: dict, deadline: float, take: Callable[..., b
             return False
 
 
+@dataclass
+class SearchRun:
+    """The explicit context a search's stages run over (`SEARCH_STAGES`, then `FINISH_STAGES`):
+    the checked options, then what each stage adds for the next."""
+
+    prog: Program
+    spec: GpuSpec
+    buckets: tuple[int, ...]
+    config: Config  # what the generator is built from, here and in every worker
+    work: int
+    budget_s: float
+    start: float
+    deadline: float  # `start + budget_s`
+    top: int
+    known: Sequence[Design]
+    progress: Progress | None
+    timer: Timer | None
+    measure_top: int
+    all_designs: bool
+    static_check: bool
+    stats: SearchStats
+    ctx: object  # the generation context (None with `known` designs)
+    pool: Pool | InlinePool
+    costing: _Costed
+    gen: KernelGenerator | None = None
+    choices: list = field(default_factory=list)  # `gen.choices()`
+    costed: list = field(default_factory=list)  # `costing.ranked()`, once every design is in
+    verified: list[Verified] = field(default_factory=list)
+    longest: float = 0.0  # the longest verification so far: none starts that would likely end past the deadline
+    found: list[Found] = field(default_factory=list)
+
+    @property
+    def keep(self) -> int:
+        """The instances per bucket `instances.instantiate` may look at: what it measures, or the one it
+        takes, and as many again as the static check may go down a ranking for."""
+        return (self.measure_top if self.timer is not None else 1) + (SCREEN_DEPTH if self.static_check else 0)
+
+    def in_time(self) -> bool:
+        return time.perf_counter() + self.longest <= self.deadline
+
+    def take(self, design: Design, g: SGraph | None, proof: ProofResult, verdict: NumericVerdict | None,
+             seconds: float) -> bool:
+        """Judge one verification (`_verify`'s `take`); whether to go on verifying."""
+        self.longest = max(self.longest, seconds)
+        g = g or build(self.prog, design)  # a design a worker costed comes without its sGraph
+        v = _judge(design, g, proof, verdict, seconds, self.spec, self.buckets, self.stats, self.keep)
+        if v:
+            self.verified.append(v)
+        if self.progress:
+            self.progress(f"verified {len(self.verified)}", self.stats)
+        return self.all_designs or len(self.verified) < self.top
+
+
+def _cost_known(run: SearchRun) -> None:
+    """Stored designs: rebuilt and costed instead of searching."""
+    for d in run.known:
+        run.costing.add(d)
+
+
+def _choose_kernels(run: SearchRun) -> None:
+    """The driver's own kernel-level generator and its kernel choices (counted here once)."""
+    if run.known:
+        return
+    run.gen = KernelGenerator(run.ctx, max_kernels=run.config.max_kernels, max_block_ops=run.config.max_block_ops,
+                              max_grid=MAX_GRID, bound=run.config.bound)
+    run.choices = run.gen.choices()
+    run.stats.generated += run.gen.counts.generated
+    for rule, k in run.gen.counts.pruned.items():
+        run.stats.pruned[rule] += k
+
+
+def _generate_designs(run: SearchRun) -> None:
+    """Stage 1, within GENERATE_WALL_SHARE of the budget."""
+    if run.known:
+        return
+    run.costing.deadline = run.start + run.budget_s * GENERATE_WALL_SHARE
+    _generate(run.pool, run.gen, run.choices, run.costing, run.work, run.costing.deadline, run.config.bound,
+              run.progress)
+
+
+def _rank_designs(run: SearchRun) -> None:
+    run.stats.designs = len(run.costing.designs)
+    run.costed = run.costing.ranked()
+
+
+def _verify_designs(run: SearchRun) -> None:
+    """Stage 2: the fastest modeled designs verified until `top` pass (every one with `all_designs`)."""
+    run.stats.stopped_by_budget |= _verify(run.pool, run.costed if run.all_designs or run.top > 0 else [],
+                                           run.costing.verdicts, run.deadline, run.take, run.in_time)
+
+
+def _instantiate_found(run: SearchRun) -> None:
+    run.found = instantiate(run.verified, run.spec, run.timer, run.measure_top, run.stats, run.static_check)
+    run.stats.search_s = time.perf_counter() - run.start
+
+
+def _sort_found(run: SearchRun) -> None:
+    """Fastest first, summed over the buckets (measured where timed)."""
+    run.found.sort(key=lambda f: sum(c.measured_us if c.measured_us is not None else c.modeled_us
+                                     for c in f.kernels))
+
+
+# A search, in order: these run while its worker pool is open, then `FINISH_STAGES` after it closed.
+SEARCH_STAGES: tuple[Callable[[SearchRun], None], ...] = (
+    _cost_known, _choose_kernels, _generate_designs, _rank_designs, _verify_designs)
+FINISH_STAGES: tuple[Callable[[SearchRun], None], ...] = (_instantiate_found, _sort_found)
+
+
 def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[int] = (16,), *,
              max_kernels: int = 2, max_block_ops: int = 8, budget_s: float = 60.0, work: int | None = None,
              top: int = 3, known: Sequence[Design] = (), progress: Progress | None = None, timer: Timer | None = None,
@@ -442,6 +459,25 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     Triton and takes, per bucket, the best-ranked one ptxas does not spill (`tune.screen`; no GPU
     needed), each carrying ptxas's facts (`Candidate.facts`). It runs after the search, outside
     `budget_s` (seconds: one or two child processes; `stats.static_s`)."""
+    run = _start(prog, gpu, num_tokens, max_kernels=max_kernels, max_block_ops=max_block_ops, budget_s=budget_s,
+                 work=work, top=top, known=known, progress=progress, timer=timer, measure_top=measure_top,
+                 all_designs=all_designs, abstract_rule=abstract_rule, workers=workers, static_check=static_check)
+    try:
+        for stage in SEARCH_STAGES:
+            stage(run)
+    finally:
+        run.pool.close()
+    for stage in FINISH_STAGES:
+        stage(run)
+    return OptimizeResult(prog, run.spec.name, run.buckets, tuple(run.found),
+                          {nt: unfused_us(prog, nt, run.spec) for nt in run.buckets}, run.stats)
+
+
+def _start(prog: Program, gpu: GpuSpec | str, num_tokens: Sequence[int], *, max_kernels: int, max_block_ops: int,
+           budget_s: float, work: int | None, top: int, known: Sequence[Design], progress: Progress | None,
+           timer: Timer | None, measure_top: int, all_designs: bool, abstract_rule: bool, workers: int | None,
+           static_check: bool) -> SearchRun:
+    """`optimize`'s options checked, its generation context made and its worker pool started."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     workers = default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
@@ -467,49 +503,5 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
         ctx = make_context(prog)
         ctx.oracle.enabled = abstract_rule
     pool = Pool(workers, config) if workers > 1 and (not known or len(known) > 1) else InlinePool(config, ctx)
-    try:
-        costing = _Costed(prog, spec, buckets, stats)
-        if known:
-            for d in known:
-                costing.add(d)
-        else:
-            gen = KernelGenerator(ctx, max_kernels=max_kernels, max_block_ops=max_block_ops, max_grid=MAX_GRID,
-                                  bound=bound)
-            choices = gen.choices()  # counted here once
-            stats.generated += gen.counts.generated
-            for rule, k in gen.counts.pruned.items():
-                stats.pruned[rule] += k
-            costing.deadline = start + budget_s * GENERATE_WALL_SHARE
-            _generate(pool, gen, choices, costing, work, costing.deadline, bound, progress)
-        stats.designs = len(costing.designs)
-        costed = costing.ranked()
-        verified: list[_Verified] = []
-        # the instances per bucket `_instantiate` may look at: what it measures, or the one it takes,
-        # and as many again as the static check may go down a ranking for
-        keep = (measure_top if timer is not None else 1) + (SCREEN_DEPTH if static_check else 0)
-        longest = 0.0  # the longest verification so far: none starts that would likely end past the deadline
-
-        def in_time() -> bool:
-            return time.perf_counter() + longest <= deadline
-
-        def take(design: Design, g: SGraph | None, proof: ProofResult, verdict: NumericVerdict | None,
-                 seconds: float) -> bool:
-            nonlocal longest
-            longest = max(longest, seconds)
-            g = g or build(prog, design)  # a design a worker costed comes without its sGraph
-            v = _judge(design, g, proof, verdict, seconds, spec, buckets, stats, keep)
-            if v:
-                verified.append(v)
-            if progress:
-                progress(f"verified {len(verified)}", stats)
-            return all_designs or len(verified) < top
-
-        stats.stopped_by_budget |= _verify(pool, costed if all_designs or top > 0 else [], costing.verdicts,
-                                           deadline, take, in_time)
-    finally:
-        pool.close()
-    found = _instantiate(verified, spec, timer, measure_top, stats, static_check)
-    stats.search_s = time.perf_counter() - start
-    found.sort(key=lambda f: sum(c.measured_us if c.measured_us is not None else c.modeled_us for c in f.kernels))
-    return OptimizeResult(prog, spec.name, buckets, tuple(found), {nt: unfused_us(prog, nt, spec) for nt in buckets},
-                          stats)
+    return SearchRun(prog, spec, buckets, config, work, budget_s, start, deadline, top, known, progress, timer,
+                     measure_top, all_designs, static_check, stats, ctx, pool, _Costed(prog, spec, buckets, stats))
