@@ -19,3 +19,14 @@ def onednn_handles(dtype: torch.dtype) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+@cache
+def packs_weights(dtype: torch.dtype) -> bool:
+    """Whether vLLM's CPU build packs a tiny model's projection weights of `dtype` on this CPU: for
+    its AMX GEMM (small bf16 weights with AMX tiles, fp16 with AMX-FP16; `check_cpu_sgl_kernel`),
+    else for its oneDNN GEMM where oneDNN makes a handle. Elsewhere it runs torch's linear on the
+    plain weight, and nothing is packed."""
+    amx = torch.cpu._is_amx_tile_supported() and (
+        dtype == torch.bfloat16 or (dtype == torch.float16 and torch.cpu._is_amx_fp16_supported()))
+    return amx or onednn_handles(dtype)

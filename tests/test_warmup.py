@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from prism_serve.errors import PrismError
 from prism_serve.optimize.generate.design import build
@@ -18,6 +19,7 @@ from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, model_fingerprint, warmup
 
 from .checkpoints import DTYPE, WARMUP_BUDGET_S
+from .cpu_gemm import packs_weights
 from .patch.vllm_run import config, run_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,8 +176,9 @@ def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, mo
     """`prism-serve warmup` with no --dtype warms what `vllm serve` runs by default: vLLM's
     dtype="auto", which runs the float32 tiny Llama in bfloat16 (kernels for float32 would serve
     nothing there). vLLM then runs the stored kernels, in its default dtype, eager and compiled,
-    its projections on its CPU GEMMs' packed weights (AMX on this kind of machine, else oneDNN),
-    with stock vLLM's greedy tokens. (test_archs serves float32 warmups the same way.)"""
+    its projections on its CPU GEMMs' packed weights where this CPU has one for bfloat16 (AMX, else
+    oneDNN; else torch's linear on the plain weight), with stock vLLM's greedy tokens. (test_archs
+    serves float32 warmups the same way.)"""
     monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
     url = f"sqlite:///{tmp_path / 'registry.db'}"
     report = warmup(None, registry=url, budget_s=WARMUP_BUDGET_S)
@@ -196,5 +199,6 @@ def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, mo
         assert all(prism["kernel"][k] > 0 for k in stored) and not any(prism["fallback"].values()), (mode, prism)
         # the ops inside the regions run in them, not as ops of their own
         assert prism["kernel"]["silu_and_mul"] == prism["kernel"]["swiglu"] == prism["kernel"]["rms_norm"] == 0
-        assert prism["compile"]["packed"]  # the plain weights of what vLLM packed, recorded for the kernels
+        # the plain weights of what vLLM packed, recorded for the kernels, wherever vLLM packs them
+        assert bool(prism["compile"]["packed"]) == packs_weights(torch.bfloat16), mode
         assert prism["tokens"] == runs["stock"]["runs"][mode]["tokens"], mode
