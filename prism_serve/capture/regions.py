@@ -32,7 +32,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from prism_serve.optimize.ir.ops import Op

@@ -17,7 +17,6 @@ from prism_serve.errors import PrismError, ProgramError, SGraphError
 
 
 def _program(target: str, shapes: list[str]):
-    from prism_serve.optimize.ir.program import Program
     from prism_serve.optimize.ir.schema import program_from_json
     from prism_serve.optimize.workloads.programs import WORKLOADS
 
