@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import List, Optional
 
@@ -167,22 +168,32 @@ def warmup(
     no_progress: bool = typer.Option(False, "--no-progress", help="progress as plain lines (one per stage, "
                                                                   "with a heartbeat), not a live display"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="the table with every column, however wide"),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS",
+                                      help="run each search's subtrees as Ray tasks: 'local' (a cluster of this "
+                                           "machine's cores, started here), 'auto' or a cluster's address "
+                                           "(needs prism-serve[ray])"),
 ) -> None:
     """Capture a model under vLLM, superoptimize its hot regions, check them against vLLM, store them.
     Progress goes to stderr (a live display on a terminal; elsewhere, or with --no-progress, one line
     per stage as it starts and ends and a heartbeat every 10 s), the table to stdout."""
     interpret_unless_gpu()
+    from prism_serve.optimize.pipeline.ray_pool import ray_session
     from prism_serve.warmup import run_status
     from prism_serve.warmup import warmup as run_warmup
 
-    display = progress_for(quiet=quiet, plain=no_progress, prefix="warmup")
-    try:
-        report = run_warmup(model, registry=registry, budget_s=budget, progress=display, dtype=dtype)
-    except BaseException as exc:
-        display.close(stopped=True)
-        if isinstance(exc, PrismError):
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(ray_session(ray))  # Ray missing or unreachable: one line, before progress
+        except PrismError as exc:
             raise _fail(exc) from None
-        raise
+        display = progress_for(quiet=quiet, plain=no_progress, prefix="warmup")
+        try:
+            report = run_warmup(model, registry=registry, budget_s=budget, progress=display, dtype=dtype, ray=ray)
+        except BaseException as exc:
+            display.close(stopped=True)
+            if isinstance(exc, PrismError):
+                raise _fail(exc) from None
+            raise
     display.close()
     print_warmup_summary(report, stdout_console() if verbose else summary_console(), verbose)
     if json_file is not None:

@@ -147,7 +147,12 @@ def optimize_command(
     max_kernels: int = typer.Option(2, "--max-kernels", help="most kernels per design"),
     all_designs: bool = typer.Option(False, "--all", help="verify and list every generated design (no cost rule, "
                                                           "no --top), with its canonical hash"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="generator worker processes (default: the cores)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="generator worker processes (default: the cores; "
+                                                                  "with --ray, the cluster's CPUs)"),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS",
+                                      help="run the search's subtrees as Ray tasks: 'local' (a cluster of this "
+                                           "machine's cores, started here), 'auto' or a cluster's address; the "
+                                           "result is the same as a local run (needs prism-serve[ray])"),
     max_block_ops: int = typer.Option(8, "--max-block-ops",
                                       help="most block ops per graph-defined kernel (a one-kernel design's: at least the "
                                            "Program's)"),
@@ -167,6 +172,9 @@ def optimize_command(
         buckets = list(num_tokens or default_tokens[-1:] or [1])
         if workers is not None and workers < 1:  # before progress starts, so that a bad option is one line
             raise SGraphError(f"workers must be a positive int, got {workers!r}")
+        if ray is not None:
+            from prism_serve.optimize.pipeline.ray_pool import ray_module
+            ray_module()  # missing: one line saying how to install it
         display = progress_for(quiet=quiet, plain=no_progress, prefix="optimize")
         display(f"search {prog.name}", 0, 1)
 
@@ -175,7 +183,7 @@ def optimize_command(
         from prism_serve.optimize.pipeline.search import optimize
         result = optimize(prog, device, buckets, budget_s=budget, work=work, top=top, max_kernels=max_kernels,
                           max_block_ops=max_block_ops, all_designs=all_designs, workers=workers,
-                          progress=progress, static_check=static_check)
+                          progress=progress, static_check=static_check, ray=ray)
     except BaseException as exc:
         if display is not None:
             display.close(stopped=True)

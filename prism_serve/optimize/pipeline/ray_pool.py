@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from prism_serve.errors import PrismError, SGraphError
 from prism_serve.optimize.pipeline.workers import POLL_S, Config, Worker, default_workers
@@ -60,6 +61,18 @@ def connect(address: str = LOCAL, num_cpus: int | None = None) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise RayError(f"cannot reach the Ray cluster at {address}: {exc}") from None
     return True
+
+
+@contextmanager
+def ray_session(address: str | None, num_cpus: int | None = None) -> Iterator[None]:
+    """Connected to `address` (None: nothing to do) for the block, so that the searches inside
+    it share one cluster; shut down after if this started it."""
+    started = connect(address, num_cpus) if address is not None else False
+    try:
+        yield
+    finally:
+        if started:
+            ray_module().shutdown()
 
 
 class _RayWorker:
