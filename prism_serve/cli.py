@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Column, Table
 
@@ -26,7 +27,7 @@ app = typer.Typer(help="Superoptimized, verified Triton kernels for vLLM endpoin
 
 
 def _fail(exc: Exception) -> typer.Exit:
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {exc}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
     return typer.Exit(1)
 
 
@@ -171,7 +172,7 @@ def warmup(
     ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS",
                                       help="run each search's subtrees as Ray tasks: 'local' (a cluster of this "
                                            "machine's cores, started here), 'auto' or a cluster's address "
-                                           "(needs prism-serve[ray])"),
+                                           "(needs prism-serve\\[ray])"),
 ) -> None:
     """Capture a model under vLLM, superoptimize its hot regions, check them against vLLM, store them.
     Progress goes to stderr (a live display on a terminal; elsewhere, or with --no-progress, one line
@@ -233,3 +234,61 @@ def workloads() -> None:
 app.command("capture")(capture_command)
 app.command("optimize")(optimize_command)
 app.add_typer(registry_app, name="registry")
+
+
+fleet_app = typer.Typer(help="Warm a whole Ray cluster's GPU kinds into one shared registry.", no_args_is_help=True)
+
+
+def print_fleet_summary(report, console: Console) -> None:
+    """One row per (model, GPU kind): where its kernels are stored, and what did not finish."""
+    table = Table("model", "GPU kind", Column("device", overflow="fold"), "regions stored", "already held",
+                  "timings", "status", Column("reason", overflow="fold"),
+                  title=f"fleet warmup of {len(report.models)} models on {', '.join(report.kinds)} "
+                        f"in {report.seconds:.1f} s")
+    for r in report.rows:
+        timings = "measured" if r.measured else "-" if r.status == "lost" or not r.device else "modeled only"
+        table.add_row(Path(r.model).name or r.model, r.kind, r.device or "-", str(r.stored), str(r.held), timings,
+                      r.status, "; ".join(filter(None, [r.reason, *r.failed])))
+    console.print(table)
+    unfinished = sorted({r.kind for r in report.rows if r.status in ("failed", "lost")})
+    if unfinished:
+        console.print(f"not warmed: {', '.join(unfinished)} (rerun to resume: finished pairs are not repeated)",
+                      highlight=False, markup=False)
+
+
+@fleet_app.command("warmup")
+def fleet_warmup(
+    models: List[str] = typer.Argument(..., help="model directories or embedded models"),
+    ray: str = typer.Option(..., "--ray", metavar="ADDRESS", help="the Ray cluster: 'auto', an address, or "
+                                                                 "'local' (this machine; needs prism-serve\\[ray])"),
+    registry: Optional[str] = typer.Option(None, "--registry", help="the shared registry's URL (e.g. PostgreSQL); "
+                                                                    "default: the configured one"),
+    budget: float = typer.Option(60.0, "--budget", help="search seconds per region"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Ray actors per search (default: the cluster's "
+                                                                  "CPUs)"),
+    dtype: str = typer.Option("auto", "--dtype", help="the dtype vLLM serves the models in, as `vllm serve --dtype`"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the fleet report here"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print the table alone, no progress"),
+) -> None:
+    """Warm every (model, GPU kind) pair of a Ray cluster: each model captured and searched once
+    (the search's subtrees Ray tasks anywhere), then instantiated, checked and stored on a node of
+    each GPU kind (Ray's accelerator_type resources), with the device it ran on. A rerun resumes."""
+    interpret_unless_gpu()
+    from prism_serve.fleet import fleet_warmup as run_fleet
+
+    def progress(message: str) -> None:
+        if not quiet:
+            Console(stderr=True, soft_wrap=True).print(f"fleet: {message}", highlight=False, markup=False)
+    try:
+        report = run_fleet(models, address=ray, registry=registry, budget_s=budget, dtype=dtype, progress=progress,
+                           workers=workers)
+    except PrismError as exc:
+        raise _fail(exc) from None
+    print_fleet_summary(report, summary_console())
+    if json_file is not None:
+        json_file.write_text(json.dumps(report.to_json(), indent=1))
+    if all(r.status in ("failed", "lost") for r in report.rows):
+        raise typer.Exit(1)
+
+
+app.add_typer(fleet_app, name="fleet")
