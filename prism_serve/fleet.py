@@ -52,6 +52,7 @@ class KindOutcome:
     failed: tuple[str, ...] = ()  # "region: reason"
     status: str = "ok"  # ok | partial | failed | lost
     reason: str = ""
+    seconds: float = 0.0  # the pinned task's own time
 
 
 @dataclass
@@ -146,6 +147,7 @@ def warm_kind(kind: str, model: str, captured, found: dict, registry: str | None
     from prism_serve.registry.store import current_versions, finish_warmup, start_warmup
     from prism_serve.warmup import REGION_STAGES, RegionOutcome, RegionRun, _have_kernels, bucket_ranges, run_status
 
+    start = time.perf_counter()
     device, device_type, measured = kind_device(kind)
     spec = device.spec or get_gpu(device.name)
     env = current_versions()
@@ -182,7 +184,8 @@ def warm_kind(kind: str, model: str, captured, found: dict, registry: str | None
         reg.close()
     status = "failed" if failed and not stored and not held else "partial" if failed else "ok"
     return KindOutcome(model, kind, device.fingerprint, measured, stored, held, tuple(failed), status,
-                       "" if measured else "modeled only: no CUDA device on the node (warmup's CPU path)")
+                       "" if measured else "modeled only: no CUDA device on the node (warmup's CPU path)",
+                       time.perf_counter() - start)
 
 
 def _instantiate(run, designs: list, measured: bool) -> str | None:
@@ -268,10 +271,14 @@ def _warm_model(ray, model: str, kinds: dict, registry: str, budget_s: float, dt
     if not pending:
         return rows
     say(f"{model}: capture under vLLM")
-    captured = capture(model, dtype)
-    _store_capture(key, captured.to_json())
-    say(f"{model}: search and proof on the cluster")
-    found = search_regions(captured, registry, budget_s, address, _table_device(pending[0]).name, workers)
+    try:
+        captured = capture(model, dtype)
+        _store_capture(key, captured.to_json())
+        say(f"{model}: search and proof on the cluster")
+        found = search_regions(captured, registry, budget_s, address, _table_device(pending[0]).name, workers)
+    except PrismError as exc:  # this model is reported, the others go on
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        return rows + [KindOutcome(model, kind, status="failed", reason=why) for kind in pending]
     task, shared, found_ref = ray.remote(warm_kind), ray.put(captured), ray.put(found)
     refs = {}
     for kind in pending:
@@ -288,7 +295,10 @@ def _warm_model(ray, model: str, kinds: dict, registry: str, budget_s: float, dt
             try:
                 rows.append(ray.get(ref))
             except ray.exceptions.RayError as exc:
-                rows.append(KindOutcome(model, kind, status="failed", reason=str(exc).strip().splitlines()[0][:300]))
+                lost = kind not in gpu_kinds(ray)
+                rows.append(KindOutcome(model, kind, status="lost" if lost else "failed",
+                                        reason=f"no live node of kind {kind} is left" if lost else
+                                        str(exc).strip().splitlines()[0][:300]))
             say(f"{model} on {kind}: {rows[-1].status}")
         alive = gpu_kinds(ray)
         for ref, kind in list(refs.items()):

@@ -8,6 +8,8 @@ does. Ray restarts an actor whose process dies and retries the tasks it had (`MA
 allowances its subtree was granted before (`earlier`) and an actor that lacks the walk replays
 them first. A task's answer is thus a function of its arguments alone, retried or not, and a
 killed worker changes nothing in the result. Nothing reaches a registry before the search ends.
+Each answer is logged as it comes (INFO, with `task`, `seconds` spent in the actor and, for a
+generation task, `step` = (depth, round) as extra fields: `scripts/bench_fleet.py` reads them).
 
 Ray is an optional extra (`prism-serve[ray]`): `ray_module` imports it or says in one line how to
 install it. `connect` joins a cluster (`auto` or an address) or, given `local`, starts one on this
@@ -87,11 +89,15 @@ class _RayWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, depth, first, allowance, best_us, deadline_wall, earlier) -> Any:
-        return self.worker.generate(depth, first, allowance, best_us, deadline_wall, earlier)
+    def generate(self, depth, first, allowance, best_us, deadline_wall, earlier) -> tuple[float, Any]:
+        start = time.perf_counter()
+        answer = self.worker.generate(depth, first, allowance, best_us, deadline_wall, earlier)
+        return time.perf_counter() - start, answer
 
-    def verify(self, design) -> Any:
-        return self.worker.verify(design)
+    def verify(self, design) -> tuple[float, Any]:
+        start = time.perf_counter()
+        answer = self.worker.verify(design)
+        return time.perf_counter() - start, answer
 
 
 class RayPool:
@@ -111,6 +117,7 @@ class RayPool:
             raise
         self.what: dict[int, str] = {}
         self.where: dict[int, int] = {}
+        self.step: dict[int, tuple] = {}  # generation task -> (depth, round): what ran side by side
         self.refs: dict[Any, int] = {}  # pending ObjectRef -> its task
         self.running = [0] * n
         self.granted: dict[tuple, tuple] = {}  # (depth, first group) -> the (allowance, best_us) granted so far
@@ -126,6 +133,7 @@ class RayPool:
             earlier = self.granted.get(key, ())
             self.granted[key] = (*earlier, (allowance, best_us))
             args = (*args, earlier)
+            self.step[len(self.what)] = (depth, len(earlier))
         tid = len(self.what)
         self.what[tid] = f"{kind} task {tid}"
         self.where[tid] = worker
@@ -150,7 +158,7 @@ class RayPool:
             tid = self.refs.pop(ready[0])
             self.running[self.where[tid]] -= 1
             try:
-                self.done[tid] = ray.get(ready[0])
+                seconds, self.done[tid] = ray.get(ready[0])
             except ray.exceptions.RayActorError as exc:
                 raise SGraphError(f"Ray worker {self.where[tid]} died past {MAX_RESTARTS} restarts while running "
                                   f"{self.what[tid]}: {str(exc).splitlines()[0]}") from None
@@ -158,7 +166,9 @@ class RayPool:
                 log.debug("Ray worker %d failed on %s:\n%s", self.where[tid], self.what[tid], exc)
                 raise SGraphError(f"Ray worker {self.where[tid]} failed on {self.what[tid]}: "
                                   f"{type(exc.cause).__name__}: {exc.cause}") from None
-            log.info("%s done on Ray worker %d", self.what[tid], self.where[tid])
+            kind = self.what[tid].split()[0]
+            log.info("%s done on Ray worker %d in %.2f s", self.what[tid], self.where[tid], seconds,
+                     extra={"task": kind, "seconds": seconds, "step": self.step.get(tid)})
             return True
         return False
 
@@ -170,7 +180,10 @@ class RayPool:
         return True, self.done.pop(tid)
 
     def close(self) -> None:
-        """Stop every actor now (a task still running is abandoned)."""
+        """Stop every actor now (a task still running is abandoned, not retried)."""
+        for ref in self.refs:
+            self.ray.cancel(ref)
+        self.refs = {}
         for a in self.actors:
             self.ray.kill(a, no_restart=True)
         self.actors = []
