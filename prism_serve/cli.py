@@ -264,8 +264,12 @@ def fleet_warmup(
     registry: Optional[str] = typer.Option(None, "--registry", help="the shared registry's URL (e.g. PostgreSQL); "
                                                                     "default: the configured one"),
     budget: float = typer.Option(60.0, "--budget", help="search seconds per region"),
+    work: Optional[int] = typer.Option(None, "--work", help="steps of generation work per region (default: 50,000 "
+                                                            "per second of --budget)"),
     workers: Optional[int] = typer.Option(None, "--workers", help="Ray actors per search (default: the cluster's "
                                                                   "CPUs)"),
+    kind: Optional[List[str]] = typer.Option(None, "--kind", help="only this GPU kind of the cluster's, as Ray names "
+                                                                  "it (e.g. H100; repeatable)"),
     dtype: str = typer.Option("auto", "--dtype", help="the dtype vLLM serves the models in, as `vllm serve --dtype`"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the fleet report here"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print the table alone, no progress"),
@@ -281,7 +285,7 @@ def fleet_warmup(
             Console(stderr=True, soft_wrap=True).print(f"fleet: {message}", highlight=False, markup=False)
     try:
         report = run_fleet(models, address=ray, registry=registry, budget_s=budget, dtype=dtype, progress=progress,
-                           workers=workers)
+                           workers=workers, only=tuple(kind or ()), work=work)
     except PrismError as exc:
         raise _fail(exc) from None
     print_fleet_summary(report, summary_console())

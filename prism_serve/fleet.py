@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from prism_serve.errors import PrismError
 
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 KIND_PREFIX = "accelerator_type:"
 PIN = 0.01  # of a node's accelerator_type resource: what pins a task there (Ray's convention)
 POLL_S = 0.5  # how often the driver checks that each kind still has a node
+DRIVER_STAGES = ("stored designs", "search")  # warmup's region stages the driver runs once per Program
 MEASURE_TOP = 5  # instances timed per bucket on a device (the search's default)
 TASK_S = 600.0  # beyond the budget: how long a kind task may take per region (checks, ptxas, storing)
 Progress = Callable[[str], None]
@@ -104,11 +105,11 @@ def _served(captured) -> list:
 
 
 def search_regions(captured, registry: str | None, budget_s: float, ray: str, spec_name: str,
-                   workers: int | None = None) -> dict:
+                   workers: int | None = None, work: int | None = None) -> dict:
     """Program hash -> its verified designs (`Found`, ranked for `spec_name`), or the reason it
     has none: each served region's Program searched once on the cluster, by `workers` actors
-    (default: the cluster's CPUs; its stored designs reused and verified again where the registry
-    has them)."""
+    (default: the cluster's CPUs) for `work` steps (default: the search's, per second of
+    `budget_s`); its stored designs reused and verified again where the registry has them."""
     from prism_serve.optimize.pipeline.search import optimize
     from prism_serve.registry.db import open_registry
     from prism_serve.warmup import known_designs
@@ -125,7 +126,7 @@ def search_regions(captured, registry: str | None, budget_s: float, ray: str, sp
             try:
                 result = optimize(prog, spec_name, sizes, budget_s=budget_s, known=known, ray=ray, workers=workers)
                 if known and not result.found:
-                    result = optimize(prog, spec_name, sizes, budget_s=budget_s, ray=ray, workers=workers)
+                    result = optimize(prog, spec_name, sizes, budget_s=budget_s, work=work, ray=ray, workers=workers)
             except PrismError as exc:
                 out[prog.canonical_hash] = f"optimizer: {exc}"
                 continue
@@ -166,11 +167,15 @@ def warm_kind(kind: str, model: str, captured, found: dict, registry: str | None
                                 bucket_ranges(sorted(set(region.buckets)) or [1]))
             designs = found.get(region.program.canonical_hash)
             run = RegionRun(region, captured, model, reg, device, device_type, env, run_id, budget_s, out, spec=spec)
-            why = designs if isinstance(designs, str) else _instantiate(run, designs, measured)
-            for name, stage in REGION_STAGES[2:] if why is None else ():  # after the search: check, time, store
-                why = stage(run)
-                if why is not None:
-                    break
+            try:
+                why = designs if isinstance(designs, str) else _instantiate(run, designs, measured)
+                for name, stage in REGION_STAGES if why is None else ():
+                    if name not in DRIVER_STAGES:
+                        why = stage(run)
+                        if why is not None:
+                            break
+            except Exception as exc:  # noqa: BLE001 - one region's failure is reported, the others go on
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             if why is None:
                 stored += 1
             else:
@@ -217,9 +222,11 @@ def _instantiate(run, designs: list, measured: bool) -> str | None:
 
 def fleet_warmup(models: list[str], *, address: str, registry: str | None = None, budget_s: float = 60.0,
                  dtype: str = "auto", progress: Progress | None = None, capture: Callable | None = None,
-                 workers: int | None = None) -> FleetReport:
+                 workers: int | None = None, only: Sequence[str] = (), work: int | None = None) -> FleetReport:
     """Warm every (model, GPU kind) pair of the Ray cluster at `address` into `registry` (see the
-    module doc), each search on `workers` Ray actors (default: the cluster's CPUs).
+    module doc), each search on `workers` Ray actors (default: the cluster's CPUs) for `work` steps
+    (default: the search's, per second of `budget_s`); with `only`, just those of the cluster's GPU
+    kinds.
     `capture(model, dtype)` is capture's own (`capture.runner.capture`) unless given."""
     from prism_serve.optimize.pipeline.ray_pool import RayError, ray_module, ray_session
     from prism_serve.registry.db import resolve_url
@@ -231,13 +238,18 @@ def fleet_warmup(models: list[str], *, address: str, registry: str | None = None
         from prism_serve.capture.runner import capture
     with ray_session(address):
         kinds = gpu_kinds(ray)
+        missing = sorted(set(only) - set(kinds))
+        if missing:
+            raise RayError(f"the Ray cluster at {address} has no live node of GPU kind {', '.join(missing)} "
+                           f"(it has: {', '.join(kinds) or 'none'})")
+        kinds = {k: v for k, v in kinds.items() if not only or k in only}
         if not kinds:
             raise RayError(f"the Ray cluster at {address} has no node with an {KIND_PREFIX}* resource: "
                            "no GPU kind to warm for")
         report = FleetReport(list(models), list(kinds))
         for model in models:
             report.rows += _warm_model(ray, model, kinds, registry, budget_s, dtype, progress, capture, address,
-                                       workers)
+                                       workers, work)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -249,7 +261,8 @@ def _table_device(kind: str):
 
 
 def _warm_model(ray, model: str, kinds: dict, registry: str, budget_s: float, dtype: str,
-                progress: Progress | None, capture: Callable, address: str, workers: int | None) -> list[KindOutcome]:
+                progress: Progress | None, capture: Callable, address: str, workers: int | None,
+                work: int | None) -> list[KindOutcome]:
     """One model: the kinds the registry does not hold yet, captured and searched once, then a
     pinned task per kind, waited for while its kind has a live node."""
     from prism_serve.capture.embedded import resolve_model
@@ -270,12 +283,13 @@ def _warm_model(ray, model: str, kinds: dict, registry: str, budget_s: float, dt
             pending.append(kind)
     if not pending:
         return rows
-    say(f"{model}: capture under vLLM")
+    say(f"{model}: capture")
     try:
         captured = capture(model, dtype)
         _store_capture(key, captured.to_json())
         say(f"{model}: search and proof on the cluster")
-        found = search_regions(captured, registry, budget_s, address, _table_device(pending[0]).name, workers)
+        found = search_regions(captured, registry, budget_s, address, _table_device(pending[0]).name, workers,
+                               work)
     except PrismError as exc:  # this model is reported, the others go on
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         return rows + [KindOutcome(model, kind, status="failed", reason=why) for kind in pending]

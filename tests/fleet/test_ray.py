@@ -23,6 +23,7 @@ from prism_serve.optimize.ir.canonical import canonical_hash
 from prism_serve.optimize.pipeline.search import optimize
 from prism_serve.optimize.workloads.programs import WORKLOADS
 from prism_serve.registry import open_registry
+from prism_serve.registry.errors import RegistryError
 from prism_serve.registry.store import list_kernels
 
 from . import fake_capture
@@ -32,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("H100", "A100", "L4")
 DEVICES = {"H100": "gpu:h100:sm9.0:132sms", "A100": "gpu:a100:sm8.0:108sms", "L4": "gpu:l4:sm8.9:58sms"}
 WAIT_S = 120  # the longest any step here is waited for
+# the fleet's search per region: WORK steps (fake_capture's Program verifies one design), and a wall-clock
+# safety net that a loaded machine's Ray start-up never reaches
+WORK, BUDGET_S = 30_000, 120.0
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +116,8 @@ DRIVER = """
 import sys
 from prism_serve.fleet import fleet_warmup
 from tests.fleet.fake_capture import capture
-fleet_warmup([sys.argv[1]], address=sys.argv[2], registry=sys.argv[3], budget_s=8, capture=capture, workers=1)
+fleet_warmup([sys.argv[1]], address=sys.argv[2], registry=sys.argv[3], budget_s=float(sys.argv[4]),
+             capture=capture, workers=1, work=int(sys.argv[5]))
 """
 
 
@@ -122,15 +127,20 @@ def test_a_killed_fleet_driver_resumes_from_the_registry_without_repeating_finis
     model, url = str(fake_capture.model_dir(tmp_path)), f"sqlite:///{tmp_path / 'registry.db'}"
     env = {**os.environ, "PRISM_SERVE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT),
            "TRITON_INTERPRET": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, model, cluster[0].address, url], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [model, cluster[0].address, url, str(BUDGET_S), str(WORK)]
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, *args],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / "driver.err").open("w"))
     try:
         deadline = time.time() + WAIT_S
         while time.time() < deadline and driver.poll() is None:
-            if (tmp_path / "registry.db").exists() and _rows(url):
-                break
+            try:
+                if _rows(url):
+                    break
+            except RegistryError:  # not created yet, or being created
+                pass
             time.sleep(0.2)
-        assert driver.poll() is None, "the driver ended before any kind was stored"
+        assert driver.poll() is None, "the driver ended before any kind was stored:\n" + \
+            (tmp_path / "driver.err").read_text()[-3000:]
         driver.kill()
         driver.wait(timeout=30)
         time.sleep(3)  # Ray ends the dead driver's tasks: none stores after this
@@ -143,7 +153,7 @@ def test_a_killed_fleet_driver_resumes_from_the_registry_without_repeating_finis
 
     os.environ["PRISM_SERVE_CACHE"] = str(tmp_path / "cache")
     try:
-        report = fleet_warmup([model], address=cluster[0].address, registry=url, budget_s=8,
+        report = fleet_warmup([model], address=cluster[0].address, registry=url, budget_s=BUDGET_S, work=WORK,
                               capture=fake_capture.capture, workers=1)
     finally:
         del os.environ["PRISM_SERVE_CACHE"]
@@ -176,8 +186,8 @@ def test_a_fleet_warmup_stores_one_row_set_per_model_and_kind_and_survives_a_los
             c.remove_node(nodes.pop("L4"))
     os.environ["PRISM_SERVE_CACHE"] = str(tmp_path / "cache")
     try:
-        report = fleet_warmup(models, address=c.address, registry=url, budget_s=8, capture=fake_capture.capture,
-                              workers=1, progress=progress)
+        report = fleet_warmup(models, address=c.address, registry=url, budget_s=BUDGET_S, work=WORK,
+                              capture=fake_capture.capture, workers=1, progress=progress)
     finally:
         del os.environ["PRISM_SERVE_CACHE"]
     assert report.kinds == sorted(KINDS)
@@ -199,7 +209,7 @@ def test_a_fleet_warmup_stores_one_row_set_per_model_and_kind_and_survives_a_los
     assert "not warmed: L4" in text and "modeled only" in text
 
 
-@pytest.mark.parametrize("argv", [["optimize", "swiglu", "--ray", "local"],
+@pytest.mark.parametrize("argv", [["optimize", "swiglu", "--ray", "local"], ["warmup", "--ray", "local"],
                                   ["fleet", "warmup", "tiny-llama", "--ray", "auto"]])
 def test_without_ray_the_ray_option_says_in_one_line_how_to_install_it(argv, monkeypatch):
     from prism_serve.cli import app
@@ -209,3 +219,10 @@ def test_without_ray_the_ray_option_says_in_one_line_how_to_install_it(argv, mon
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "pip install 'prism-serve[ray]'" in lines[0], result.output
+
+
+def test_the_stages_a_fleet_driver_runs_once_are_warmup_stages():
+    from prism_serve.fleet import DRIVER_STAGES
+    from prism_serve.warmup import REGION_STAGES
+
+    assert set(DRIVER_STAGES) < {name for name, _ in REGION_STAGES}
