@@ -152,7 +152,7 @@ def optimize_command(
     ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS",
                                       help="run the search's subtrees as Ray tasks: 'local' (a cluster of this "
                                            "machine's cores, started here), 'auto' or a cluster's address; the "
-                                           "result is the same as a local run (needs prism-serve[ray])"),
+                                           "result is the same as a local run (needs prism-serve\\[ray])"),
     max_block_ops: int = typer.Option(8, "--max-block-ops",
                                       help="most block ops per graph-defined kernel (a one-kernel design's: at least the "
                                            "Program's)"),
