@@ -214,9 +214,10 @@ def _import(got: dict) -> Callable:
 
 
 def _dim(dim) -> int | tuple[int, int]:
-    """A key's dim as the table holds it: an int, or (hidden, projection size) for a region."""
-    ints = dim if isinstance(dim, list) and 2 <= len(dim) <= 4 else [dim]
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in ints):
+    """A key's dim as the table holds it: an int, or (hidden, projection size) for a region, or a
+    rotary kind's sizes and style (the style's 0 is GPT-J's)."""
+    ints = dim if isinstance(dim, list) and 2 <= len(dim) <= 6 else [dim]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= (0 if i == 5 else 1) for i, d in enumerate(ints)):
         raise KernelRefused(f"its load answered dim {dim!r}")
     return tuple(ints) if isinstance(dim, list) else dim
 
