@@ -94,8 +94,8 @@ class _Recorder(fx.Interpreter):
             t = values[ref["node"]].detach().clone()
             if ref.get("rows"):
                 t = t.reshape(-1, t.shape[-1])
-            if "slice" in ref:
-                lo, hi = ref["slice"]
+            if "span" in ref:
+                lo, hi = ref["span"]
                 t = t[..., lo:hi].contiguous()
             self.out[i][side][j] = t
 

@@ -20,8 +20,8 @@ dims and refs to the op's own tensor arguments, so what is reported can be check
 
 A ref is a dict: ``{"node", "at", "when"}`` reads the value of FX node ``node``
 just before or after node ``at`` runs (several ops mutate in place, so the moment
-matters), optionally sliced along the last dim (``"slice": [lo, hi]``) and
-flattened to 2-D (``"rows": true``); ``{"param": path, "slice": [lo, hi]}`` reads a
+matters), optionally sliced along the last dim (``"span": [lo, hi]``) and
+flattened to 2-D (``"rows": true``); ``{"param": path, "span": [lo, hi]}`` reads a
 module's weight, sliced along dim 0.
 """
 
@@ -199,7 +199,7 @@ def _act_region(g: Group) -> dict:
                                   f"region kind ({tanh})")
         kind = tanh
     return _region(kind, [g], {"intermediate": inter}, _dtype(y),
-                   [_before(x, g.nodes[0], slice=[0, inter]), _before(x, g.nodes[0], slice=[inter, 2 * inter])],
+                   [_before(x, g.nodes[0], span=[0, inter]), _before(x, g.nodes[0], span=[inter, 2 * inter])],
                    [_after(y, g.nodes[-1])])
 
 
@@ -263,7 +263,7 @@ def _projection_region(r: dataflow.Region) -> dict | None:
     hidden, n = r.key[1]
     form = KINDS[r.kind].form
     param = {"param": _path(at)}
-    halves = [param | {"slice": [0, n]}, param | {"slice": [n, 2 * n]}]
+    halves = [param | {"span": [0, n]}, param | {"span": [n, 2 * n]}]
     if form.norm is None:
         first = lin.nodes[0]
         inputs, dims = [_before(lin.x, first), *halves], {"hidden": hidden, "intermediate": n}

@@ -186,8 +186,8 @@ def _instances(result: dict, record: dict) -> list[Instance]:
             for ref, value in zip(r["inputs"], forward[i]["inputs"]):
                 if "param" in ref:
                     value = weights.get(ref["param"])
-                    if value is not None and "slice" in ref:
-                        value = value[ref["slice"][0]:ref["slice"][1]].contiguous()
+                    if value is not None and "span" in ref:
+                        value = value[ref["span"][0]:ref["span"][1]].contiguous()
                 inputs.append(_rows(value) if inst.supported and "param" not in ref else value)
             outputs = [_rows(v) if inst.supported else v for v in forward[i]["outputs"]]
             inst.recordings.append((n, inputs, outputs))

@@ -373,8 +373,8 @@ def test_capture_reports_the_regions_the_pass_would_replace_on_vllms_onednn_call
     rs = next(r for r in regions if r["kind"] == "rmsnorm_swiglu")
     assert rs["modules"] == ["layers.0.post_attention_layernorm", "layers.0.mlp.gate_up_proj", "layers.0.mlp.act_fn"]
     assert rs["dims"] == {"hidden": 16, "intermediate": 24} and rs["eps"] == 1e-6 and rs["layer"] == 0
-    assert rs["inputs"][2:] == [{"param": "layers.0.mlp.gate_up_proj", "slice": [0, 24]},
-                                {"param": "layers.0.mlp.gate_up_proj", "slice": [24, 48]}]
+    assert rs["inputs"][2:] == [{"param": "layers.0.mlp.gate_up_proj", "span": [0, 24]},
+                                {"param": "layers.0.mlp.gate_up_proj", "span": [24, 48]}]
     # the recorder reads the region's values where the refs say, around vLLM's in-place GEMM
     monkeypatch.setattr(backend, "STATE", backend.CaptureState())
     gm = fx.GraphModule(torch.nn.Module(), g)
