@@ -50,9 +50,9 @@ class Dim:
 NORMS = ("rms", "gemma")
 # a gated activation on the two halves of gate_up's output: SiLU (SwiGLU), tanh-GELU (Gemma's GeGLU)
 ACTS = (Op.SILU, Op.GELU_TANH)
-# rotary embedding's styles, by vLLM's `is_neox_style`: NeoX rotates the two halves of the rotated part of
-# each head, GPT-J its interleaved (even, odd) pairs; the Programs' `style` argument
-ROTARY_STYLES = {True: "neox", False: "gptj"}
+# rotary embedding's styles (the Programs' `style`) by vLLM's `is_neox_style`: NeoX rotates the two halves
+# of the rotated part of each head, GPT-J its interleaved (even, odd) pairs
+STYLES = MappingProxyType(dict(zip((True, False), programs.ROTARY_STYLES)))
 # a rotary kind's dim that is its style, not a size: 1 for NeoX, 0 for GPT-J (vLLM's `is_neox`)
 STYLE_DIM = "neox"
 
@@ -186,7 +186,7 @@ class RegionKind:
     def program(self, dims: dict, dtype: str, eps: float | None = None) -> Program:
         """The exact Program for these dims (by name), dtype and epsilon."""
         sizes = [int(dims[d.name]) for d in self.dims]
-        style = {"style": ROTARY_STYLES[bool(dims[STYLE_DIM])]} if self.form.rotary else {}
+        style = {"style": STYLES[bool(dims[STYLE_DIM])]} if self.form.rotary else {}
         return self.build(*sizes, dtype, eps, **style) if self.has_eps else self.build(*sizes, dtype, **style)
 
     def dims_of(self, prog: Program) -> dict[str, int]:
@@ -303,7 +303,7 @@ KINDS: Mapping[str, RegionKind] = MappingProxyType({k.name: k for k in (
     # rotary embedding (vLLM's `rotary_embedding`, in place on q and k; NeoX or GPT-J style, full or partial
     # rotary_dim), and QK-norm + rotary (Qwen3, OLMo 2: the per-head RMSNorm of q and k before it, served by the
     # compiled-mode fusion pass only)
-    RegionKind("rotary", lambda *a, **kw: programs.rotary(*a, **kw), _ROT, Form(rotary=True), "custom_op",
+    RegionKind("rotary", programs.rotary, _ROT, Form(rotary=True), "custom_op",
                doc="rotary embedding of q and k by position, the cos/sin rows gathered from vLLM's cache",
                eager_classes=frozenset(ROTARY_CLASSES), vllm_op="rotary_embedding"),
     RegionKind("qk_norm_rotary", _qk_norm_rotary, _ROT, Form(_RMS, rotary=True), "pattern",

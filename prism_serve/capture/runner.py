@@ -188,8 +188,9 @@ def _instances(result: dict, record: dict) -> list[Instance]:
                     value = weights.get(ref["param"])
                     if value is not None and "span" in ref:
                         value = value[ref["span"][0]:ref["span"][1]].contiguous()
-                inputs.append(_rows(value) if inst.supported and "param" not in ref else value)
-            outputs = [_rows(v) if inst.supported else v for v in forward[i]["outputs"]]
+                inputs.append(_rows(value) if inst.supported and not {"param", "shape"} & set(ref) else value)
+            outputs = [_rows(v) if inst.supported and "shape" not in ref else v
+                       for ref, v in zip(r["outputs"], forward[i]["outputs"])]
             inst.recordings.append((n, inputs, outputs))
         out.append(inst)
     return out

@@ -235,20 +235,23 @@ def _attention_graph(rotary_target=rotary_embedding, n=3, heads=4, kv=2, hd=8):
     return g
 
 
-def test_rotary_and_attention_are_reported_with_dims_and_a_reason():
+def test_rotary_is_a_supported_region_and_attention_is_reported_with_dims_and_a_reason():
     regions, _ = find_regions(_attention_graph())
     by_kind = {r["kind"]: r for r in regions}
-    rot, attn = by_kind["rotary_embedding"], by_kind["attention"]
+    rot, attn = by_kind["rotary"], by_kind["attention"]
     assert rot["dims"] == {"heads": 4, "kv_heads": 2, "head_dim": 8, "rotary_dim": 8, "max_position": 64,
                            "neox": 1}
     assert attn["dims"] == {"heads": 4, "kv_heads": 2, "head_dim": 8}
-    assert not rot["supported"] and not attn["supported"] and rot["layer"] == attn["layer"] == 1
-    assert "gather" in rot["reason"] and "kv_len" in attn["reason"]
+    assert rot["supported"] and rot["reason"] is None and not attn["supported"] and rot["layer"] == attn["layer"] == 1
+    assert "kv_len" in attn["reason"]
+    # the rotary Program's inputs: q and k by head, positions as a column, the cache
+    assert [ref.get("shape") for ref in rot["inputs"]] == [[-1, 4, 8], [-1, 2, 8], [-1, 1], None]
+    assert "qk_norm_rotary" not in by_kind  # q and k are no norms' outputs here
 
 
 def test_a_rotary_that_is_not_the_vllm_op_is_unsupported_without_dims():
     regions, _ = find_regions(_attention_graph(rotary_target=torch.neg))
-    rot = next(r for r in regions if r["kind"] == "rotary_embedding")
+    rot = next(r for r in regions if r["kind"] == "rotary")
     assert rot["dims"] == {} and not rot["supported"] and "not traced" in rot["reason"]
 
 
@@ -263,9 +266,10 @@ def test_recorder_takes_in_place_rotary_outputs_after_the_op(monkeypatch):
     run(pos, q, k, v, cache)
     recorded = backend.STATE.recorded[0][1]
     kinds = [r["kind"] for r in backend.STATE.regions]
-    rot = recorded[kinds.index("rotary_embedding")]
-    torch.testing.assert_close(rot["inputs"], [pos, q0, k0, cache])  # taken before the in-place op
-    torch.testing.assert_close(rot["outputs"], [2 * q0, 3 * k0])  # and after it
+    rot = recorded[kinds.index("rotary")]
+    by_head = [q0.reshape(3, 4, 8), k0.reshape(3, 2, 8)]
+    torch.testing.assert_close(rot["inputs"], [*by_head, pos.reshape(3, 1), cache])  # taken before the in-place op
+    torch.testing.assert_close(rot["outputs"], [2 * by_head[0], 3 * by_head[1]])  # and after it
     attn = recorded[kinds.index("attention")]
     torch.testing.assert_close(attn["outputs"], [(2 * q0).reshape(3, 4, 8)])
 
@@ -274,7 +278,7 @@ def test_a_rotary_op_without_traced_shapes_is_unsupported_not_a_crash():
     g = _attention_graph()
     next(n for n in g.nodes if n.name == "cache").meta.pop("example_value")
     regions, _ = find_regions(g)
-    rot = next(r for r in regions if r["kind"] == "rotary_embedding")
+    rot = next(r for r in regions if r["kind"] == "rotary")
     assert rot["dims"] == {} and not rot["supported"] and "without tensor shapes" in rot["reason"]
     assert next(r for r in regions if r["kind"] == "attention")["dims"]  # the rest is still found
 
