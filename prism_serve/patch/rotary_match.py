@@ -224,7 +224,7 @@ def side_at(n: fx.Node) -> Side | None:
         x = xr
     if width != 2 * cs[1]:
         return None
-    return Side(x, n, cs[0], width, neox, frozenset(nodes))
+    return Side(x, n, cs[0], width, neox, frozenset((*nodes, *cs[2], cs[0])))  # the gather: erased once unread
 
 
 def _slice(s: fx.Node, x: fx.Node) -> tuple[int, int] | None:
