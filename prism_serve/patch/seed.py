@@ -44,17 +44,32 @@ def model_programs(config_path, dtype: str = "float32", kinds=OP_KINDS) -> list:
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     dims = {"hidden": hidden, "intermediate": inter, "out": (heads + 2 * kv_heads) * head_dim}
-    kind = cfg.get("model_type")
     progs = [KINDS[k].program(dims, dtype, eps) for k in kinds if k not in ROTARY_KINDS]
-    if _NORM.name in kinds and kind in _QK_NORMED:
+    if _NORM.name in kinds and qk_normed(cfg):
         progs.append(_NORM.program({"hidden": head_dim}, dtype, eps))
-    rope = cfg.get("rope_parameters") or {}  # vLLM's RotaryEmbedding: rotary_dim = head_dim * partial_rotary_factor
-    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5 if kind in _GPTJ else 1.0))
-    rot = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "rotary_dim": int(head_dim * factor),
-           "max_position": cfg["max_position_embeddings"], STYLE_DIM: int(kind not in _GPTJ)}
-    progs += [KINDS[k].program(rot, dtype, eps) for k in kinds
-              if k == ROTARY or (k == QK_NORM_ROTARY and kind in _QK_NORMED)]
+    progs += [KINDS[k].program(rotary_dims(cfg), dtype, eps) for k in kinds
+              if k == ROTARY or (k == QK_NORM_ROTARY and qk_normed(cfg))]
     return progs
+
+
+def qk_normed(cfg: dict) -> bool:
+    """Whether the model norms q and k per head before rotary (Qwen3)."""
+    return cfg.get("model_type") in _QK_NORMED
+
+
+def rotary_dims(cfg: dict) -> dict[str, int] | None:
+    """A Hugging Face config's rotary dims as vLLM builds its RotaryEmbedding: rotary_dim = head_dim *
+    partial_rotary_factor (GLM-4's default 0.5, GPT-J style), the cache's max_position_embeddings rows
+    (None where the config does not say)."""
+    if "max_position_embeddings" not in cfg:
+        return None
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    gptj = cfg.get("model_type") in _GPTJ
+    rope = cfg.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5 if gptj else 1.0))
+    return {"heads": heads, "kv_heads": cfg.get("num_key_value_heads") or heads, "head_dim": head_dim,
+            "rotary_dim": int(head_dim * factor), "max_position": cfg["max_position_embeddings"], STYLE_DIM: int(not gptj)}
 
 
 def results(progs, device: DeviceInfo, *, status: str = "verified", versions: Versions | None = None,
