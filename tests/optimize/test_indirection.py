@@ -1,7 +1,7 @@
 """Indirection in the IR: gather, slice and concat against torch at awkward shapes (1 token,
 non-power-of-two heads, int32 and int64 indices, the last row), their type rules, the typed
-loader's one-line refusals, integer inputs in the reference, and the rotary Programs against
-vLLM's own formulas."""
+loader's one-line refusals, integer inputs in the reference, the rotary Programs against vLLM's
+own formulas, and the placement rules of the three ops in block graphs."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import json
 import pytest
 import torch
 
-from prism_serve.errors import ProgramError
+from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
 from prism_serve.optimize.ir.reference import as_torch_function, evaluate, index_bounds, random_inputs
 from prism_serve.optimize.ir.schema import program_from_json
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.workloads.oracles import rotary as rotary_oracle
 from prism_serve.optimize.workloads.programs import qk_norm_rotary, rotary
 
 N = NUM_TOKENS
@@ -242,9 +244,6 @@ def test_random_integer_inputs_lie_in_the_gathered_rows_in_their_dtype():
 
 def _oracle_with(edits: dict, rotary_dim: int = 8):
     """The rotary oracle's block graph with nodes replaced by name (a node -> a list of nodes)."""
-    from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph
-    from prism_serve.optimize.workloads.oracles import rotary as rotary_oracle
-
     g = rotary_oracle(rotary(3, 1, 16, rotary_dim, 9, "float32"))
     (k,) = g.kernels
     nodes = [m for n in k.nodes for m in edits.get(n.name, [n])]
@@ -276,16 +275,12 @@ def _load(name, tensor, imap):
      "node 'cos': gather along dim 0 of 'cos_sin_cache', which load 'cache' partitions over the grid"),
 ])
 def test_misplaced_indirection_in_a_block_graph_is_a_named_sgraph_error(edits, message):
-    from prism_serve.errors import SGraphError
-
     with pytest.raises(SGraphError) as err:
         _oracle_with(edits)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 def test_a_stored_concat_must_join_dims_the_store_leaves_whole():
-    from prism_serve.errors import SGraphError
-
     joined_heads = node("q_rot", "concat", "q_o1", "q_o2", dim=1)
     with pytest.raises(SGraphError, match="stores concat 'q_rot' along dim 1, which the store partitions"):
         _oracle_with({"q_rot": [joined_heads], "st_q": [node("st_q", "store", "q_rot", tensor="q_out", omap=(0, 1))]},

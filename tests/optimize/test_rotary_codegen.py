@@ -1,7 +1,7 @@
 """Rotary in Triton, run by the interpreter against the torch reference: the hand-built oracles
 (`oracles.rotary`, `oracles.qk_norm_rotary`: neox and GPT-J, full and partial rotary_dim, odd
 head counts, 1 and 7 tokens, positions 0 and max_position - 1, repeated and shuffled, bf16 and
-fp16), and library kernels of gather, slice and concat."""
+fp16), library kernels of gather, slice and concat, and the numeric check's inputs for them."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from prism_serve.optimize.codegen.render import compile_instance, render
-from prism_serve.optimize.ir.program import Program
+from prism_serve.optimize.ir.program import Node, Program
 from prism_serve.optimize.ir.reference import TOLERANCE, evaluate, max_rel_error, random_inputs
-from prism_serve.optimize.ir.sgraph import LibraryKernel, SGraph, TensorDecl, to_expr
+from prism_serve.optimize.ir.sgraph import BlockKernel, LibraryKernel, SGraph, TensorDecl, to_expr
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.verify.check import _edge_indices, _repeated_indices, check_numerics, small_program
 from prism_serve.optimize.workloads import oracles
 from prism_serve.optimize.workloads.programs import qk_norm_rotary, rotary
 
@@ -104,3 +105,58 @@ def test_library_kernels_of_gather_slice_and_concat(kind, style):
     assert "v_cs = v_cos_sin_cache.index_select(0, v_positions.reshape(-1))" in source
     assert ("torch.stack((" in source) == (style == "gptj") and "torch.cat((" in source
     _check(inst, prog, "float32")
+
+
+# --- the numeric check's inputs (verify/check.py) --------------------------------------------------
+
+def _rotary_instance(dtype: str = "bfloat16", style: str = "gptj", edit=None):
+    prog = _program("rotary", (3, 1), 64, 32, dtype, style)
+    g = oracles.oracle(prog)
+    if edit:
+        (k,) = g.kernels
+        g = SGraph(g.name, prog, (), (BlockKernel(k.name, k.grid, None, tuple(edit(n) for n in k.nodes)),))
+    return instantiate(g, {"BT": 4, "HB": 1}, get_gpu("h100"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_numeric_check_passes_the_oracle_on_edge_and_repeated_positions(dtype):
+    verdict = check_numerics(_rotary_instance(dtype), seed=0)
+    assert verdict.ok, verdict.reasons
+    names = [c.name for c in verdict.cases]
+    assert names[0].startswith("outlier") and "indices at the last and first rows, 1 token" in names
+    assert names[-2:] == ["indices at the last and first rows, 7 tokens", "repeated indices in random order, 7 tokens"]
+    assert check_numerics(_rotary_instance(dtype), "float32", seed=0).ok  # positions stay int64 when retyped
+
+
+def test_the_numeric_check_rejects_cos_and_sin_swapped():
+    swap = {"cos": "sin", "sin": "cos"}
+
+    def edit(n: Node) -> Node:
+        return Node(n.name, n.op, tuple(swap.get(i, i) for i in n.inputs), n.attrs) if n.op == "mul" else n
+
+    verdict = check_numerics(_rotary_instance(edit=edit), seed=0)
+    assert not verdict.ok and "over the tolerance" in verdict.reasons[0], verdict.reasons
+
+
+def test_edge_and_repeated_indices_stay_in_the_table():
+    prog = _program("qk_norm_rotary", (3, 1), 64, 32, "float16", "neox")
+    at = [n.name for n in prog.inputs].index("positions")
+    one = _edge_indices(prog, random_inputs(prog, 1, seed=0))[at]
+    assert one.tolist() == [[MAX_POSITION - 1]] and one.dtype == torch.int64
+    seven = _edge_indices(prog, random_inputs(prog, 7, seed=0))[at]
+    assert seven.reshape(-1).tolist() == [MAX_POSITION - 1, 0] * 3 + [MAX_POSITION - 1]
+    inputs = random_inputs(prog, 30, seed=1)
+    again = _repeated_indices(prog, inputs, torch.Generator().manual_seed(0))
+    values = again[at].reshape(-1)
+    assert values.numel() == 30 and len(set(values.tolist())) <= 10 and set(values.tolist()) <= set(inputs[at].reshape(-1).tolist())
+    assert all(torch.equal(a, b) for i, (a, b) in enumerate(zip(again, inputs)) if i != at)
+
+
+@pytest.mark.parametrize("kind", ["rotary", "qk_norm_rotary"])
+def test_the_small_program_keeps_the_dims_slices_cut(kind):
+    full = rotary() if kind == "rotary" else qk_norm_rotary()
+    small = small_program(full)  # a Program: its slices still type-check
+    assert small.by_name["cos_sin_cache"].attr("shape") == (48, 128)  # fewer rows; the columns the slices read
+    assert small.by_name["q"].attr("shape") == ("num_tokens", 32, 128)
+    partial = small_program(rotary(rotary_dim=64))
+    assert partial.by_name["cos_sin_cache"].attr("shape") == (48, 64) and partial.types["q_out"].shape[-1] == 128
