@@ -1,7 +1,7 @@
 """Indirection in the IR: gather, slice and concat against torch at awkward shapes (1 token,
 non-power-of-two heads, int32 and int64 indices, the last row), their type rules, the typed
-loader's one-line refusals, integer inputs in the reference, and the rotary Programs against
-vLLM's own formulas."""
+loader's one-line refusals, integer inputs in the reference, the rotary Programs against vLLM's
+own formulas, and the placement rules of the three ops in block graphs."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import json
 import pytest
 import torch
 
-from prism_serve.errors import ProgramError
+from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
 from prism_serve.optimize.ir.reference import as_torch_function, evaluate, index_bounds, random_inputs
 from prism_serve.optimize.ir.schema import program_from_json
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.workloads.oracles import rotary as rotary_oracle
 from prism_serve.optimize.workloads.programs import qk_norm_rotary, rotary
 
 N = NUM_TOKENS
@@ -236,3 +238,50 @@ def test_random_integer_inputs_lie_in_the_gathered_rows_in_their_dtype():
     assert index_bounds(int32) == {"i": 3}  # the smaller table bounds an index both gathers read
     (i,) = random_inputs(int32, 40, seed=3)[2:]
     assert i.dtype == torch.int32 and 0 <= i.min() and i.max() <= 2
+
+
+# --- placement in block graphs (ir/sgraph.py) ------------------------------------------------------
+
+def _oracle_with(edits: dict, rotary_dim: int = 8):
+    """The rotary oracle's block graph with nodes replaced by name (a node -> a list of nodes)."""
+    g = rotary_oracle(rotary(3, 1, 16, rotary_dim, 9, "float32"))
+    (k,) = g.kernels
+    nodes = [m for n in k.nodes for m in edits.get(n.name, [n])]
+    return SGraph(g.name, g.program, g.intermediates, (BlockKernel(k.name, k.grid, k.forloop, tuple(nodes)),))
+
+
+def _load(name, tensor, imap):
+    return node(name, "load", tensor=tensor, imap=tuple(imap), fmap=None)
+
+
+@pytest.mark.parametrize("edits,message", [
+    ({"q_x1": [node("qq", "mul", "q", "q"), node("q_x1", "slice", "qq", dim=2, start=0, stop=4)]},
+     "node 'q_x1': slice of 'qq', a computed value: a slice reads a load (or a window of one)"),
+    ({"q": [_load("q", "q", (0, 2))]},
+     "node 'q_x1': slice along dim 2 of 'q', which load 'q' partitions over the grid or the loop"),
+    ({"cos": [node("cos", "gather", "cos_t", "cache", dim=0)]},
+     "node 'cos': gather index 'cache' must be a load of an integer tensor"),
+    ({"cos": [node("cs0", "gather", "cos_t", "pos", dim=0), node("cos", "gather", "cs0", "pos", dim=2)]},
+     "node 'cos': gathers from 'cs0', which is already gathered"),
+    ({"cos_t": [node("cos_t", "slice", "cache", dim=0, start=0, stop=4)]},
+     "node 'cos': gathers along dim 0 of 'cos_sin_cache', which a slice narrowed"),
+    ({"cos": [node("cs0", "gather", "cos_t", "pos", dim=0), node("cos", "slice", "cs0", dim=0, start=0, stop=1)]},
+     "node 'cos': slice along dim 0 of 'cs0', a dim of its gather's index"),
+    ({"st_q": [node("bad", "mul", "q_cat", "q_cat")]},
+     "node 'bad': reads concat 'q_cat'; a concat feeds only stores and other concats"),
+    ({"st_q": [node("st_q", "store", "pos", tensor="q_out", omap=(0, None))]},
+     "node 'st_q': stores an integer tile (int64)"),
+    ({"cache": [_load("cache", "cos_sin_cache", (None, 0))]},
+     "node 'cos': gather along dim 0 of 'cos_sin_cache', which load 'cache' partitions over the grid"),
+])
+def test_misplaced_indirection_in_a_block_graph_is_a_named_sgraph_error(edits, message):
+    with pytest.raises(SGraphError) as err:
+        _oracle_with(edits)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_stored_concat_must_join_dims_the_store_leaves_whole():
+    joined_heads = node("q_rot", "concat", "q_o1", "q_o2", dim=1)
+    with pytest.raises(SGraphError, match="stores concat 'q_rot' along dim 1, which the store partitions"):
+        _oracle_with({"q_rot": [joined_heads], "st_q": [node("st_q", "store", "q_rot", tensor="q_out", omap=(0, 1))]},
+                     rotary_dim=16)

@@ -19,10 +19,11 @@ from types import ModuleType
 
 from prism_serve.errors import CodegenError
 from prism_serve.optimize.ir.ops import OPS, Op
-from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Node,
-                                             code_spelling, is_tf32)
+from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, INDEX_DTYPES, NUM_TOKENS,
+                                             REDUCTIONS, Node, code_spelling, is_tf32)
 from prism_serve.optimize.ir.schema import NAME
-from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, LibraryKernel, launch_dims, sym, tile_shape
+from prism_serve.optimize.ir.sgraph import (TOKENS, WINDOW_OPS, BlockKernel, LibraryKernel, launch_dims, sym,
+                                            tile_shape)
 from prism_serve.optimize.target.gpus import GPU_NAME
 from prism_serve.optimize.target.instance import Instance
 from prism_serve.optimize.target.resources import MMA_MIN, pow2
@@ -88,6 +89,36 @@ class Value:
         return tuple(pow2(d) for d in self.dims)
 
 
+@dataclass(frozen=True)
+class _Axis:
+    """A dim of a window: elements start + step * i (i < size) of tensor dim `tdim`, past the
+    load's own tile start; `sliced` where a slice chose them (else the load's tile and mask)."""
+
+    tdim: int
+    start: int = 0
+    step: int = 1
+    size: int = 1
+    sliced: bool = False
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What a load, slice or gather reads: its load, per dim an `_Axis` or (an int) the dim of the
+    gather's index tile that dim runs over, and that index and the tensor dim it picks."""
+
+    load: Node
+    axes: tuple[_Axis | int, ...]
+    index: str | None = None
+    gathered: int | None = None
+
+
+def _place(var: str, at: int, width: int, rank: int) -> str:
+    """A tile of `width` dims placed at dims at .. at + width - 1 of a rank-`rank` tile."""
+    if width == rank:
+        return var
+    return var + "[" + ", ".join(["None"] * at + [":"] * width + ["None"] * (rank - at - width)) + "]"
+
+
 def _expand(var: str, dim: int, rank: int) -> str:
     if rank == 1:
         return var
@@ -133,6 +164,13 @@ class _KernelWriter:
         # model says so, so that their matmuls run as tl.dot on tensor cores.
         self.padded_token = next((a.symbol for a in k.grid if a.over_tokens), None) \
             if inst.resources(k).mma_padded else None
+        # loads, slices and gathers read only as windows by slices and gathers: rendered inside them
+        uses: dict[str, list[tuple[Node, int]]] = {}
+        for n in k.nodes:
+            for i, src in enumerate(n.inputs):
+                uses.setdefault(src, []).append((n, i))
+        self.windowed = {name for name, us in uses.items() if k.by_name[name].op in WINDOW_OPS and
+                         all(c.op == Op.SLICE or (c.op == Op.GATHER and i == 0) for c, i in us)}
 
     # --- helpers ---------------------------------------------------------
     def emit(self, line: str, depth: int) -> None:
@@ -145,8 +183,9 @@ class _KernelWriter:
             out += [f"{ident(t)[2:]}_s{d}" for d in range(len(self.g.tensors[t].shape))]
         return out + (["n_tokens"] if self.uses_tokens else [])
 
-    def _tiling(self, n: Node) -> list[tuple[int, str, str | None, bool]]:
-        """Per dim of a load/store: (tile, start expression, mask variable, loop-dependent)."""
+    def _tiling(self, n: Node, masks: bool = True) -> list[tuple[int, str, str | None, bool]]:
+        """Per dim of a load/store: (tile, start expression, mask variable, loop-dependent); with
+        `masks` False, each mask's expression instead (nothing registered: a window's load)."""
         t = n.attr("tensor")
         shape = self.g.tensors[t].shape
         imap = n.attr("imap") if n.op == "load" else n.attr("omap")
@@ -171,8 +210,9 @@ class _KernelWriter:
                 conds.append(f"tl.arange(0, {extent}) < {tile[d]}")
             if size == TOKENS:
                 conds.append(f"({' + '.join(starts) or '0'} + tl.arange(0, {extent})) < n_tokens")
+            cond = " & ".join(f"({c})" for c in conds)
             out.append((extent if token_dims[d] else tile[d], " + ".join(starts),
-                        self._mask(" & ".join(f"({c})" for c in conds)), loop_dep))
+                        self._mask(cond) if masks else cond, loop_dep))
         return out
 
     def _store_tile(self, n: Node) -> tuple[int, ...]:
@@ -203,16 +243,111 @@ class _KernelWriter:
         tiling = self._tiling(n)
         ptrs, mask = self._pointers(n, tiling, depth)
         var = ident(n.name)
-        masked = f", mask={mask}, other=0.0" if mask else ""
-        self.emit(f"{var} = tl.load({ptrs}{masked}).to(tl.float32)", depth)
+        if self.g.tensors[n.attr("tensor")].dtype in INDEX_DTYPES:  # an index tile stays integer; masked rows pick row 0
+            self.emit(f"{var} = tl.load({ptrs}{f', mask={mask}, other=0' if mask else ''})", depth)
+        else:
+            masked = f", mask={mask}, other=0.0" if mask else ""
+            self.emit(f"{var} = tl.load({ptrs}{masked}).to(tl.float32)", depth)
         self.values[n.name] = Value(var, tuple(t for t, *_ in tiling), tuple(m for _, _, m, _ in tiling))
 
+    def _window(self, name: str) -> _Window:
+        n = self.k.by_name[name]
+        if n.op == "load":
+            return _Window(n, tuple(_Axis(d, size=tile) for d, (tile, *_) in enumerate(self._tiling(n, False))))
+        w = self._window(n.inputs[0])
+        d = typed(n.attr("dim"), int) % len(w.axes)
+        a = w.axes[d]
+        if n.op == Op.SLICE:
+            start, stop, step = (typed(n.attr(key), int) for key in ("start", "stop", "step"))
+            cut = _Axis(a.tdim, a.start + a.step * start, a.step * step, -(-(stop - start) // step), True)
+            return _Window(w.load, w.axes[:d] + (cut,) + w.axes[d + 1:], w.index, w.gathered)
+        index = self.values[n.inputs[1]]
+        return _Window(w.load, w.axes[:d] + tuple(range(len(index.dims))) + w.axes[d + 1:], n.inputs[1], a.tdim)
+
+    def read(self, n: Node, depth: int) -> None:
+        """A slice or gather as one load of its window: a windowed / strided load of the tensor,
+        or an indexed one (the index tile's rows times the gathered dim's stride)."""
+        w = self._window(n.name)
+        tiling, rank, tensor = self._tiling(w.load, False), len(w.axes), ident(w.load.attr("tensor"))[2:]
+        index = self.values[w.index] if w.index else None
+        terms, masks, dims, dim_masks = [], [], [], []
+        for p, a in enumerate(w.axes):
+            if isinstance(a, int):  # a dim of the index tile
+                if a == 0:
+                    terms.append(f"{_place(index.var, p, len(index.dims), rank)}.to(tl.int64) * {tensor}_s{w.gathered}")
+                dims.append(index.dims[a])
+                dim_masks.append(index.masks[a])
+            else:
+                _, start, cond, _ = tiling[a.tdim]
+                offs = f"offs_{ident(n.name)[2:]}_{p}"
+                steps = f"{a.step} * tl.arange(0, {pow2(a.size)})" if a.step != 1 else f"tl.arange(0, {pow2(a.size)})"
+                first = " + ".join(x for x in (start, str(a.start) if a.start else "") if x)
+                self.emit(f"{offs} = {first + ' + ' if first else ''}{steps}", depth)
+                terms.append(f"{_expand(offs, p, rank)} * {tensor}_s{a.tdim}")
+                if a.sliced:  # the load's dim is whole (sgraph's placement rule): only the window pads
+                    cond = f"(tl.arange(0, {pow2(a.size)}) < {a.size})" if pow2(a.size) != a.size else ""
+                mask = self._mask(cond)
+                dims.append(a.size)
+                dim_masks.append(mask)
+            if dim_masks[-1]:
+                masks.append(_expand(dim_masks[-1], p, rank))
+        var = ident(n.name)
+        masked = f", mask={' & '.join(masks)}, other=0.0" if masks else ""
+        self.emit(f"{var} = tl.load({tensor}_ptr + {' + '.join(terms)}{masked}).to(tl.float32)", depth)
+        self.values[n.name] = Value(var, tuple(dims), tuple(dim_masks))
+
+    def _parts(self, name: str, at: dict[int, tuple[int, int]]) -> list[tuple[str, dict[int, tuple[int, int]]]]:
+        """The parts of a (nested) concat, each with its (offset, step) along the dims it was joined on."""
+        n = self.k.by_name[name]
+        if n.op != Op.CONCAT:
+            return [(name, at)]
+        a, b = n.inputs
+        shape = self.g.block_types(self.k)[a].shape
+        d = typed(n.attr("dim"), int) % len(shape)
+        off, step = at.get(d, (0, 1))
+        if typed(n.attr("interleave"), bool):
+            where_a, where_b = (off, 2 * step), (off + step, 2 * step)
+        else:
+            where_a, where_b = (off, step), (off + step * self.inst.concrete(shape[d]), step)
+        return self._parts(a, at | {d: where_a}) + self._parts(b, at | {d: where_b})
+
+    def store_parts(self, n: Node, depth: int) -> None:
+        """A store of a concat: one store per part, at its offset (strided where interleaved)."""
+        tiling = self._tiling(n, False)
+        rank = len(tiling)
+        for part, at in self._parts(n.inputs[0], {}):
+            v = self.values[part]
+            terms, masks, dims = [], [], []
+            for d, (tile, start, cond, _) in enumerate(tiling):
+                size = v.dims[d] if d in at else tile
+                off, step = at.get(d, (0, 1))
+                steps = f"{step} * tl.arange(0, {pow2(size)})" if step != 1 else f"tl.arange(0, {pow2(size)})"
+                first = " + ".join(x for x in (start, str(off) if off else "") if x)
+                offs = f"offs_{ident(n.name)[2:]}_{ident(part)[2:]}_{d}"
+                self.emit(f"{offs} = {first + ' + ' if first else ''}{steps}", depth)
+                terms.append(f"{_expand(offs, d, rank)} * {ident(n.attr('tensor'))[2:]}_s{d}")
+                if d in at:  # a dim the store leaves whole (sgraph's placement rule): only the part pads
+                    cond = f"(tl.arange(0, {pow2(size)}) < {size})" if pow2(size) != size else ""
+                mask = self._mask(cond)
+                if mask:
+                    masks.append(_expand(mask, d, rank))
+                dims.append(pow2(size))
+            val = v.var if v.padded == tuple(dims) else f"tl.reshape({v.var}, {tuple(dims)})"
+            self._store_line(n, f"{ident(n.attr('tensor'))[2:]}_ptr + " + " + ".join(terms), val,
+                             " & ".join(masks) or None, depth)
+
     def store(self, n: Node, depth: int) -> None:
+        if self.k.by_name[n.inputs[0]].op == Op.CONCAT:
+            self.store_parts(n, depth)
+            return
         v = self.values[n.inputs[0]]
         tiling = self._tiling(n)
         ptrs, mask = self._pointers(n, tiling, depth)
         dims = tuple(pow2(t) for t, *_ in tiling)
         val = v.var if v.padded == dims else f"tl.reshape({v.var}, {dims})"
+        self._store_line(n, ptrs, val, mask, depth)
+
+    def _store_line(self, n: Node, ptrs: str, val: str, mask: str | None, depth: int) -> None:
         masked = f", mask={mask}" if mask else ""
         if self.interpret and self.g.tensors[n.attr("tensor")].dtype == "bfloat16":
             val = f"_round_bf16({val})"  # see ROUND_BF16
@@ -356,10 +491,14 @@ class _KernelWriter:
                     continue
                 if stage != phase:
                     continue
+                if n.name in self.windowed or n.op == Op.CONCAT:  # rendered by their readers / their stores
+                    continue
                 if n.op == "load":
                     self.load(n, depth)
                 elif n.op == "store":
                     self.store(n, depth)
+                elif n.op in (Op.SLICE, Op.GATHER):
+                    self.read(n, depth)
                 else:
                     self.compute(n, depth)
         masks = [f"    {var} = {expr}" for expr, var in self.masks.items()]
@@ -375,9 +514,21 @@ class _KernelWriter:
         return f"{ident(self.g.name)[2:]}_{ident(self.k.name)[2:]}"
 
 
-def _library_line(op: Node) -> str:
+def _library_line(op: Node, rank: int) -> str:
+    """The torch line of a library kernel; `rank`: its first operand's."""
     x = [ident(s) for s in op.inputs]
     out = ident(op.name)
+    if op.op in (Op.GATHER, Op.SLICE, Op.CONCAT):
+        d = typed(op.attr("dim"), int) % rank
+        if op.op == Op.GATHER:
+            return f"{out} = {x[0]}.index_select({d}, {x[1]}.reshape(-1)).reshape(" \
+                   f"{x[0]}.shape[:{d}] + {x[1]}.shape + {x[0]}.shape[{d + 1}:])"
+        if op.op == Op.SLICE:
+            window = ":".join(lit(typed(op.attr(key), int)) for key in ("start", "stop", "step"))
+            return f"{out} = {x[0]}[{':, ' * d}{window}]"
+        if typed(op.attr("interleave"), bool):
+            return f"{out} = torch.stack(({x[0]}, {x[1]}), {d + 1}).flatten({d}, {d + 1})"
+        return f"{out} = torch.cat(({x[0]}, {x[1]}), {d})"
     if op.op in ELEMENTWISE_BINARY + ELEMENTWISE_UNARY:
         return f"{out} = {OPS[op.op].torch_source.format(*x)}"
     if op.op in REDUCTIONS:
@@ -444,7 +595,7 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
                        f"dtype={torch_dtype(t.dtype)}, device={device})")
     for k in g.kernels:
         if isinstance(k, LibraryKernel):
-            out.append("    " + _library_line(k.op))
+            out.append("    " + _library_line(k.op, len(g.tensors[k.op.inputs[0]].shape) if k.op.inputs else 0))
             if k.op.name in prog.outputs:
                 i = prog.outputs.index(k.op.name)
                 out.append("    if out is not None:")

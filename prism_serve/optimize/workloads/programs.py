@@ -376,6 +376,10 @@ _NORM_SHAPES = tuple({"hidden": d} for d in (1024, 2048, 4096))
 _ATTN_SHAPES = tuple(dict(zip(("batch", "heads", "q_len", "kv_len", "head_dim"), s)) for s in
                      ((2, 8, 1, 1024, 128), (2, 8, 128, 1024, 128), (2, 32, 1, 1024, 128), (4, 8, 1, 1024, 128)))
 
+# Llama-3-8B's and Qwen3-8B's attention heads; full and partial (GLM-4's half) rotary dims, both styles
+_ROTARY_DIMS = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+_ROTARY_SHAPES = ({"style": "neox"}, {"style": "gptj"}, {"rotary_dim": 64})
+
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rmsnorm_linear", rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("rmsnorm_mlp", rmsnorm_mlp, {"hidden": 4096}, shapes=_NORM_SHAPES),
@@ -398,6 +402,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("gemma_rmsnorm_linear", gemma_rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("gemma_fused_add_rmsnorm_linear", gemma_fused_add_rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("gemma_rmsnorm_geglu", gemma_rmsnorm_geglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("rotary", rotary, _ROTARY_DIMS, default_num_tokens=(1, 16, 256), shapes=_ROTARY_SHAPES),
+    Workload("qk_norm_rotary", qk_norm_rotary, _ROTARY_DIMS, default_num_tokens=(1, 16, 256), shapes=_ROTARY_SHAPES),
 )}
 PRISM_WORKLOADS = ("rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention")
 
