@@ -285,3 +285,14 @@ def test_a_stored_concat_must_join_dims_the_store_leaves_whole():
     with pytest.raises(SGraphError, match="stores concat 'q_rot' along dim 1, which the store partitions"):
         _oracle_with({"q_rot": [joined_heads], "st_q": [node("st_q", "store", "q_rot", tensor="q_out", omap=(0, 1))]},
                      rotary_dim=16)
+
+
+@pytest.mark.parametrize("build", [rotary, qk_norm_rotary])
+def test_the_eager_baseline_runs_rotary_in_the_inputs_dtype(build):
+    prog = build(num_q_heads=3, num_kv_heads=1, head_dim=48, rotary_dim=24, max_position=20, dtype="float16",
+                 style="gptj")
+    inputs = random_inputs(prog, 5, seed=2)
+    eager = as_torch_function(prog)(*inputs)
+    for got, ref in zip(eager, evaluate(prog, inputs)):
+        assert got.dtype == torch.float16 and got.shape == ref.shape
+        torch.testing.assert_close(got.float(), ref, rtol=2e-3, atol=2e-3)

@@ -14,115 +14,24 @@ import hashlib
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 from types import ModuleType
 
 from prism_serve.errors import CodegenError
+from prism_serve.optimize.codegen.source import (TL_DTYPES, Value, expand, gpu_label, ident, label, lit, torch_dtype,
+                                                 typed)
+from prism_serve.optimize.codegen.windows import WindowedAccess
 from prism_serve.optimize.ir.ops import OPS, Op
 from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, INDEX_DTYPES, NUM_TOKENS,
-                                             REDUCTIONS, Node, code_spelling, is_tf32)
-from prism_serve.optimize.ir.schema import NAME
-from prism_serve.optimize.ir.sgraph import (TOKENS, WINDOW_OPS, BlockKernel, LibraryKernel, launch_dims, sym,
-                                            tile_shape)
-from prism_serve.optimize.target.gpus import GPU_NAME
+                                             REDUCTIONS, Node, is_tf32)
+from prism_serve.optimize.ir.sgraph import TOKENS, WINDOW_OPS, BlockKernel, LibraryKernel, launch_dims, sym, tile_shape
 from prism_serve.optimize.target.instance import Instance
 from prism_serve.optimize.target.resources import MMA_MIN, pow2
 
 CODEGEN_VERSION = 3
-TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
-
-
-def ident(name: str) -> str:
-    """The generated variable of an IR name: ``v_`` and the name with each non-word character replaced."""
-    return "v_" + code_spelling(label(name))
-
-
-# Generated source holds only these renderings of IR values: no string from an sGraph, its
-# Program or a registry row is pasted into it unless it passed the loader's name grammar.
-def typed(value, *types: type):
-    """`value` if its type is exactly one of `types` (floats finite), else CodegenError."""
-    if type(value) in types and not (type(value) is float and not math.isfinite(value)):
-        return value
-    raise CodegenError(f"refusing to render {type(value).__name__} {value!r:.40} into generated source "
-                       f"(expected {' or '.join(t.__name__ for t in types)})")
-
-
-def lit(value) -> str:
-    """The literal of an int, bool or finite float attribute."""
-    return repr(typed(value, int, bool, float))
-
-
-def gpu_label(name) -> str:
-    """A GPU's name as it may appear in a comment of generated source (`gpus.GPU_NAME`)."""
-    if type(name) is not str or not GPU_NAME.fullmatch(name):
-        raise CodegenError(f"refusing to render GPU name {name!r:.40} into generated source")
-    return name
-
-
-def label(name) -> str:
-    """A name (node, tensor, kernel, symbol) as it may appear in comments and messages."""
-    if type(name) is not str or not NAME.fullmatch(name):
-        raise CodegenError(f"refusing to render name {name!r:.40} into generated source")
-    return name
-
-
-def torch_dtype(dtype) -> str:
-    if dtype not in TL_DTYPES:
-        raise CodegenError(f"refusing to render dtype {dtype!r:.40} into generated source")
-    return f"torch.{dtype}"
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@dataclass(frozen=True)
-class Value:
-    """A tile in the generated code: its variable, true dims and the 1-D mask of each padded dim."""
-
-    var: str
-    dims: tuple[int, ...]
-    masks: tuple[str | None, ...]
-
-    @property
-    def padded(self) -> tuple[int, ...]:
-        return tuple(pow2(d) for d in self.dims)
-
-
-@dataclass(frozen=True)
-class _Axis:
-    """A dim of a window: elements start + step * i (i < size) of tensor dim `tdim`, past the
-    load's own tile start; `sliced` where a slice chose them (else the load's tile and mask)."""
-
-    tdim: int
-    start: int = 0
-    step: int = 1
-    size: int = 1
-    sliced: bool = False
-
-
-@dataclass(frozen=True)
-class _Window:
-    """What a load, slice or gather reads: its load, per dim an `_Axis` or (an int) the dim of the
-    gather's index tile that dim runs over, and that index and the tensor dim it picks."""
-
-    load: Node
-    axes: tuple[_Axis | int, ...]
-    index: str | None = None
-    gathered: int | None = None
-
-
-def _place(var: str, at: int, width: int, rank: int) -> str:
-    """A tile of `width` dims placed at dims at .. at + width - 1 of a rank-`rank` tile."""
-    if width == rank:
-        return var
-    return var + "[" + ", ".join(["None"] * at + [":"] * width + ["None"] * (rank - at - width)) + "]"
-
-
-def _expand(var: str, dim: int, rank: int) -> str:
-    if rank == 1:
-        return var
-    return var + "[" + ", ".join(":" if i == dim else "None" for i in range(rank)) + "]"
 
 
 def _lift(v: Value, rank: int) -> tuple[str, tuple[int, ...], tuple[str | None, ...]]:
@@ -148,7 +57,7 @@ ROUND_BF16 = ["@triton.jit", "def _round_bf16(x):", "    bits = x.to(tl.float32)
               "    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)"]
 
 
-class _KernelWriter:
+class _KernelWriter(WindowedAccess):
     """Emits one @triton.jit kernel for a block kernel of an instance."""
 
     def __init__(self, inst: Instance, k: BlockKernel, dot_dtype: str, half: str | None = None,
@@ -233,9 +142,9 @@ class _KernelWriter:
         for d, (tile, start, mask, _) in enumerate(tiling):
             offs = f"offs_{ident(n.name)[2:]}_{d}"
             self.emit(f"{offs} = {start + ' + ' if start else ''}tl.arange(0, {pow2(tile)})", depth)
-            terms.append(f"{_expand(offs, d, rank)} * {ident(t)[2:]}_s{d}")
+            terms.append(f"{expand(offs, d, rank)} * {ident(t)[2:]}_s{d}")
             if mask:
-                masks.append(_expand(mask, d, rank))
+                masks.append(expand(mask, d, rank))
         return f"{ident(t)[2:]}_ptr + " + " + ".join(terms), " & ".join(masks) or None
 
     # --- ops ---------------------------------------------------------------
@@ -249,92 +158,6 @@ class _KernelWriter:
             masked = f", mask={mask}, other=0.0" if mask else ""
             self.emit(f"{var} = tl.load({ptrs}{masked}).to(tl.float32)", depth)
         self.values[n.name] = Value(var, tuple(t for t, *_ in tiling), tuple(m for _, _, m, _ in tiling))
-
-    def _window(self, name: str) -> _Window:
-        n = self.k.by_name[name]
-        if n.op == "load":
-            return _Window(n, tuple(_Axis(d, size=tile) for d, (tile, *_) in enumerate(self._tiling(n, False))))
-        w = self._window(n.inputs[0])
-        d = typed(n.attr("dim"), int) % len(w.axes)
-        a = w.axes[d]
-        if n.op == Op.SLICE:
-            start, stop, step = (typed(n.attr(key), int) for key in ("start", "stop", "step"))
-            cut = _Axis(a.tdim, a.start + a.step * start, a.step * step, -(-(stop - start) // step), True)
-            return _Window(w.load, w.axes[:d] + (cut,) + w.axes[d + 1:], w.index, w.gathered)
-        index = self.values[n.inputs[1]]
-        return _Window(w.load, w.axes[:d] + tuple(range(len(index.dims))) + w.axes[d + 1:], n.inputs[1], a.tdim)
-
-    def read(self, n: Node, depth: int) -> None:
-        """A slice or gather as one load of its window: a windowed / strided load of the tensor,
-        or an indexed one (the index tile's rows times the gathered dim's stride)."""
-        w = self._window(n.name)
-        tiling, rank, tensor = self._tiling(w.load, False), len(w.axes), ident(w.load.attr("tensor"))[2:]
-        index = self.values[w.index] if w.index else None
-        terms, masks, dims, dim_masks = [], [], [], []
-        for p, a in enumerate(w.axes):
-            if isinstance(a, int):  # a dim of the index tile
-                if a == 0:
-                    terms.append(f"{_place(index.var, p, len(index.dims), rank)}.to(tl.int64) * {tensor}_s{w.gathered}")
-                dims.append(index.dims[a])
-                dim_masks.append(index.masks[a])
-            else:
-                _, start, cond, _ = tiling[a.tdim]
-                offs = f"offs_{ident(n.name)[2:]}_{p}"
-                steps = f"{a.step} * tl.arange(0, {pow2(a.size)})" if a.step != 1 else f"tl.arange(0, {pow2(a.size)})"
-                first = " + ".join(x for x in (start, str(a.start) if a.start else "") if x)
-                self.emit(f"{offs} = {first + ' + ' if first else ''}{steps}", depth)
-                terms.append(f"{_expand(offs, p, rank)} * {tensor}_s{a.tdim}")
-                if a.sliced:  # the load's dim is whole (sgraph's placement rule): only the window pads
-                    cond = f"(tl.arange(0, {pow2(a.size)}) < {a.size})" if pow2(a.size) != a.size else ""
-                mask = self._mask(cond)
-                dims.append(a.size)
-                dim_masks.append(mask)
-            if dim_masks[-1]:
-                masks.append(_expand(dim_masks[-1], p, rank))
-        var = ident(n.name)
-        masked = f", mask={' & '.join(masks)}, other=0.0" if masks else ""
-        self.emit(f"{var} = tl.load({tensor}_ptr + {' + '.join(terms)}{masked}).to(tl.float32)", depth)
-        self.values[n.name] = Value(var, tuple(dims), tuple(dim_masks))
-
-    def _parts(self, name: str, at: dict[int, tuple[int, int]]) -> list[tuple[str, dict[int, tuple[int, int]]]]:
-        """The parts of a (nested) concat, each with its (offset, step) along the dims it was joined on."""
-        n = self.k.by_name[name]
-        if n.op != Op.CONCAT:
-            return [(name, at)]
-        a, b = n.inputs
-        shape = self.g.block_types(self.k)[a].shape
-        d = typed(n.attr("dim"), int) % len(shape)
-        off, step = at.get(d, (0, 1))
-        if typed(n.attr("interleave"), bool):
-            where_a, where_b = (off, 2 * step), (off + step, 2 * step)
-        else:
-            where_a, where_b = (off, step), (off + step * self.inst.concrete(shape[d]), step)
-        return self._parts(a, at | {d: where_a}) + self._parts(b, at | {d: where_b})
-
-    def store_parts(self, n: Node, depth: int) -> None:
-        """A store of a concat: one store per part, at its offset (strided where interleaved)."""
-        tiling = self._tiling(n, False)
-        rank = len(tiling)
-        for part, at in self._parts(n.inputs[0], {}):
-            v = self.values[part]
-            terms, masks, dims = [], [], []
-            for d, (tile, start, cond, _) in enumerate(tiling):
-                size = v.dims[d] if d in at else tile
-                off, step = at.get(d, (0, 1))
-                steps = f"{step} * tl.arange(0, {pow2(size)})" if step != 1 else f"tl.arange(0, {pow2(size)})"
-                first = " + ".join(x for x in (start, str(off) if off else "") if x)
-                offs = f"offs_{ident(n.name)[2:]}_{ident(part)[2:]}_{d}"
-                self.emit(f"{offs} = {first + ' + ' if first else ''}{steps}", depth)
-                terms.append(f"{_expand(offs, d, rank)} * {ident(n.attr('tensor'))[2:]}_s{d}")
-                if d in at:  # a dim the store leaves whole (sgraph's placement rule): only the part pads
-                    cond = f"(tl.arange(0, {pow2(size)}) < {size})" if pow2(size) != size else ""
-                mask = self._mask(cond)
-                if mask:
-                    masks.append(_expand(mask, d, rank))
-                dims.append(pow2(size))
-            val = v.var if v.padded == tuple(dims) else f"tl.reshape({v.var}, {tuple(dims)})"
-            self._store_line(n, f"{ident(n.attr('tensor'))[2:]}_ptr + " + " + ".join(terms), val,
-                             " & ".join(masks) or None, depth)
 
     def store(self, n: Node, depth: int) -> None:
         if self.k.by_name[n.inputs[0]].op == Op.CONCAT:
@@ -367,7 +190,7 @@ class _KernelWriter:
     def _masked(self, v: Value, dim: int, neutral: str) -> str:
         if v.masks[dim] is None:
             return v.var
-        return f"tl.where({_expand(v.masks[dim], dim, len(v.dims))}, {v.var}, {neutral})"
+        return f"tl.where({expand(v.masks[dim], dim, len(v.dims))}, {v.var}, {neutral})"
 
     def compute(self, n: Node, depth: int) -> None:
         var, op = ident(n.name), n.op

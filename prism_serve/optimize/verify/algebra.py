@@ -134,6 +134,8 @@ bcast = relation("bcast", T, i64)
 MAXD = 6
 DIMS = tuple(range(-1, -MAXD - 1, -1))
 BATCH = DIMS[2:]
+GATHER_DIMS = DIMS[:4]  # a gathered dim of a table of rank <= 4 (rotary's cache: -2) ...
+MAX_INDEX_RANK = 3  # ... by an index of rank <= 3 (positions: 2); the rules name each combination
 BINARY_OPS = ops.of_kind(ops.Kind.BINARY)
 BINARY = tuple(ops.OPS[op].egg for op in BINARY_OPS)  # their methods
 
@@ -240,8 +242,8 @@ def index_facts(x: T, y: T, e: T, s: Sym, d: i64, d2: i64, a: i64, b: i64, st: i
     yield rule(eq(e).to(x.slc(d, a, b, st, n)), indep(x, s)).then(indep(e, s))
     yield rule(eq(e).to(x.slc(d, a, b, st, n)), bcast(x, d2), ne(d).to(d2)).then(bcast(e, d2))
     yield rule(eq(e).to(x.gather(y, d, m)), indep(x, s), indep(y, s)).then(indep(e, s))
-    for g in DIMS:
-        for r in range(1, MAXD + 1):
+    for g in GATHER_DIMS:
+        for r in range(1, MAX_INDEX_RANK + 1):
             for j in range(-r, 0):
                 if j + g + 1 >= -MAXD:
                     yield rule(eq(e).to(x.gather(y, g, r)), bcast(y, j)).then(bcast(e, j + g + 1))
@@ -255,26 +257,17 @@ def index_facts(x: T, y: T, e: T, s: Sym, d: i64, d2: i64, a: i64, b: i64, st: i
 
 
 @ruleset
-def indexing(x: T, y: T, e: T, s: Sym, d: i64, d2: i64, a: i64, b: i64, c: i64, c2: i64, st: i64,
-             st2: i64, n: i64, m: i64, na: i64, nb: i64):
-    """Slices down to the leaves, partitions out of slices / gathers / concats, and the identities
-    of slices of concats (see the module docstring)."""
-    # a slice of an elementwise op is the op of the slices; a factor broadcast along d passes through
+def windows_down(x: T, y: T, s: Sym, d: i64, d2: i64, a: i64, b: i64, st: i64, n: i64, m: i64, na: i64, nb: i64):
+    """Slices down to the leaves: through elementwise ops (a factor broadcast along d passes
+    through: `indexing`), reductions (keepdim) and concats along other dims, unit dims. Run to its
+    fixpoint before the field identities make the e-classes large (`schedule`), since each rewrite
+    copies a product into every form of it the e-graph holds."""
     for op in BINARY:
         yield rewrite(_bin(op, x, y).slc(d, a, b, st, n)).to(_bin(op, x.slc(d, a, b, st, n), y.slc(d, a, b, st, n)))
     for op in UNARY:
         yield rewrite(getattr(x, op)().slc(d, a, b, st, n)).to(getattr(x.slc(d, a, b, st, n), op)())
-    yield rewrite(x.slc(d, a, b, st, n)).to(x, bcast(x, d))
-    yield rewrite(x.slc(d, 0, n, 1, n)).to(x)
-    # a slice of a slice along the same dim (both canonical: the composite's stop is canonical too)
-    yield rewrite(x.slc(d, a, b, st, n).slc(d, c, c2, st2, m)).to(x.slc(d, a + st * c, a + st * (c2 - 1) + 1, st * st2, n))
-    # along other dims: reductions (keepdim), transposes' batch dims, partitions, stores, concats
     yield rewrite(x.sum(d2).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).sum(d2), ne(d).to(d2))
     yield rewrite(x.max(d2).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).max(d2), ne(d).to(d2))
-    yield rewrite(x.part(d2, s).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).part(d2, s), ne(d).to(d2))
-    yield rewrite(x.assemble(d2, s).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).assemble(d2, s), ne(d).to(d2))
-    yield rewrite(x.red_sum(s).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).red_sum(s))
-    yield rewrite(x.red_max(s).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).red_max(s))
     yield rewrite(x.cat(y, d2, na, nb).slc(d, a, b, st, n)).to(
         x.slc(d, a, b, st, n).cat(y.slc(d, a, b, st, n), d2, na, nb), ne(d).to(d2))
     yield rewrite(x.il(y, d2, m).slc(d, a, b, st, n)).to(
@@ -285,6 +278,24 @@ def indexing(x: T, y: T, e: T, s: Sym, d: i64, d2: i64, a: i64, b: i64, c: i64, 
                 yield rewrite(x.unsq(e_).slc(d_, a, b, st, n)).to(x.slc(d_ if d_ > e_ else d_ + 1, a, b, st, n).unsq(e_))
                 yield rewrite(x.squeeze(e_).slc(d_, a, b, st, n)).to(
                     x.slc(d_ if d_ > e_ else d_ - 1, a, b, st, n).squeeze(e_))
+
+
+@ruleset
+def indexing(x: T, y: T, e: T, s: Sym, d: i64, d2: i64, a: i64, b: i64, c: i64, c2: i64, st: i64,
+             st2: i64, n: i64, m: i64, na: i64, nb: i64):
+    """Partitions out of slices / gathers / concats, slices into gathers, and the identities of
+    slices of concats (see the module docstring)."""
+    yield rewrite(x.slc(d, a, b, st, n)).to(x, bcast(x, d))
+    yield rewrite(x.slc(d, 0, n, 1, n)).to(x)
+    # a slice of a slice along the same dim (both canonical: the composite's stop is canonical too),
+    # where the outer one slices the inner one's extent (not a broadcast one, `slc(x) = x` above)
+    yield rule(eq(e).to(x.slc(d, a, b, st, n).slc(d, c, c2, st2, m)), eq(m).to((b - a - 1) / st + 1)).then(
+        union(e).with_(x.slc(d, a + st * c, a + st * (c2 - 1) + 1, st * st2, n)))
+    # along other dims: partitions, stores, loop reductions
+    yield rewrite(x.part(d2, s).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).part(d2, s), ne(d).to(d2))
+    yield rewrite(x.assemble(d2, s).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).assemble(d2, s), ne(d).to(d2))
+    yield rewrite(x.red_sum(s).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).red_sum(s))
+    yield rewrite(x.red_max(s).slc(d, a, b, st, n)).to(x.slc(d, a, b, st, n).red_max(s))
     # a slice of a concat along its dim: the part it picks; adjacent slices concatenated: one slice
     yield rule(eq(e).to(x.cat(y, d, na, nb).slc(d, a, b, st, n)), b <= na).then(union(e).with_(x.slc(d, a, b, st, na)))
     yield rule(eq(e).to(x.cat(y, d, na, nb).slc(d, a, b, st, n)), a >= na).then(
@@ -296,8 +307,8 @@ def indexing(x: T, y: T, e: T, s: Sym, d: i64, d2: i64, a: i64, b: i64, c: i64, 
     # partitions along the other dims leave concats, and the index's dims leave a gather
     yield rewrite(x.part(d2, s).cat(y.part(d2, s), d, na, nb)).to(x.cat(y, d, na, nb).part(d2, s), ne(d).to(d2))
     yield rewrite(x.part(d2, s).il(y.part(d2, s), d, m)).to(x.il(y, d, m).part(d2, s), ne(d).to(d2))
-    for g in DIMS:
-        for r in range(1, MAXD + 1):
+    for g in GATHER_DIMS:
+        for r in range(1, MAX_INDEX_RANK + 1):
             for j in range(-r, 0):
                 if j + g + 1 >= -MAXD:
                     yield rewrite(x.gather(y.part(j, s), g, r)).to(x.gather(y, g, r).part(j + g + 1, s), indep(x, s))
@@ -324,6 +335,19 @@ def arith(x: T, y: T, z: T, d: i64):
     yield rewrite((x - y) + (y - z)).to(x - z)
 
 
+WINDOW_ROUNDS = 16  # rounds that move slices down: one per op between a slice and the leaves, at most
+
+
 def schedule(iterations: int = 12):
-    """Bounded: analysis to a fixpoint between each round of rewriting."""
-    return seq((facts + index_facts).saturate(), parallel + arith + indexing) * iterations
+    """Bounded: slices moved down first (`windows_down`, before the field identities run), then
+    analysis to a fixpoint between each round of rewriting."""
+    return seq(_analysis(), windows_down + indexing) * WINDOW_ROUNDS + rounds(iterations)
+
+
+def rounds(iterations: int):
+    """Rounds of the main rewriting alone (to go on after `schedule`)."""
+    return seq(_analysis(), parallel + arith + indexing) * iterations
+
+
+def _analysis():
+    return (facts + index_facts).saturate()

@@ -277,7 +277,7 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
         return ProofResult(False, f"unsupported: {exc}", time.perf_counter() - start)
     failed = [o for o in g.program.outputs if not _holds(egraph, eq(wants[o]).to(gots[o]))]
     rounds = iterations
-    while failed and rounds < 2 * iterations and egraph.run(A.schedule(1)).updated:
+    while failed and rounds < 2 * iterations and egraph.run(A.rounds(1)).updated:
         rounds += 1
         failed = [o for o in failed if not _holds(egraph, eq(wants[o]).to(gots[o]))]
     size = sum(n for _, n in egraph.all_function_sizes())

@@ -316,8 +316,10 @@ def _halves(x: str, dim: int, rotary_dim: int, gptj: bool, prefix: str) -> list[
 def _rotate(p: str, x1: str, x2: str, passed: str | None, gptj: bool, out: str) -> list[Node]:
     """o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, stored as their concat (interleaved for GPT-J)
     and the pass-through part `passed`: one store per part, at its offset."""
-    nodes = [node(f"{p}_a", "mul", x1, "cos"), node(f"{p}_b", "mul", x2, "sin"), node(f"{p}_o1", "sub", f"{p}_a", f"{p}_b"),
-             node(f"{p}_c", "mul", x2, "cos"), node(f"{p}_d", "mul", x1, "sin"), node(f"{p}_o2", "add", f"{p}_c", f"{p}_d"),
+    nodes = [node(f"{p}_a", "mul", x1, "cos"), node(f"{p}_b", "mul", x2, "sin"),
+             node(f"{p}_o1", "sub", f"{p}_a", f"{p}_b"),
+             node(f"{p}_c", "mul", x2, "cos"), node(f"{p}_d", "mul", x1, "sin"),
+             node(f"{p}_o2", "add", f"{p}_c", f"{p}_d"),
              node(f"{p}_rot", "concat", f"{p}_o1", f"{p}_o2", dim=2, interleave=gptj)]
     if passed:
         nodes.append(node(f"{p}_cat", "concat", f"{p}_rot", passed, dim=2))
