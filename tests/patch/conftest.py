@@ -56,13 +56,9 @@ def regions_registry(tmp_path_factory):
     return fill(tmp_path_factory.mktemp("reg-regions") / "registry.db", model_results(kinds=REGIONS))
 
 
-# rotary embedding's kernels (QK-norm + rotary's oracle is not seeded: its egglog proof, which the
-# registry's gate runs for every row, does not fit in this machine's memory yet; see the final report)
-ROTARY = (seed.ROTARY,)
-
-
 @pytest.fixture(scope="session")
 def rotary_registry(tmp_path_factory):
-    """As `kernels_registry`, plus both tiny models' rotary kernels."""
-    return fill(tmp_path_factory.mktemp("reg-rotary") / "registry.db", model_results(kinds=seed.OP_KINDS + ROTARY))
+    """As `kernels_registry`, plus both tiny models' rotary kernels and Qwen3's QK-norm + rotary."""
+    return fill(tmp_path_factory.mktemp("reg-rotary") / "registry.db",
+                model_results(kinds=seed.OP_KINDS + seed.ROTARY_KINDS))
 

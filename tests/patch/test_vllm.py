@@ -174,17 +174,24 @@ def test_one_log_line_says_what_was_patched(runs, model):
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_rotary_runs_as_a_prism_kernel_in_every_layer_with_stock_tokens(runs, model, mode):
-    """Eager mode: the RotaryEmbedding replacement runs `prism::rotary` in every layer; compiled mode: the
-    fusion pass replaces each layer's rotary chain (vLLM's native form: custom ops are off on the CPU
-    build) by the op, Qwen3's QK-norm staying its norm kernels (no QK-norm + rotary kernel stored)."""
+    """Eager mode: the RotaryEmbedding replacement runs `prism::rotary` in every layer (Qwen3's q/k norms
+    before it as `prism::rms_norm`); compiled mode: the fusion pass replaces each layer's rotary chain
+    (vLLM's native form: custom ops are off on the CPU build) by `prism::rotary`, and in Qwen3 the QK-norm
+    and rotary together by `prism::qk_norm_rotary`."""
     stock, run = runs[model, "stock"]["runs"][mode], runs[model, "rotary"]["runs"][mode]
     layers = 2
-    forwards = runs[model, "prism"]["runs"][mode]["kernel"]["silu_and_mul"] // layers
+    ops_only = runs[model, "prism"]["runs"][mode]["kernel"]
+    forwards = ops_only["silu_and_mul"] // layers
     assert run["tokens"] == stock["tokens"]
-    assert run["kernel"]["rotary"] == layers * forwards > 0, run["kernel"]
+    fused = mode == "compiled" and model == "tiny-qwen3"
+    served = "qk_norm_rotary" if fused else "rotary"
+    assert run["kernel"][served] == layers * forwards > 0, run["kernel"]
+    assert run["kernel"]["rotary" if fused else "qk_norm_rotary"] == 0
+    # Qwen3's q and k norms (2 per layer) run inside qk_norm_rotary where it is served
+    assert run["kernel"]["rms_norm"] == ops_only["rms_norm"] - (2 * layers * forwards if fused else 0)
     assert all(run["kernel"][op] > 0 for op in OPS) and not any(run["fallback"].values()), run["fallback"]
     if mode == "compiled":
-        assert run["compile"]["replaced"] == {"rotary": layers} and run["compile"]["class_hooked"] == 0
+        assert run["compile"]["replaced"] == {served: layers} and run["compile"]["class_hooked"] == 0
     line = runs[model, "rotary"]["log_lines"]
     assert len(line) == 1 and "RotaryEmbedding" in line[0]
 
