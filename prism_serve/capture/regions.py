@@ -297,7 +297,7 @@ def projection_regions(graph: fx.Graph) -> list[dict]:
 
 
 ATTENTION_REASON = ("paged-KV attention over ragged sequences (per-sequence kv_len read through the block "
-                    "table, causal within a prefill); the IR has no gather or masking and its attention "
+                    "table, causal within a prefill); the IR has no masking and its attention "
                     "Program has one fixed kv_len")
 
 
