@@ -7,7 +7,7 @@ serve (`served_sites`) and prices vLLM's path as the baseline (`vllm_path`, see
 and the doctor lists where each kind is served.
 
 A row is data, not a name to take apart: `form` is the region's structure (norm variant, residual,
-projection, bias, activation), from which everything else is derived: `parts` / `vllm_path`, the
+projection, bias, activation, rotary embedding), from which everything else is derived: `parts` / `vllm_path`, the
 chain of vLLM ops the region replaces in data-flow order (the baseline), `args` / `outputs`, the
 custom op's signature (its schema, the fusion pass's argument order, the kernel's inputs), the
 op-level kinds that mark it in a graph (`norm_op`, `act_op`), its form without the residual, and
@@ -76,7 +76,8 @@ class Form:
         assert self.norm in (None, *NORMS) and self.act in (None, *ACTS), self
         assert not self.residual or self.norm, self
         assert not self.bias or self.projection, self
-        assert not self.rotary or (self.norm in (None, "rms") and not (self.residual or self.projection or self.act)), self
+        assert not self.rotary or (self.norm in (None, "rms")
+                                   and not (self.residual or self.projection or self.act)), self
 
     @property
     def size(self) -> int:
@@ -230,7 +231,8 @@ MODEL_CLASSES: Mapping[str, str] = MappingProxyType({
 # vLLM's rotary classes whose forward is RotaryEmbedding's (they differ in the cos/sin cache only, an input
 # of the kernel): eager mode replaces exactly these (`patch.rotary_hook`), by class name -> its module
 ROTARY_CLASSES: Mapping[str, str] = MappingProxyType(dict.fromkeys(
-    ("RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"), "vllm.model_executor.layers.rotary_embedding"))
+    ("RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"),
+    "vllm.model_executor.layers.rotary_embedding"))
 _MLPS = frozenset({"LlamaMLP", "Qwen2MLP"})  # Qwen3's MLP is Qwen2MLP; GLM-4's, LlamaMLP
 _LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"})
 _QKV = ("input_layernorm", "self_attn.qkv_proj")

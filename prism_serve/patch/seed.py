@@ -69,7 +69,8 @@ def rotary_dims(cfg: dict) -> dict[str, int] | None:
     rope = cfg.get("rope_parameters") or {}
     factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5 if gptj else 1.0))
     return {"heads": heads, "kv_heads": cfg.get("num_key_value_heads") or heads, "head_dim": head_dim,
-            "rotary_dim": int(head_dim * factor), "max_position": cfg["max_position_embeddings"], STYLE_DIM: int(not gptj)}
+            "rotary_dim": int(head_dim * factor), "max_position": cfg["max_position_embeddings"],
+            STYLE_DIM: int(not gptj)}
 
 
 def results(progs, device: DeviceInfo, *, status: str = "verified", versions: Versions | None = None,
