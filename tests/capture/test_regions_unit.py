@@ -249,6 +249,49 @@ def test_rotary_is_a_supported_region_and_attention_is_reported_with_dims_and_a_
     assert "qk_norm_rotary" not in by_kind  # q and k are no norms' outputs here
 
 
+def _qk_norm_rotary_graph(n=3, heads=4, kv=2, hd=8, k_eps=1e-6):
+    """Qwen3's attention input as Dynamo traces it: q and k viewed by head, each RMSNorm'd (here prism's
+    op, as the IR provider puts it in), viewed back, then vLLM's rotary op in place on both."""
+    from prism_serve.patch import ops
+
+    ops.define()
+    g = fx.Graph()
+    pos, q, k, cache, qw, kw = (g.placeholder(s) for s in ("positions", "q", "k", "cache", "qw", "kw"))
+    for p, val in ((pos, torch.arange(n)), (q, torch.randn(n, heads * hd)), (k, torch.randn(n, kv * hd)),
+                   (cache, torch.randn(64, hd)), (qw, torch.randn(hd)), (kw, torch.randn(hd))):
+        p.meta["example_value"] = val
+
+    def call(fn, args, path, cls, val=None, method=False):
+        node = g.call_method(fn, args) if method else g.call_function(fn, args)
+        node.meta["nn_module_stack"] = {path: (f"L['self'].{path}", cls)}
+        node.meta["example_value"] = val
+        return node
+
+    attn = "layers.0.self_attn"
+    normed = []
+    for x, w, h, name, eps in ((q, qw, heads, "q_norm", 1e-6), (k, kw, kv, "k_norm", k_eps)):
+        by_head = call("view", (x, n, h, hd), attn, object, torch.randn(n, h, hd), method=True)
+        out = call(torch.ops.prism.rms_norm.default, (by_head, w, eps), f"{attn}.{name}", RMSNorm,
+                   torch.randn(n, h, hd))
+        normed.append(call("view", (out, n, h * hd), attn, object, torch.randn(n, h * hd), method=True))
+    call(rotary_embedding, (pos, *normed, hd, cache, True), f"{attn}.rotary_emb", RotaryEmbedding)
+    g.output(normed[0])
+    return g
+
+
+def test_qk_norms_before_rotary_are_one_qk_norm_rotary_region_beside_the_rotary():
+    regions, _ = find_regions(_qk_norm_rotary_graph())
+    by_kind = {r["kind"]: r for r in regions}
+    rot, qk = by_kind["rotary"], by_kind["qk_norm_rotary"]
+    assert qk["supported"] and qk["dims"] == rot["dims"] and qk["eps"] == 1e-6
+    assert qk["modules"] == ["layers.0.self_attn.q_norm", "layers.0.self_attn.k_norm", "layers.0.self_attn.rotary_emb"]
+    # the Program's inputs: the norms' inputs by head, their weights, positions, the cache
+    assert [ref.get("shape") for ref in qk["inputs"]] == [[-1, 4, 8], [-1, 2, 8], None, None, [-1, 1], None]
+    assert qk["outputs"] == rot["outputs"]
+    regions, _ = find_regions(_qk_norm_rotary_graph(k_eps=1e-5))  # two epsilons: no QK-norm + rotary
+    assert "qk_norm_rotary" not in {r["kind"] for r in regions}
+
+
 def test_a_rotary_that_is_not_the_vllm_op_is_unsupported_without_dims():
     regions, _ = find_regions(_attention_graph(rotary_target=torch.neg))
     rot = next(r for r in regions if r["kind"] == "rotary")
