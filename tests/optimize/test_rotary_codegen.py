@@ -181,3 +181,21 @@ def test_a_block_graph_in_the_programs_own_order_renders():
     inst = instantiate(g, {"BT": 2}, get_gpu("h100"))
     assert len(re.findall(r"= tl\.load\(cos_sin_cache_ptr", render(inst))) == 2  # cs itself is never loaded
     _check(inst, prog, "float32")
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_an_indexed_load_by_an_integer_tile_of_either_width(index_dtype):
+    """A gather of whole rows of a rank-3 table by a (tokens, 1) index, stored as is; the last row
+    and repeated rows, 1 and 7 tokens (a masked token block of 4)."""
+    prog = Program("g", (node("table", "input", shape=(13, 3, 6), dtype="float16"),
+                         node("idx", "input", shape=("num_tokens", 1), dtype=index_dtype),
+                         node("y", "gather", "table", "idx", dim=0)), ("y",))
+    nodes = (oracles.load("t", "table", (None,)), oracles.load("i", "idx", (0,)),
+             node("rows", "gather", "t", "i", dim=0), oracles.store("st", "rows", "y", (0,)))
+    g = SGraph("gathered", prog, (), (BlockKernel("gather", (oracles.GridAxis("BT", True),), None, nodes),))
+    run = compile_instance(instantiate(g, {"BT": 4}, get_gpu("h100")))
+    table = torch.randn(13, 3, 6).half()
+    for rows in ([12], [12, 0, 12, 5, 5, 3, 0]):
+        idx = torch.tensor(rows, dtype=getattr(torch, index_dtype)).reshape(-1, 1)
+        (got,) = run(table, idx)
+        assert torch.equal(got, table[idx.long().reshape(-1)].reshape(len(rows), 1, 3, 6))

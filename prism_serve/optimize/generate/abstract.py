@@ -221,7 +221,23 @@ def op_tags(t: Term) -> frozenset:
 _TAGGED = {op: d.tag for op, d in OPS.items() if d.tag} | {op: op for op in INDEXED}
 
 
+_LEAVES: dict[Term, Counter] = {}
+
+
 def leaves(t: Term, tags: frozenset = frozenset()) -> Counter:
+    """`_leaves` of `t` (memoised at the top, where no tags are above it: every query asks it of
+    whole candidate terms, which the generator builds again and again)."""
+    if tags:
+        return _leaves(t, tags)
+    out = _LEAVES.get(t)
+    if out is None:
+        if len(_LEAVES) >= _AC_MAX:
+            _LEAVES.clear()
+        out = _LEAVES[t] = _leaves(t, tags)
+    return out
+
+
+def _leaves(t: Term, tags: frozenset) -> Counter:
     """The multiset of `t`'s variables and constants (but the ``inv.<label>`` of a mean), each with
     the set of tags of the ops above it that no rule moves a factor across: sqrt and rsqrt (one
     tag, ``root``, since x * rsqrt(y) = x / sqrt(y)), exp, silu, gelu_tanh, add, sub, max. Every rule keeps
@@ -234,7 +250,7 @@ def leaves(t: Term, tags: frozenset = frozenset()) -> Counter:
     inner = tags | {tag} if tag else tags
     out: Counter = Counter()
     for a in operands(t):
-        out += leaves(a, inner)
+        out += _leaves(a, inner)
     return out
 
 

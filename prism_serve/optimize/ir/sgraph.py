@@ -425,7 +425,7 @@ def _check_concat_store(at: str, k: BlockKernel, st: Node, decl: TensorDecl, typ
         d = c.attr("dim") % rank
         if d in omap or fmap == d or not decl.shape[d].is_Integer:
             raise _fail(at, f"stores concat '{c.name}' along dim {d}, which the store partitions over the grid "
-                            f"or the loop; that dim must be whole in the tile")
+                            f"or the loop (or is {NUM_TOKENS}); that dim must be whole and fixed in the tile")
         stack += [k.by_name[s] for s in c.inputs if k.by_name[s].op == Op.CONCAT]
 
 
