@@ -75,6 +75,18 @@ def _replacement(rt: Runtime, vllm_cls) -> type:
                                     **dict.fromkeys(FORWARDS, forward)})
 
 
+def _forget_built_ropes() -> None:
+    """Drop the rotary instances vLLM built before the switch (to or from prism's): `get_rope` builds each
+    configuration once and keeps it (`_ROPE_DICT`), so a model built after the switch would get the
+    instance built before it."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    built = getattr(rotary_embedding, "_ROPE_DICT", None)
+    if isinstance(built, dict):
+        for key in [k for k, rope in built.items() if type(rope).__name__.removeprefix("Prism") in ROTARY_CLASSES]:
+            del built[key]
+
+
 def install(rt: Runtime, done) -> None:
     """Replace each of vLLM's rotary classes (`ROTARY_CLASSES`) where the table has rotary kernels;
     one another plugin replaced first is left alone (hooks.Installed `done` records names and undos)."""
@@ -92,6 +104,7 @@ def install(rt: Runtime, done) -> None:
                 done.kinds.add(ROTARY.name)
             continue
         vllm_cls.register_oot(_replacement(rt, vllm_cls), name=name)
-        done.undo.append(lambda n=name: op_registry_oot.pop(n, None))
+        done.undo.append(lambda n=name: (op_registry_oot.pop(n, None), _forget_built_ropes()))
         done.names.append(name)
         done.kinds.add(ROTARY.name)
+    _forget_built_ropes()
