@@ -136,7 +136,7 @@ def _halves(a, b) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
     """(the split value, its split size, the split's nodes) when a, b are getitems 0 and 1 of one split of
     a value along its last dim into two halves."""
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.target is operator.getitem
-            and b.target is operator.getitem and a.args[0] is b.args[0] and (a.args[1], b.args[1]) == (0, 1)):
+            and b.target is operator.getitem and same(a.args[0], b.args[0]) and (a.args[1], b.args[1]) == (0, 1)):
         return None
     s = a.args[0]
     if _call(s, "aten::split") and len(s.args) >= 2:
@@ -151,9 +151,30 @@ def _halves(a, b) -> tuple[fx.Node, int, tuple[fx.Node, ...]] | None:
     return src, size, (a, b, s)
 
 
+def same(a, b, depth: int = 8) -> bool:
+    """a and b compute the same value: the same node, or calls of one op on the same arguments.
+    Inductor's post-grad graph repeats the qkv split and the head views for every slice vLLM takes
+    of them (GPT-J's even and odd columns, the pass-through part), so one value has several nodes."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or depth == 0:
+        return a == b if not isinstance(a, fx.Node) and not isinstance(b, fx.Node) else False
+    if a.op != "call_function" or b.op != "call_function" or a.target != b.target or a.kwargs != b.kwargs:
+        return False
+    if len(a.args) != len(b.args):
+        return False
+    for x, y in zip(a.args, b.args):
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            if len(x) != len(y) or not all(same(i, j, depth - 1) for i, j in zip(x, y)):
+                return False
+        elif not same(x, y, depth - 1):
+            return False
+    return True
+
+
 def _pairs(a, b) -> tuple[fx.Node, tuple[fx.Node, ...]] | None:
     """(x, nodes) when a, b are x[..., 0::2] and x[..., 1::2] (GPT-J's pairs) over x's whole last dim."""
-    if not (_call(a, "aten::slice") and _call(b, "aten::slice") and a.args[0] is b.args[0]):
+    if not (_call(a, "aten::slice") and _call(b, "aten::slice") and same(a.args[0], b.args[0])):
         return None
     x = a.args[0]
     width = _last(x)
@@ -186,7 +207,7 @@ def _rotation(o1, o2, x1, x2) -> tuple[fx.Node, fx.Node, tuple[fx.Node, ...]] | 
     if None in (c1, s1, c2, s2):
         return None
     (cos, a), (sin, b), (cos2, c), (sin2, d) = map(_strip, (c1, s1, c2, s2))
-    if cos is not cos2 or sin is not sin2:
+    if not (same(cos, cos2) and same(sin, sin2)):
         return None
     return cos, sin, (o1, o2, *o1.args, *o2.args, *a, *b, *c, *d)
 
@@ -216,7 +237,7 @@ def side_at(n: fx.Node) -> Side | None:
         return None
     width = _last(xr)
     if x_full is not None:  # partial rotary: x[..., :R] rotated, x[..., R:] passed through
-        if not (_call(xr, "aten::slice") and xr.args[0] is x_full and _slice(xr, x_full) == (0, width)
+        if not (_call(xr, "aten::slice") and same(xr.args[0], x_full) and _slice(xr, x_full) == (0, width)
                 and _slice(extra[0], x_full) == (width, _last(x_full))):
             return None
         x, nodes = x_full, (*nodes, xr, *extra, n)
@@ -384,20 +405,23 @@ def find_rotary(graph: fx.Graph) -> list[Rotary]:
         if (r := _custom_op(n)) is not None:
             out.append(r)
         elif (s := side_at(n)) is not None:
-            sides.setdefault(s.gather, []).append(s)
-    for gather, found in sides.items():
-        found = [s for s in found if not any(s.out in o.nodes for o in found if o is not s)]  # outermost only
-        if len(found) != 2 or found[0].neox != found[1].neox or found[0].rotary_dim != found[1].rotary_dim:
-            continue
-        head = _last(found[0].x)
-        q, k = sorted(found, key=lambda s: (-_heads(s.x, head), order[s.out]))
-        index = gather
+            gather = next((g for g in sides if same(g, s.gather)), s.gather)
+            sides.setdefault(gather, []).append(s)
+    for index, found in sides.items():
+        found = sorted((s for s in found if not any(s.out in o.nodes for o in found if o is not s)),  # outermost
+                       key=lambda s: order[s.out])
         positions = index.args[1][0] if _call(index, "aten::index") else index.args[2]
-        cache = index.args[0]
-        out.append(_region(positions, cache, q.x, k.x, head, q.neox, q.out, k.out, q.nodes | k.nodes, q.rotary_dim))
+        # one gather serves every layer (the positions are the model's): each layer rotates its q, then its k
+        for a, b in zip(found[::2], found[1::2]):
+            if a.neox != b.neox or a.rotary_dim != b.rotary_dim:
+                continue
+            head = _last(a.x)
+            q, k = sorted((a, b), key=lambda s: (-_heads(s.x), order[s.out]))
+            out.append(_region(positions, index.args[0], q.x, k.x, head, q.neox, q.out, k.out, q.nodes | k.nodes,
+                               q.rotary_dim))
     return sorted(out, key=lambda r: order[r.q_out])
 
 
-def _heads(x: fx.Node, head_size: int | None) -> int:
+def _heads(x: fx.Node) -> int:
     v = _val(x)
     return int(v.shape[-2]) if v is not None and v.dim() >= 3 else 0
