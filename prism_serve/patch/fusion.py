@@ -41,7 +41,9 @@ input norm + qkv (`rmsnorm_linear`), layer 1's residual add + norm + qkv
 (`fused_add_rmsnorm_linear`) and both post-attention sides (`rmsnorm_swiglu`), taking vLLM's
 handle in the weight's place; the kernels ran on every forward on the plain weights the plugin
 recorded at load time, with no fallback, and greedy tokens equalled stock vLLM's
-(tests/patch/test_vllm.py). An Inductor cache hit (same uuid) returns the
+(tests/patch/test_vllm.py). Rotary (2026-12-07, same setting): vLLM's native rotary chain in every
+layer of tiny Llama and a tiny GLM-4 (half-head GPT-J rotary) became `prism::rotary`, and in Qwen3
+the QK-norm with it `prism::qk_norm_rotary`; tokens equalled stock vLLM's. An Inductor cache hit (same uuid) returns the
 rewritten graph without running the pass. The `vllm_ir` forms (CUDA's VLLM_COMPILE) and torch's
 mm / addmm projections are matched on hand-built graphs only: no GPU run has checked them.
 
