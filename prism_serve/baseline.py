@@ -1,7 +1,8 @@
 """vLLM's path for a region: the yardstick of every speedup prism prints or stores.
 
 For each region kind, the region table names the vLLM kernels that run it today (`vllm_path`:
-its fused RMSNorm kernels, its GEMM, its `silu_and_mul`). Here that path is
+its fused RMSNorm kernels, its GEMM, its `silu_and_mul`, its `rotary_embedding` and the QK-norm's
+RMSNorm of q and of k before it). Here that path is
 
 - modeled (`vllm_modeled_us`) with the same cost model that prices prism's kernels: vLLM's norm
   and activation kernels as one fused kernel with one token row per block (how vLLM launches
@@ -15,6 +16,7 @@ region whose kind has `add_beside` adds the residual in one elementwise kernel t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +29,7 @@ from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
 from prism_serve.optimize.ir.reference import as_torch_function
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import oracle
-from prism_serve.region_table import KINDS, RegionKind
+from prism_serve.region_table import KINDS, STYLE_DIM, RegionKind
 
 
 def _linear(hidden: int, out: int, dtype: str) -> Program:
@@ -49,22 +51,28 @@ def _row_kernel_us(prog: Program, num_tokens: int, gpu: GpuSpec) -> float:
     return modeled_us(instantiate(g, dict.fromkeys(g.symbols, 1), gpu), num_tokens, gpu)
 
 
-def _path_programs(prog: Program) -> list[tuple[str, Program]]:
-    """vLLM's kernels for `prog`'s kind (`RegionKind.parts`), each as the Program it computes."""
+def _path_programs(prog: Program) -> list[tuple[str, Program, int]]:
+    """vLLM's kernels for `prog`'s kind (`RegionKind.parts`), each as the Program it computes and its
+    rows per token (a QK-norm's RMSNorm runs once per (token, head): its q's, then its k's)."""
     kind = KINDS[prog.name]
     dims = kind.dims_of(prog)
     dtype = prog.inputs[0].attr("dtype")
     eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
+    if kind.form.rotary:
+        norms = [(kind.norm_op.name, kind.norm_op.program({"hidden": dims["head_dim"]}, dtype, eps), dims[h])
+                 for h in ("heads", "kv_heads")] if kind.form.norm else []
+        rotary = kind.parts[-1]
+        return norms + [(rotary.name, rotary.program(dims, dtype), 1)]
     hidden = dims.get("hidden")
     out = dims.get("out") or 2 * dims.get("intermediate", 0)  # an MLP's merged gate_up projection
-    return [("linear", _linear(hidden, out, dtype)) if part == "linear"
-            else (part.name, part.program(dims, dtype, eps)) for part in kind.parts]
+    return [("linear", _linear(hidden, out, dtype), 1) if part == "linear"
+            else (part.name, part.program(dims, dtype, eps), 1) for part in kind.parts]
 
 
 def vllm_modeled_us(prog: Program, num_tokens: int, gpu: GpuSpec) -> float:
     """vLLM's path for `prog`'s region at `num_tokens`, modeled by prism's cost model."""
-    return sum(unfused_us(p, num_tokens, gpu) if op == "linear" else _row_kernel_us(p, num_tokens, gpu)
-               for op, p in _path_programs(prog))
+    return sum(unfused_us(p, num_tokens, gpu) if op == "linear" else _row_kernel_us(p, num_tokens * rows, gpu)
+               for op, p, rows in _path_programs(prog))
 
 
 def served_modeled_us(prog: Program, kernel_us: float, num_tokens: int, gpu: GpuSpec) -> float:
@@ -96,6 +104,8 @@ def baseline(prog: Program) -> Baseline:
         return Baseline("torch-eager", list, as_torch_function(prog))
     eps = next((n.attr("eps") for n in prog.nodes if n.op == "rms_norm"), None)
     kind = KINDS[prog.name]
+    if kind.form.rotary:
+        return Baseline("vllm", _prepare(kind), functools.partial(_vllm_rotary, kind.dims_of(prog), vops, eps))
     return Baseline("vllm", _prepare(kind), _vllm_run(kind, vops, eps))
 
 
@@ -139,10 +149,15 @@ def _vllm_ir():
 def _prepare(kind: RegionKind) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
     """The Program's inputs as vLLM's path takes them: a zero residual where vLLM adds the residual in
     its norm (the sum arrives as x), fresh x and residual where its RMSNorm op updates them in place,
-    the merged gate_up weight [w_gate; w_up], and [gate | up] activations."""
+    the merged gate_up weight [w_gate; w_up], and [gate | up] activations; rotary's q and k as fresh
+    [tokens, heads * head_dim] rows (its kernel rotates them in place) and positions as [tokens]."""
     f = kind.form
 
     def prepare(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if f.rotary:
+            q, k, *rest, positions, cache = inputs
+            return [q.reshape(q.shape[0], -1).clone(), k.reshape(k.shape[0], -1).clone(), *rest,
+                    positions.reshape(-1), cache]
         if kind.add_beside:
             inputs = [inputs[0], torch.zeros_like(inputs[0]), *inputs[1:]]
         if f.norm == "rms" and (f.residual or kind.add_beside):
@@ -181,6 +196,19 @@ def _vllm_run(kind: RegionKind, vops, eps: float | None) -> Callable[..., tuple[
             y = _silu(vops, y) if f.act == Op.SILU else _gelu_tanh(y)
         return (y, r) if f.residual else (y,)
     return run
+
+
+def _vllm_rotary(dims: dict, vops, eps: float | None, q, k, *rest) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's rotary path on prepared inputs: its RMSNorm kernel on q's and k's heads (QK-norm, where the
+    weights are given), then its `rotary_embedding` kernel in place on q and k; the outputs
+    [tokens, heads, head_dim], as the Program's."""
+    *weights, positions, cache = rest
+    d = dims["head_dim"]
+    if weights:
+        q = _norm(vops, eps, q.reshape(-1, d), weights[0]).reshape(q.shape)
+        k = _norm(vops, eps, k.reshape(-1, d), weights[1]).reshape(k.shape)
+    vops.rotary_embedding(positions, q, k, d, cache, bool(dims[STYLE_DIM]))
+    return q.reshape(q.shape[0], -1, d), k.reshape(k.shape[0], -1, d)
 
 
 def served(prog: Program, kernel: Callable) -> tuple[Callable, Callable]:

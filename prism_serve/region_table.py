@@ -7,7 +7,7 @@ serve (`served_sites`) and prices vLLM's path as the baseline (`vllm_path`, see
 and the doctor lists where each kind is served.
 
 A row is data, not a name to take apart: `form` is the region's structure (norm variant, residual,
-projection, bias, activation), from which everything else is derived: `parts` / `vllm_path`, the
+projection, bias, activation, rotary embedding), from which everything else is derived: `parts` / `vllm_path`, the
 chain of vLLM ops the region replaces in data-flow order (the baseline), `args` / `outputs`, the
 custom op's signature (its schema, the fusion pass's argument order, the kernel's inputs), the
 op-level kinds that mark it in a graph (`norm_op`, `act_op`), its form without the residual, and
@@ -31,7 +31,7 @@ from prism_serve.optimize.workloads import programs
 # vLLM's kernels, as `vllm_path` names them: its fused norm kernels, its activation kernels, its GEMM,
 # and Gemma's norm (its RMSNorm op on the float32 weight + 1) and GeluAndMul(approximate="tanh")
 VLLM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear", "gemma_rms_norm", "gemma_fused_add_rms_norm",
-            "gelu_tanh_and_mul")
+            "gelu_tanh_and_mul", "rotary_embedding")
 # how the plugin reaches vLLM for a kind (see patch.hooks): an IR provider, a CustomOp replacement,
 # a model's MLP class, a decoder layer's modules, or only the compiled-mode fusion pass (patch.fusion)
 HOOKS = ("ir", "custom_op", "mlp", "decoder_layer", "pattern")
@@ -50,6 +50,11 @@ class Dim:
 NORMS = ("rms", "gemma")
 # a gated activation on the two halves of gate_up's output: SiLU (SwiGLU), tanh-GELU (Gemma's GeGLU)
 ACTS = (Op.SILU, Op.GELU_TANH)
+# rotary embedding's styles (the Programs' `style`) by vLLM's `is_neox_style`: NeoX rotates the two halves
+# of the rotated part of each head, GPT-J its interleaved (even, odd) pairs
+STYLES = MappingProxyType(dict(zip((True, False), programs.ROTARY_STYLES)))
+# a rotary kind's dim that is its style, not a size: 1 for NeoX, 0 for GPT-J (vLLM's `is_neox`)
+STYLE_DIM = "neox"
 
 
 @dataclass(frozen=True)
@@ -63,23 +68,28 @@ class Form:
     projection: bool = False  # a projection (GEMM) of the normed value, or of x
     bias: bool = False  # the projection adds a bias
     act: str | None = None  # one of ACTS applied to the projection's (or x's) two halves, or None
+    # rotary embedding of q and k by position (vLLM's `rotary_embedding`), after a per-head RMSNorm of
+    # each (QK-norm) where `norm` is set; its style is a dim of the region (`STYLE_DIM`)
+    rotary: bool = False
 
     def __post_init__(self) -> None:
         assert self.norm in (None, *NORMS) and self.act in (None, *ACTS), self
         assert not self.residual or self.norm, self
         assert not self.bias or self.projection, self
+        assert not self.rotary or (self.norm in (None, "rms")
+                                   and not (self.residual or self.projection or self.act)), self
 
     @property
     def size(self) -> int:
-        """How many of vLLM's ops the region spans (its norm, projection, activation)."""
-        return (self.norm is not None) + self.projection + (self.act is not None)
+        """How many of vLLM's ops the region spans (its norm, projection, activation, rotary)."""
+        return (self.norm is not None) + self.projection + (self.act is not None) + self.rotary
 
     @property
     def label(self) -> str:
         """The structure in words, for a region prism has no kind for (capture reports it unsupported)."""
         parts = (f"{'residual add + ' if self.residual else ''}{self.norm} norm" if self.norm else "",
                  ("biased " if self.bias else "") + "projection" if self.projection else "",
-                 f"{self.act}*mul" if self.act else "")
+                 f"{self.act}*mul" if self.act else "", "rotary" if self.rotary else "")
         return " -> ".join(p for p in parts if p)
 
 
@@ -93,11 +103,13 @@ class RegionKind:
     modules: tuple[str, ...] = ()  # module roles it spans in a decoder layer; () = wherever vLLM runs the op
     doc: str = ""
     # hooks "mlp" and "decoder_layer": the vLLM classes whose instances (exactly) eager mode serves it in,
-    # the module holding its modules (`patch.hooks` patches exactly these)
+    # the module holding its modules (`patch.hooks` patches exactly these); rotary's: the rotary classes
+    # whose CustomOp replacement serves it
     eager_classes: frozenset[str] = frozenset()
     # the served path runs vLLM's residual add beside the kernel (vLLM folds it into its norm), so the
     # kernel takes the sum; the region in vLLM's graph starts at a residual add + norm
     add_beside: bool = False
+    vllm_op: str = ""  # an op-level kind: vLLM's name for its kernel (`VLLM_OPS`), where it is not `name`
 
     @property
     def has_eps(self) -> bool:
@@ -105,11 +117,14 @@ class RegionKind:
 
     @property
     def parts(self) -> tuple[RegionKind | str, ...]:
-        """vLLM's ops for this region today, in data-flow order: its op-level kinds (norm, activation)
-        and "linear" for its GEMM; an op-level kind is its own single part."""
+        """vLLM's ops for this region today, in data-flow order: its op-level kinds (norm, activation,
+        rotary) and "linear" for its GEMM; an op-level kind is its own single part. QK-norm + rotary is
+        vLLM's RMSNorm of q, of k, then its rotary."""
         f = self.form
         if f.size == 1 and not f.projection:
             return (self,)
+        if f.rotary:
+            return (self.norm_op, self.norm_op, kind_of(Form(rotary=True)))
         norm = kind_of(Form(f.norm, f.residual or self.add_beside)) if f.norm else None
         return tuple(p for p in (norm, "linear" if f.projection else None, kind_of(Form(act=f.act)) if f.act else None)
                      if p is not None)
@@ -117,7 +132,7 @@ class RegionKind:
     @property
     def vllm_path(self) -> tuple[str, ...]:
         """vLLM's kernels for this region today (the baseline), in data-flow order (names of `VLLM_OPS`)."""
-        return tuple(p if isinstance(p, str) else p.name for p in self.parts)
+        return tuple(p if isinstance(p, str) else p.vllm_op or p.name for p in self.parts)
 
     @property
     def norm_op(self) -> RegionKind | None:
@@ -140,6 +155,9 @@ class RegionKind:
         weights, the bias, epsilon; a projection's op also takes the eager hook's `site` and
         `out_features` (the weight may be vLLM's packed handle, which has no shape)."""
         f = self.form
+        if f.rotary:  # vLLM's rotary_embedding's arguments, the QK-norm's weights and epsilon before the cache
+            return ("positions", "q", "k", *(("q_weight", "k_weight") if f.norm else ()), "cos_sin_cache",
+                    *(("epsilon",) if f.norm else ()), "head_size", "is_neox")
         if not f.projection:
             return ("x",) + (("residual",) if f.residual else ()) + (("weight", "epsilon") if f.norm else ())
         return ("x", *(("residual",) if f.residual else ()), *(("norm_weight",) if f.norm else ()),
@@ -148,7 +166,10 @@ class RegionKind:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        """The custom op's outputs: the result, and the residual sum where the kernel writes it."""
+        """The custom op's outputs: the result, and the residual sum where the kernel writes it; rotary's
+        rotated q and k (in the shapes of its q and k)."""
+        if self.form.rotary:
+            return ("q_out", "k_out")
         return ("y", "residual") if self.form.residual else ("y",)
 
     @property
@@ -166,14 +187,23 @@ class RegionKind:
     def program(self, dims: dict, dtype: str, eps: float | None = None) -> Program:
         """The exact Program for these dims (by name), dtype and epsilon."""
         sizes = [int(dims[d.name]) for d in self.dims]
-        return self.build(*sizes, dtype, eps) if self.has_eps else self.build(*sizes, dtype)
+        style = {"style": STYLES[bool(dims[STYLE_DIM])]} if self.form.rotary else {}
+        return self.build(*sizes, dtype, eps, **style) if self.has_eps else self.build(*sizes, dtype, **style)
 
     def dims_of(self, prog: Program) -> dict[str, int]:
-        return {d.name: int(prog.by_name[d.input].attr("shape")[d.axis]) for d in self.dims}
+        dims = {d.name: int(prog.by_name[d.input].attr("shape")[d.axis]) for d in self.dims}
+        if self.form.rotary:  # GPT-J's rotated pairs are stored interleaved, NeoX's halves side by side
+            dims[STYLE_DIM] = int(not any(n.op == Op.CONCAT and n.attr("interleave") for n in prog.nodes))
+        return dims
+
+    @property
+    def key_names(self) -> tuple[str, ...]:
+        """The names of the dims in the dispatch table's key, in order (a rotary kind's style last)."""
+        return tuple(d.name for d in self.dims) + ((STYLE_DIM,) if self.form.rotary else ())
 
     def key_dim(self, dims: dict) -> int | tuple[int, ...]:
         """The dispatch table's dim key: one size, or a tuple of them for a multi-dim region."""
-        sizes = tuple(int(dims[d.name]) for d in self.dims)
+        sizes = tuple(int(dims[n]) for n in self.key_names)
         return sizes[0] if len(sizes) == 1 else sizes
 
     def key_of(self, prog: Program) -> tuple | None:
@@ -198,10 +228,26 @@ MODEL_CLASSES: Mapping[str, str] = MappingProxyType({
     "LlamaDecoderLayer": "vllm.model_executor.models.llama",
     "MistralDecoderLayer": "vllm.model_executor.models.mistral",
     "Qwen3DecoderLayer": "vllm.model_executor.models.qwen3"})
+# vLLM's rotary classes whose forward is RotaryEmbedding's (they differ in the cos/sin cache only, an input
+# of the kernel): eager mode replaces exactly these (`patch.rotary_hook`), by class name -> its module
+ROTARY_CLASSES: Mapping[str, str] = MappingProxyType(dict.fromkeys(
+    ("RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"),
+    "vllm.model_executor.layers.rotary_embedding"))
 _MLPS = frozenset({"LlamaMLP", "Qwen2MLP"})  # Qwen3's MLP is Qwen2MLP; GLM-4's, LlamaMLP
 _LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"})
 _QKV = ("input_layernorm", "self_attn.qkv_proj")
 _RMS, _GEMMA = "rms", "gemma"
+# rotary: q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim], cos_sin_cache [max_position, rotary_dim]
+_ROT = (Dim("heads", "q", 1), Dim("kv_heads", "k", 1), Dim("head_dim", "q", 2), Dim("rotary_dim", "cos_sin_cache", 1),
+        Dim("max_position", "cos_sin_cache", 0))
+
+
+def _qk_norm_rotary(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, max_position: int, dtype: str,
+                    eps: float, style: str) -> Program:
+    """`programs.qk_norm_rotary` in the table's argument order (dims, dtype, eps)."""
+    return programs.qk_norm_rotary(heads, kv_heads, head_dim, rotary_dim, max_position, eps, dtype, style)
+
+
 KINDS: Mapping[str, RegionKind] = MappingProxyType({k.name: k for k in (
     RegionKind("rms_norm", programs.rms_norm, (_H,), Form(_RMS), "ir",
                doc="an RMSNorm without residual (a layer's first input norm, q/k norm)"),
@@ -256,11 +302,21 @@ KINDS: Mapping[str, RegionKind] = MappingProxyType({k.name: k for k in (
                Form(_GEMMA, projection=True, act=Op.GELU_TANH), "pattern",
                doc="rmsnorm_geglu on Gemma's norm (1 + w): the residual add beside the kernel, the rest as one",
                add_beside=True),
+    # rotary embedding (vLLM's `rotary_embedding`, in place on q and k; NeoX or GPT-J style, full or partial
+    # rotary_dim), and QK-norm + rotary (Qwen3, OLMo 2: the per-head RMSNorm of q and k before it, served by the
+    # compiled-mode fusion pass only)
+    RegionKind("rotary", programs.rotary, _ROT, Form(rotary=True), "custom_op",
+               doc="rotary embedding of q and k by position, the cos/sin rows gathered from vLLM's cache",
+               eager_classes=frozenset(ROTARY_CLASSES), vllm_op="rotary_embedding"),
+    RegionKind("qk_norm_rotary", _qk_norm_rotary, _ROT, Form(_RMS, rotary=True), "pattern",
+               doc="the per-head RMSNorm of q and of k (QK-norm), then rotary embedding"),
 )})
 _BY_FORM: Mapping[Form, RegionKind] = MappingProxyType({k.form: k for k in KINDS.values()})
 assert len(_BY_FORM) == len(KINDS), "two kinds of one form"
-# the op-level kinds (one of vLLM's norm or activation ops) and the regions holding a projection, largest first
-OP_KINDS = tuple(k for k in KINDS.values() if not k.form.projection)
+# the op-level kinds (one of vLLM's norm or activation ops), the regions holding a projection, largest first,
+# and the rotary kinds (which the fusion pass matches on their own, `patch.rotary_match`)
+OP_KINDS = tuple(k for k in KINDS.values() if not (k.form.projection or k.form.rotary))
+ROTARY_KINDS = tuple(k for k in KINDS.values() if k.form.rotary)
 REGION_KINDS = tuple(sorted((k for k in KINDS.values() if k.form.projection), key=lambda k: k.rank))
 
 
@@ -310,11 +366,14 @@ def eager_served(site: Site, classes: Mapping[str, str]) -> bool:
     """Whether eager mode (no fusion pass) serves the site's kind there, given a kernel: an op-level
     kind wherever vLLM runs the op, a region of the "mlp" or "decoder_layer" hooks only where its
     owner's class (`classes`: module path -> class name, as capture records them) is one its hook
-    patches, a "pattern" kind (Gemma's, the biased projections) never."""
+    patches, a "pattern" kind (Gemma's, the biased projections, QK-norm + rotary) never; rotary only in
+    the rotary classes its replacement covers (`ROTARY_CLASSES`)."""
     k = KINDS.get(site.kind)
     if k is None or k.hook == "pattern":
         return False
-    return k.hook in ("ir", "custom_op") or classes.get(owner(site)) in k.eager_classes
+    if k.hook in ("ir", "custom_op") and not k.eager_classes:
+        return True
+    return classes.get(owner(site)) in k.eager_classes
 
 
 def served_sites(sites: Iterable[Site], failed: Iterable[Site] = (),

@@ -1,5 +1,7 @@
 """Benchmark the superoptimizer (Prism's operator-by-operator generator, `optimize/generate/`) on
-the five Prism workloads at their default shapes.
+the five Prism workloads at their default shapes, or on any other workload by name: ``rotary`` and
+``qk_norm_rotary`` run at Llama-3-8B / Qwen3-8B dims (32 q heads, 8 kv heads, head dim and rotary
+dim 128, 8192 positions, bfloat16; `BENCH_DIMS`) over num_tokens buckets 1 to 256.
 
     python scripts/bench_search.py --json FILE [--device h100] [--budget 60] [--work STEPS] [--workers N]
         [--workload NAME ...]
@@ -36,17 +38,27 @@ from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, get_workload  # noqa: E402
 
 
+# workloads benchmarked at other dims than their defaults, and over several num_tokens buckets
+_ROTARY = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "rotary_dim": 128, "max_position": 8192,
+           "dtype": "bfloat16"}
+BENCH_DIMS = {"rotary": _ROTARY, "qk_norm_rotary": _ROTARY}
+BENCH_BUCKETS = {"rotary": (1, 16, 64, 256), "qk_norm_rotary": (1, 16, 64, 256)}
+
+
 def bench(name: str, device: str, budget: float, work: int | None, workers: int | None, max_block_ops: int) -> dict:
     w = get_workload(name)
-    prog = w.program()
+    prog = w.program(**BENCH_DIMS.get(name, {}))
     num_tokens = (w.default_num_tokens or (1,))[-1]
+    buckets = BENCH_BUCKETS.get(name, (num_tokens,))
+    num_tokens = buckets[-1]
     start = time.perf_counter()
-    result = optimize(prog, device, (num_tokens,), budget_s=budget, work=work, workers=workers,
+    result = optimize(prog, device, buckets, budget_s=budget, work=work, workers=workers,
                       max_block_ops=max_block_ops)
     elapsed = time.perf_counter() - start
     s = result.stats
-    best = result.found[0].kernels[0] if result.found else None
-    return {"num_tokens": num_tokens, "search_s": elapsed, "verify_s": s.verify_s,
+    best = next(c for c in result.found[0].kernels if c.num_tokens == num_tokens) if result.found else None
+    return {"num_tokens": num_tokens, "buckets": list(buckets), "dims": BENCH_DIMS.get(name, {}),
+            "search_s": elapsed, "verify_s": s.verify_s,
             "kernel_graphs": s.kernel_graphs, "block_graphs": s.block_graphs, "generated": s.generated,
             "designs": s.designs, "concrete_graphs": s.concrete_graphs, "workers": s.workers,
             "work": s.work, "steps": s.steps, "open_subtrees": s.open_subtrees,
@@ -64,6 +76,9 @@ def bench(name: str, device: str, budget: float, work: int | None, workers: int 
             "best_ranked_us": rank(result.found[0].sgraph, get_gpu(device), num_tokens)[0].modeled_us
             if result.found else None,
             "unfused_modeled_us": result.unfused_us[num_tokens],
+            "unfused_modeled_us_per_bucket": {str(n): result.unfused_us[n] for n in buckets},
+            "best_modeled_us_per_bucket": {str(c.num_tokens): c.modeled_us for c in result.found[0].kernels}
+            if result.found else None,
             "oracle_modeled_us": rank(oracle(prog), get_gpu(device), num_tokens)[0].modeled_us}
 
 

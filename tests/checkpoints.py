@@ -53,6 +53,10 @@ ARCH_CONFIGS: dict[str, dict] = {
                      "attention_bias": False, "mlp_bias": False},
     "tiny-olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
                    "pad_token_id": 0},
+    # GLM-4: rotary on half of each head (partial_rotary_factor 0.5), GPT-J's interleaved pairs, and a norm
+    # after attention and after the MLP besides the usual two
+    "tiny-glm4": {"architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "partial_rotary_factor": 0.5,
+                  "attention_bias": False, "pad_token_id": 0},
     "tiny-mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
                      "num_local_experts": 4, "num_experts_per_tok": 2},
 }
@@ -152,6 +156,8 @@ def _layer_tensors(cfg: dict, rand, norm) -> dict[str, torch.Tensor]:
     if kind == "olmo2":  # q/k norm over all heads at once
         t |= {"self_attn.q_norm.weight": norm(q), "self_attn.k_norm.weight": norm(kv),
               "post_feedforward_layernorm.weight": norm(h)}
+    if kind == "glm4":
+        t |= {"post_self_attn_layernorm.weight": norm(h), "post_mlp_layernorm.weight": norm(h)}
     if kind == "gemma2":
         t |= {"pre_feedforward_layernorm.weight": norm(h), "post_feedforward_layernorm.weight": norm(h)}
     return t

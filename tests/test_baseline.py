@@ -29,6 +29,9 @@ PROGRAMS = {
     "gemma_rmsnorm_linear": programs.gemma_rmsnorm_linear(96, 40, "float32"),
     "gemma_fused_add_rmsnorm_linear": programs.gemma_fused_add_rmsnorm_linear(96, 40, "float32"),
     "gemma_rmsnorm_geglu": programs.gemma_rmsnorm_geglu(64, 48, "float32"),
+    # vLLM's rotary_embedding kernel in place (GPT-J, half the head), QK-norm's RMSNorms before it (NeoX)
+    "rotary": programs.rotary(3, 1, 16, 8, 40, "float32", "gptj"),
+    "qk_norm_rotary": programs.qk_norm_rotary(4, 2, 16, 16, 40, 1e-6, "float32"),
 }
 
 
@@ -65,3 +68,8 @@ def test_the_modeled_path_is_vllms_kernels_priced_by_the_cost_model():
         # the residual add the plugin runs before rmsnorm_swiglu's kernel is counted on prism's side
         assert served_modeled_us(PROGRAMS["rmsnorm_swiglu"], 10.0, n, gpu) > 10.0
         assert served_modeled_us(PROGRAMS["swiglu"], 10.0, n, gpu) == 10.0
+        # QK-norm + rotary: vLLM's RMSNorm over q's rows (tokens x heads) and k's, then its rotary kernel
+        qk = PROGRAMS["qk_norm_rotary"]
+        rows = [vllm_modeled_us(programs.rms_norm(16, "float32", 1e-6), n * h, gpu) for h in (4, 2)]
+        rotary = vllm_modeled_us(programs.rotary(4, 2, 16, 16, 40, "float32"), n, gpu)
+        assert vllm_modeled_us(qk, n, gpu) == pytest.approx(sum(rows) + rotary) and rotary > 0

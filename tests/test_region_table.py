@@ -7,7 +7,9 @@ import pytest
 from prism_serve.optimize.workloads import programs
 from prism_serve.region_table import KINDS, VLLM_OPS, HOOKS, Site, eager_served, served_sites, servable
 
-DIMS = {"hidden": 96, "intermediate": 40, "out": 72}
+# rotary's: odd head counts, a partial rotary_dim, GPT-J style (neox 0)
+DIMS = {"hidden": 96, "intermediate": 40, "out": 72, "heads": 3, "kv_heads": 1, "head_dim": 16, "rotary_dim": 8,
+        "max_position": 40, "neox": 0}
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
@@ -20,6 +22,20 @@ def test_each_kind_builds_its_program_and_keys_it(name):
     assert key[1] == kind.key_dim(kind.dims_of(prog))
     if kind.has_eps:  # another epsilon is another program
         assert kind.key_of(kind.program(DIMS, "float16", 1e-6)) != key
+
+
+@pytest.mark.parametrize("name", ["rotary", "qk_norm_rotary"])
+def test_a_rotary_kinds_style_is_a_key_dim_read_back_from_its_program(name):
+    kind = KINDS[name]
+    keys = {}
+    for neox in (0, 1):
+        prog = kind.program(DIMS | {"neox": neox}, "float32", 1e-6)
+        assert kind.dims_of(prog)["neox"] == neox
+        keys[neox] = kind.key_of(prog)
+    assert keys[0][1][-1] == 0 and keys[1][1][-1] == 1 and keys[0][1][:-1] == keys[1][1][:-1] == (3, 1, 16, 8, 40)
+    assert kind.args[:3] == ("positions", "q", "k") and kind.outputs == ("q_out", "k_out")
+    assert kind.vllm_path[-1] == "rotary_embedding"
+    assert kind.vllm_path == (("rms_norm", "rms_norm", "rotary_embedding") if kind.form.norm else ("rotary_embedding",))
 
 
 def test_a_program_of_another_shape_family_is_not_the_kind():

@@ -23,8 +23,8 @@ from .cpu_gemm import packs_weights
 from .patch.vllm_run import config, run_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
-# what the plugin serves in the tiny Llama: each layer's two sides as regions, and the final norm
-SERVED = {"rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "fused_add_rms_norm"}
+# what the plugin serves in the tiny Llama: each layer's two sides as regions, the final norm, and rotary
+SERVED = {"rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu", "fused_add_rms_norm", "rotary"}
 # captured and supported, but run inside a served region (or, gate_up's norm, by no hook): not searched
 INSIDE = {"rms_norm", "silu_and_mul", "swiglu", "fused_add_rmsnorm_linear"}
 
@@ -74,7 +74,7 @@ def test_every_served_region_is_verified_against_vllm(warmed):
     assert not_searched == INSIDE
     assert ("fused_add_rmsnorm_linear", "not searched: the plugin serves it inside rmsnorm_swiglu") in skipped
     unsupported = {kind for kind, why in skipped if not why.startswith("not searched")}
-    assert unsupported == {"attention", "rotary_embedding"}
+    assert unsupported == {"attention"}
 
 
 def test_the_registry_holds_each_kernel_with_its_proof_design_and_checks(warmed):
@@ -158,7 +158,7 @@ def test_the_doctor_finds_every_stored_kind_serving_layers(warmed):
     assert captured["served"]["rmsnorm_swiglu"] == [
         f"layers.{i}.post_attention_layernorm+layers.{i}.mlp.gate_up_proj+layers.{i}.mlp.act_fn" for i in (0, 1)]
     skipped = {row["op"]: row["why"] for row in captured["layers"] if not row["patched"]}
-    assert set(skipped) == {"attention", "rotary_embedding"} and "the IR has no gather" in skipped["rotary_embedding"]
+    assert set(skipped) == {"attention"} and "the IR has no masking" in skipped["attention"]
 
 
 def test_a_warmup_that_fails_on_a_bad_model_leaves_no_registry_behind(tmp_path, monkeypatch):

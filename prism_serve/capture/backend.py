@@ -94,8 +94,10 @@ class _Recorder(fx.Interpreter):
             t = values[ref["node"]].detach().clone()
             if ref.get("rows"):
                 t = t.reshape(-1, t.shape[-1])
-            if "slice" in ref:
-                lo, hi = ref["slice"]
+            if "shape" in ref:  # as the Program takes it (rotary: q [tokens, heads, head_dim], positions [tokens, 1])
+                t = t.reshape(ref["shape"])
+            if "span" in ref:
+                lo, hi = ref["span"]
                 t = t[..., lo:hi].contiguous()
             self.out[i][side][j] = t
 

@@ -14,14 +14,15 @@ SiLU*mul is ``rmsnorm_swiglu``; one the pass would refuse (a weight of another d
 biased gate_up, ...) is reported unsupported with the matcher's reason. Every region
 instance carries its dims, read from the traced fake tensors (so they are the sharded,
 per-rank dims), and *refs*: where to read its inputs and outputs at run time, in the argument order of the
-optimizer's Program builder. Rotary embedding and attention are found as vLLM's
-own ops and reported unsupported (the IR has no gather, slice or mask), with their
-dims and refs to the op's own tensor arguments, so what is reported can be checked.
+optimizer's Program builder. Rotary embedding is found as vLLM's own op (``rotary``, and
+``qk_norm_rotary`` where q and k are per-head RMSNorms before it); attention is found as vLLM's
+own op and reported unsupported (the IR has no mask), with its dims and refs to the op's own
+tensor arguments, so what is reported can be checked.
 
 A ref is a dict: ``{"node", "at", "when"}`` reads the value of FX node ``node``
 just before or after node ``at`` runs (several ops mutate in place, so the moment
-matters), optionally sliced along the last dim (``"slice": [lo, hi]``) and
-flattened to 2-D (``"rows": true``); ``{"param": path, "slice": [lo, hi]}`` reads a
+matters), optionally sliced along the last dim (``"span": [lo, hi]``) and
+flattened to 2-D (``"rows": true``) or reshaped (``"shape": [-1, ...]``); ``{"param": path, "span": [lo, hi]}`` reads a
 module's weight, sliced along dim 0.
 """
 
@@ -36,7 +37,7 @@ import torch.fx as fx
 
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch import dataflow, patterns
-from prism_serve.region_table import KINDS, Form, kind_of
+from prism_serve.region_table import KINDS, STYLE_DIM, Form, kind_of
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -179,7 +180,7 @@ def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
         elif g.cls in ("SiluAndMul", "GeluAndMul") and g.ext_inputs and g.ext_outputs:
             regions.append(_act_region(g))
         elif "RotaryEmbedding" in g.cls:
-            regions.append(_rotary_region(g))
+            regions += _rotary_regions(g, groups)
         elif g.cls == "Attention":
             regions.append(_attention_region(g))
     return regions + projection_regions(graph), groups
@@ -199,7 +200,7 @@ def _act_region(g: Group) -> dict:
                                   f"region kind ({tanh})")
         kind = tanh
     return _region(kind, [g], {"intermediate": inter}, _dtype(y),
-                   [_before(x, g.nodes[0], slice=[0, inter]), _before(x, g.nodes[0], slice=[inter, 2 * inter])],
+                   [_before(x, g.nodes[0], span=[0, inter]), _before(x, g.nodes[0], span=[inter, 2 * inter])],
                    [_after(y, g.nodes[-1])])
 
 
@@ -263,7 +264,7 @@ def _projection_region(r: dataflow.Region) -> dict | None:
     hidden, n = r.key[1]
     form = KINDS[r.kind].form
     param = {"param": _path(at)}
-    halves = [param | {"slice": [0, n]}, param | {"slice": [n, 2 * n]}]
+    halves = [param | {"span": [0, n]}, param | {"span": [n, 2 * n]}]
     if form.norm is None:
         first = lin.nodes[0]
         inputs, dims = [_before(lin.x, first), *halves], {"hidden": hidden, "intermediate": n}
@@ -295,10 +296,8 @@ def projection_regions(graph: fx.Graph) -> list[dict]:
     return [d for d in map(_projection_region, dataflow.find_regions(graph)) if d is not None]
 
 
-ROTARY_REASON = ("rotary gathers cos/sin rows of cos_sin_cache by position and rotates the {style} of "
-                 "each head in place; the IR has no gather, slice or concat")
 ATTENTION_REASON = ("paged-KV attention over ragged sequences (per-sequence kv_len read through the block "
-                    "table, causal within a prefill); the IR has no gather or masking and its attention "
+                    "table, causal within a prefill); the IR has no masking and its attention "
                     "Program has one fixed kv_len")
 
 
@@ -307,26 +306,49 @@ def _heads(x: fx.Node, head_dim: int) -> int:
     return int(shape[-1]) // head_dim if len(shape) == 2 else int(shape[-2])
 
 
-def _rotary_region(g: Group) -> dict:
-    """vLLM's `_C.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)`, in place on q and k."""
+def _rotary_regions(g: Group, groups: dict[str, Group]) -> list[dict]:
+    """vLLM's `_C.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)`, in place on q
+    and k, as a `rotary` region; and where q and k are (views of) per-head RMSNorms of one epsilon
+    (Qwen3, OLMo 2), also as a `qk_norm_rotary` region spanning the norms' modules too. Refs read q and k
+    as the Programs take them ([tokens, heads, head_dim]) and positions as [tokens, 1]."""
+    rot_kind, qk_kind = kind_of(Form(rotary=True)).name, kind_of(Form("rms", rotary=True)).name
     rot = next((n for n in g.nodes if "rotary_embedding" in str(n.target) and len(n.args) >= 6), None)
     if rot is None:
-        return _region("rotary_embedding", [g], {}, "float32", [], [], supported=False,
-                       reason=f"{g.cls} not traced as vLLM's _C.rotary_embedding op")
+        return [_region(rot_kind, [g], {}, "float32", [], [], supported=False,
+                        reason=f"{g.cls} not traced as vLLM's _C.rotary_embedding op")]
     positions, q, k, head_dim, cache, neox = rot.args[:6]
+    if k is None:
+        return [_region(rot_kind, [g], {}, _dtype(q), [], [], supported=False,
+                        reason="rotary of q alone (no k: cross-layer KV sharing); the rotary Programs rotate both")]
     try:
         head_dim = int(head_dim)
-        dims = {"heads": _heads(q, head_dim), "kv_heads": _heads(k, head_dim) if k is not None else 0,
-                "head_dim": head_dim, "rotary_dim": int(_shape(cache)[-1]), "max_position": int(_shape(cache)[0]),
-                "neox": int(bool(neox))}
+        dims = {"heads": _heads(q, head_dim), "kv_heads": _heads(k, head_dim), "head_dim": head_dim,
+                "rotary_dim": int(_shape(cache)[-1]), "max_position": int(_shape(cache)[0]), STYLE_DIM: int(bool(neox))}
     except (IndexError, TypeError, ValueError, ZeroDivisionError):
-        return _region("rotary_embedding", [g], {}, "float32", [], [], supported=False,
-                       reason="rotary_embedding op traced without tensor shapes")
-    sides = [q] + ([k] if k is not None else [])
-    inputs = [_before(positions, rot), *(_before(x, rot) for x in sides), _before(cache, rot)]
-    style = "halves" if neox else "interleaved pairs"
-    return _region("rotary_embedding", [g], dims, _dtype(q), inputs, [_after(x, rot) for x in sides],
-                   supported=False, reason=ROTARY_REASON.format(style=style))
+        return [_region(rot_kind, [g], {}, "float32", [], [], supported=False,
+                        reason="rotary_embedding op traced without tensor shapes")]
+    qs, ks = [-1, dims["heads"], head_dim], [-1, dims["kv_heads"], head_dim]
+    pos, tab = _before(positions, rot, shape=[-1, 1]), _before(cache, rot)
+    outputs = [_after(q, rot, shape=qs), _after(k, rot, shape=ks)]
+    out = [_region(rot_kind, [g], dims, _dtype(q), [_before(q, rot, shape=qs), _before(k, rot, shape=ks), pos, tab],
+                   outputs)]
+    norms = [dataflow.norm_at(_unview(x)) for x in (q, k)]
+    if all(nm is not None and nm.residual is None and not nm.gemma for nm in norms) and norms[0].eps == norms[1].eps:
+        paths = [_path(nm.node) for nm in norms]
+        if all(p in groups for p in paths):
+            qn, kn = norms
+            inputs = [_before(qn.x, qn.node, shape=qs), _before(kn.x, kn.node, shape=ks),
+                      _before(qn.weight, qn.node), _before(kn.weight, kn.node), pos, tab]
+            out.append(_region(qk_kind, [groups[paths[0]], groups[paths[1]], g], dims, _dtype(q), inputs, outputs,
+                               qn.eps))
+    return out
+
+
+def _unview(n):
+    """`n` through views (Qwen3 norms q viewed by head, then views it back)."""
+    while isinstance(n, fx.Node) and dataflow._is_view(n):
+        n = n.args[0]
+    return n
 
 
 def _attention_region(g: Group) -> dict:

@@ -186,10 +186,11 @@ def _instances(result: dict, record: dict) -> list[Instance]:
             for ref, value in zip(r["inputs"], forward[i]["inputs"]):
                 if "param" in ref:
                     value = weights.get(ref["param"])
-                    if value is not None and "slice" in ref:
-                        value = value[ref["slice"][0]:ref["slice"][1]].contiguous()
-                inputs.append(_rows(value) if inst.supported and "param" not in ref else value)
-            outputs = [_rows(v) if inst.supported else v for v in forward[i]["outputs"]]
+                    if value is not None and "span" in ref:
+                        value = value[ref["span"][0]:ref["span"][1]].contiguous()
+                inputs.append(_rows(value) if inst.supported and not {"param", "shape"} & set(ref) else value)
+            outputs = [_rows(v) if inst.supported and "shape" not in ref else v
+                       for ref, v in zip(r["outputs"], forward[i]["outputs"])]
             inst.recordings.append((n, inputs, outputs))
         out.append(inst)
     return out

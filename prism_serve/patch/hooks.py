@@ -5,7 +5,8 @@
   under torch.compile vLLM's IR lowering pass traces the provider into the graph as the opaque
   `prism::` op.
 - `CustomOp.register_oot` replacement of `SiluAndMul`, whose every forward runs `prism::silu_and_mul`,
-  and of `GeluAndMul`, whose tanh form (Gemma's GeGLU) runs `prism::gelu_tanh_and_mul`.
+  and of `GeluAndMul`, whose tanh form (Gemma's GeGLU) runs `prism::gelu_tanh_and_mul`; and of vLLM's
+  rotary classes in eager mode (`rotary_hook`), running `prism::rotary`.
 - In compiled mode, the fusion pass (`fusion.py`), which vLLM's config carries into Inductor:
   every region kind matched by FX pattern on the model's graph and replaced by its `prism::` op
   where the table has a kernel, whatever the architecture. On the CPU build vLLM packs projection
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor
 
 from prism_serve.optimize.ir.ops import Op
-from prism_serve.patch import fusion, ops, packed
+from prism_serve.patch import fusion, ops, packed, rotary_hook
 from prism_serve.patch.runtime import Runtime
 from prism_serve.patch.table import Table
 from prism_serve.region_table import MODEL_CLASSES, Form, hooked, kind_of
@@ -149,6 +150,7 @@ def _install_fallbacks(rt: Runtime, done: Installed) -> None:
     rt.fallbacks[GELU_TANH.name] = _vllm_activation(GELU_TANH.name, tanh)
     rt.fallbacks[MLP_KIND.name] = functools.partial(_vllm_swiglu, rt)
     rt.fallbacks.update({name: functools.partial(fn, rt) for name, fn in LAYER_FALLBACKS.items()})
+    rt.fallbacks[ops.ROTARY.name] = rotary_hook.vllm_rotary
 
 
 def _install_ir(rt: Runtime, done: Installed) -> None:
@@ -549,8 +551,8 @@ def _install_decoder_layers(rt: Runtime, done: Installed) -> None:
         done.kinds.update(served)
 
 
-HOOKS = (_install_fallbacks, _install_ir, _install_silu, _install_gelu, _install_regions, _install_decoder_layers,
-         packed.install, fusion.install)
+HOOKS = (_install_fallbacks, _install_ir, _install_silu, _install_gelu, rotary_hook.install, _install_regions,
+         _install_decoder_layers, packed.install, fusion.install)
 
 
 def install(table: Table) -> Installed:

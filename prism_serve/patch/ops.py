@@ -37,7 +37,9 @@ from prism_serve.region_table import KINDS, Form, RegionKind, kind_of
 # the schema type of each argument name a RegionKind's `args` uses
 ARG_TYPES = MappingProxyType({"x": "Tensor", "residual": "Tensor", "weight": "Tensor", "norm_weight": "Tensor",
                               "w_gate_up": "Tensor", "bias": "Tensor", "epsilon": "float", "site": "int",
-                              "out_features": "int"})
+                              "out_features": "int", "positions": "Tensor", "q": "Tensor", "k": "Tensor",
+                              "q_weight": "Tensor", "k_weight": "Tensor", "cos_sin_cache": "Tensor",
+                              "head_size": "int", "is_neox": "bool"})
 DEFAULTS = MappingProxyType({"out_features": -1})  # where the hooks' calls leave an argument out
 
 
@@ -69,8 +71,29 @@ def ref_gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, head_size: int, is_neox: bool) -> Tensor:
+    """One of q, k rotated as vLLM's `ApplyRotaryEmb.forward_static` does it, in x's shape."""
+    shape, rotary_dim = x.shape, 2 * cos.shape[-1]
+    x = x.reshape(cos.shape[0], -1, head_size)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = rot.chunk(2, dim=-1) if is_neox else (rot[..., ::2], rot[..., 1::2])
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.cat((o1, o2), dim=-1) if is_neox else torch.stack((o1, o2), dim=-1).flatten(-2)
+    return torch.cat((out, rest), dim=-1).reshape(shape)
+
+
+def ref_rotary(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, head_size: int,
+               is_neox: bool) -> tuple[Tensor, Tensor]:
+    """vLLM's RotaryEmbedding.forward_static (its path with custom ops off), on new tensors: the cos/sin
+    rows of the cache gathered by position, the first rotary_dim (the cache's width) of each head rotated."""
+    cos, sin = cos_sin_cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
+    return _rotate(q, cos, sin, head_size, is_neox), _rotate(k, cos, sin, head_size, is_neox)
+
+
 # vLLM's RMSNorm ops by whether they add the residual, and its activations by gate function
 NORM_REFS = MappingProxyType({False: ref_rms_norm, True: ref_fused_add_rms_norm})
+ROTARY = kind_of(Form(rotary=True))  # vLLM's rotary op, the last part of every rotary kind
 ACT_REFS = MappingProxyType({Op.SILU: ref_silu_and_mul, Op.GELU_TANH: ref_gelu_tanh_and_mul})
 
 
@@ -84,10 +107,10 @@ def references(rt: Runtime) -> dict:
     """vLLM's path per op-level kind in torch, the fallbacks of a runtime no vLLM hook changed: its
     RMSNorm ops, its activations; Gemma's norm is vLLM's RMSNorm op (whatever `rt` runs for it) on
     the float32 weight + 1. A region holding a projection falls back through these (`vllm_path`)."""
-    out = {}
+    out = {ROTARY.name: ref_rotary}
     for kind in KINDS.values():
         f = kind.form
-        if f.projection:
+        if f.projection or f.rotary:
             continue
         if f.act:
             out[kind.name] = ACT_REFS[f.act]
@@ -103,6 +126,8 @@ def vllm_path(rt: Runtime, kind: RegionKind, a: dict):
     for a region, the eager hook's (a patched model site, `site` >= 0), or vLLM's ops in order (regions
     the fusion pass made): its norm, its projection (with its bias), its activation."""
     f = kind.form
+    if f.rotary:
+        return _vllm_rotary(rt, kind, a)
     if not f.projection:
         return rt.fallbacks[kind.name](*(a[n] for n in kind.args))
     if a["site"] >= 0 and kind.name in rt.fallbacks:
@@ -117,6 +142,17 @@ def vllm_path(rt: Runtime, kind: RegionKind, a: dict):
     if f.act:
         y = rt.fallbacks[kind.act_op.name](y)
     return (y, r) if f.residual else y
+
+
+def _vllm_rotary(rt: Runtime, kind: RegionKind, a: dict) -> tuple[Tensor, Tensor]:
+    """vLLM's rotary (its kernel on copies of q and k, or its torch body), after its RMSNorm of q's and
+    k's heads (QK-norm) where the kind has one: new tensors, the op's inputs untouched."""
+    q, k, d = a["q"], a["k"], a["head_size"]
+    if kind.form.norm:
+        norm = rt.fallbacks[kind.norm_op.name]
+        q = norm(q.reshape(*q.shape[:-1], -1, d), a["q_weight"], a["epsilon"]).reshape(q.shape)
+        k = norm(k.reshape(*k.shape[:-1], -1, d), a["k_weight"], a["epsilon"]).reshape(k.shape)
+    return rt.fallbacks[ROTARY.name](a["positions"], q, k, a["cos_sin_cache"], d, a["is_neox"])
 
 
 def reference(kind: str):
@@ -144,6 +180,8 @@ def run(rt: Runtime, kind: RegionKind, *args, **kwargs):
     """The one dispatch of every prism op: the kernel for this call where the table has one (its
     inputs in its Program's order, its outputs in the op's shapes), else vLLM's path; counted."""
     a = _named(kind, args, kwargs)
+    if kind.form.rotary:
+        return _run_rotary(rt, kind, a)
     f, x = kind.form, a["x"]
     hidden = x.shape[-1]
     weight = a.get("w_gate_up" if f.act else "weight") if f.projection else None
@@ -174,6 +212,46 @@ def run(rt: Runtime, kind: RegionKind, *args, **kwargs):
     if kind.name not in rt.explained:
         _explain(rt, kind, x, dim, a.get("epsilon"))
     return vllm_path(rt, kind, a)
+
+
+def rotary_key(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, head_size: int,
+               is_neox: bool) -> tuple | None:
+    """A rotary call's key dims (`RegionKind.key_names`: heads, kv_heads, head_dim, rotary_dim,
+    max_position, neox), or None where no rotary Program computes it (tokens that are not q's rows,
+    a cache of another dtype, positions that are not integers)."""
+    tokens = positions.numel()
+    if (tokens == 0 or positions.dtype not in (torch.int32, torch.int64) or cos_sin_cache.dim() != 2
+            or not (q.dtype == k.dtype == cos_sin_cache.dtype) or q.numel() % (tokens * head_size)
+            or k.numel() % (tokens * head_size) or q.shape[0] != tokens):
+        return None
+    return (q.numel() // (tokens * head_size), k.numel() // (tokens * head_size), head_size,
+            cos_sin_cache.shape[1], cos_sin_cache.shape[0], int(bool(is_neox)))
+
+
+def _run_rotary(rt: Runtime, kind: RegionKind, a: dict) -> tuple[Tensor, Tensor]:
+    """Dispatch of a rotary kind: q and k (as vLLM holds them: [tokens, heads * head_dim] views of the
+    qkv projection's output, or [tokens, heads, head_dim]) and positions [tokens] viewed as its
+    Program's [tokens, heads, head_dim] and [tokens, 1] (copies where q, k are strided views)."""
+    q, k, d = a["q"], a["k"], a["head_size"]
+    key = rotary_key(a["positions"], q, k, a["cos_sin_cache"], d, a["is_neox"])
+    rows = q.reshape(q.shape[0], -1) if key is not None else q
+    launcher = rt.pick(kind.name, rows, key, a.get("epsilon")) if key is not None else None
+    if launcher is not None:
+        tokens = q.shape[0]
+        inputs = [q.reshape(tokens, -1, d).contiguous(), k.reshape(tokens, -1, d).contiguous(),
+                  *((a["q_weight"], a["k_weight"]) if kind.form.norm else ()),
+                  a["positions"].reshape(tokens, 1).to(torch.int64), a["cos_sin_cache"].contiguous()]
+        try:
+            q_out, k_out = launcher.run(*inputs)
+            return q_out.view(q.shape), k_out.view(k.shape)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
+            rt.failed_kernel(kind.name, launcher, exc)
+    rt.misses[kind.name] += 1
+    if kind.name not in rt.explained and key is not None:
+        _explain(rt, kind, q, key, a.get("epsilon"))
+    return _vllm_rotary(rt, kind, a)
 
 
 def _explain(rt: Runtime, kind: RegionKind, x: Tensor, dim, eps: float | None) -> None:
@@ -214,6 +292,8 @@ def schema(kind: RegionKind) -> str:
 def _fake(kind: RegionKind):
     def fake(*args, **kwargs):
         a = _named(kind, args, kwargs)
+        if kind.form.rotary:
+            return torch.empty_like(a["q"]), torch.empty_like(a["k"])
         f, x = kind.form, a["x"]
         if f.projection:
             n = out_features(a["w_gate_up" if f.act else "weight"], a["out_features"])

@@ -13,7 +13,7 @@ from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
-from prism_serve.region_table import KINDS, Form, kind_of
+from prism_serve.region_table import KINDS, STYLE_DIM, Form, kind_of
 from prism_serve.registry.gate import admit
 from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, current_versions
 
@@ -27,20 +27,50 @@ _NORM = kind_of(Form("rms"))
 OP_KINDS = tuple(kind_of(f).name for f in (Form("rms"), Form("rms", residual=True), Form(act=Op.SILU)))
 REGION_KINDS = tuple(kind_of(f).name for f in (Form("rms", projection=True), Form("rms", residual=True, projection=True),
                                                Form("rms", projection=True, act=Op.SILU)))
+# its rotary embedding, and QK-norm + rotary where the model norms q and k per head (Qwen3)
+ROTARY, QK_NORM_ROTARY = (kind_of(f).name for f in (Form(rotary=True), Form("rms", rotary=True)))
+ROTARY_KINDS = (ROTARY, QK_NORM_ROTARY)
+# model types whose q and k are normed per head before rotary, and those that rotate GPT-J's interleaved pairs
+_QK_NORMED, _GPTJ = ("qwen3",), ("glm4",)
 
 
 def model_programs(config_path, dtype: str = "float32", kinds=OP_KINDS) -> list:
-    """The Programs of `kinds` (region table names) for a Hugging Face Llama / Qwen3 config: a norm
-    kind also at the q/k norm's head_dim (Qwen3), a norm + projection kind at the qkv projection."""
+    """The Programs of `kinds` (region table names) for a Hugging Face Llama / Qwen3 / GLM-4 config: a norm
+    kind also at the q/k norm's head_dim (Qwen3), a norm + projection kind at the qkv projection, rotary
+    at its heads, head_dim and rotary_dim (GLM-4's: half the head, GPT-J style), QK-norm + rotary only
+    where the model norms q and k (Qwen3)."""
     cfg = json.loads(Path(config_path).read_text())
     hidden, inter, eps = cfg["hidden_size"], cfg["intermediate_size"], float(cfg.get("rms_norm_eps", 1e-6))
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     dims = {"hidden": hidden, "intermediate": inter, "out": (heads + 2 * kv_heads) * head_dim}
-    progs = [KINDS[k].program(dims, dtype, eps) for k in kinds]
-    if _NORM.name in kinds and cfg.get("model_type") == "qwen3":
+    progs = [KINDS[k].program(dims, dtype, eps) for k in kinds if k not in ROTARY_KINDS]
+    if _NORM.name in kinds and qk_normed(cfg):
         progs.append(_NORM.program({"hidden": head_dim}, dtype, eps))
+    progs += [KINDS[k].program(rotary_dims(cfg), dtype, eps) for k in kinds
+              if k == ROTARY or (k == QK_NORM_ROTARY and qk_normed(cfg))]
     return progs
+
+
+def qk_normed(cfg: dict) -> bool:
+    """Whether the model norms q and k per head before rotary (Qwen3)."""
+    return cfg.get("model_type") in _QK_NORMED
+
+
+def rotary_dims(cfg: dict) -> dict[str, int] | None:
+    """A Hugging Face config's rotary dims as vLLM builds its RotaryEmbedding: rotary_dim = head_dim *
+    partial_rotary_factor (GLM-4's default 0.5, GPT-J style), the cache's max_position_embeddings rows
+    (None where the config does not say)."""
+    if "max_position_embeddings" not in cfg:
+        return None
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    gptj = cfg.get("model_type") in _GPTJ
+    rope = cfg.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5 if gptj else 1.0))
+    return {"heads": heads, "kv_heads": cfg.get("num_key_value_heads") or heads, "head_dim": head_dim,
+            "rotary_dim": int(head_dim * factor), "max_position": cfg["max_position_embeddings"],
+            STYLE_DIM: int(not gptj)}
 
 
 def results(progs, device: DeviceInfo, *, status: str = "verified", versions: Versions | None = None,

@@ -214,9 +214,11 @@ def _import(got: dict) -> Callable:
 
 
 def _dim(dim) -> int | tuple[int, int]:
-    """A key's dim as the table holds it: an int, or (hidden, projection size) for a region."""
-    ints = dim if isinstance(dim, list) and 2 <= len(dim) <= 4 else [dim]
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in ints):
+    """A key's dim as the table holds it: an int, or (hidden, projection size) for a region, or a
+    rotary kind's sizes and style (the style's 0 is GPT-J's)."""
+    ints = dim if isinstance(dim, list) and 2 <= len(dim) <= 6 else [dim]
+    least = [1] * 5 + [0]  # a rotary key's sixth dim is its style: 0 for GPT-J
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= low for d, low in zip(ints, least)):
         raise KernelRefused(f"its load answered dim {dim!r}")
     return tuple(ints) if isinstance(dim, list) else dim
 

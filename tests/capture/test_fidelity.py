@@ -73,16 +73,19 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, heads: int, head_dim: int, t
 def test_rotary_regions_match_a_torch_rope(which, request):
     res = request.getfixturevalue(f"{which}_capture")
     cfg = json.loads((embedded_path(f"tiny-{which}") / "config.json").read_text())
-    sites = [i for i in res.instances if i.kind == "rotary_embedding"]
+    sites = [i for i in res.instances if i.kind == "rotary"]
     assert len(sites) == cfg["num_hidden_layers"]
     positions_seen = []
     for inst in sites:
         d = inst.dims
         assert d["neox"] == 1 and d["rotary_dim"] == d["head_dim"]
-        for _, (positions, q, k, _cache), (q_out, k_out) in inst.recordings:
+        for _, (q, k, positions, _cache), (q_out, k_out) in inst.recordings:  # the rotary Program's inputs
+            positions = positions.reshape(-1)
             positions_seen.append(positions.tolist())
             for x, out, heads in ((q, q_out, d["heads"]), (k, k_out, d["kv_heads"])):
-                assert max_rel_error(_rope(x, positions, heads, d["head_dim"], cfg["rope_theta"]), out) < TOL
+                assert x.shape == out.shape == (len(positions), heads, d["head_dim"])
+                want = _rope(x.reshape(len(x), -1), positions, heads, d["head_dim"], cfg["rope_theta"])
+                assert max_rel_error(want, out.reshape(len(out), -1)) < TOL
             assert max_rel_error(q, q_out) > TOL or positions.max() == 0  # the op really rotated
     n = len(RECORD_PROMPT)
     assert positions_seen[:2] == [list(range(n)), [n]]  # the recorded prefill, then its decode step

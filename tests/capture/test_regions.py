@@ -28,8 +28,11 @@ def _expected(cfg, qk_norm: bool) -> dict[str, tuple[str, list[int]]]:
         P.rmsnorm_swiglu(h, inter, "float32", eps): layers,  # post_attention_layernorm -> gate_up -> SiluAndMul
         P.silu_and_mul(inter, "float32"): layers,
     }
+    pos = cfg["max_position_embeddings"]
+    want[P.rotary(heads, kv, hd, hd, pos, "float32")] = layers  # rotary_emb: NeoX, on the whole head
     if qk_norm:
         want[P.rms_norm(hd, "float32", eps)] = layers  # q_norm and k_norm, one row per (token, head)
+        want[P.qk_norm_rotary(heads, kv, hd, hd, pos, eps, "float32")] = layers  # the norms, then rotary
     return {p.canonical_hash: (p.name, ls) for p, ls in want.items()}
 
 
@@ -40,13 +43,13 @@ def _got(result):
 def test_llama_regions_are_exactly_the_expected_programs(llama_capture):
     assert _got(llama_capture) == _expected(_config("tiny-llama"), qk_norm=False)
     unsupported = {r.kind for r in llama_capture.regions if not r.supported}
-    assert unsupported == {"attention", "rotary_embedding"}
+    assert unsupported == {"attention"}
 
 
 def test_qwen3_regions_include_qk_norm(qwen3_capture):
     assert _got(qwen3_capture) == _expected(_config("tiny-qwen3"), qk_norm=True)
     unsupported = {r.kind for r in qwen3_capture.regions if not r.supported}
-    assert unsupported == {"attention", "rotary_embedding"}
+    assert unsupported == {"attention"}
     qk = next(r for r in qwen3_capture.regions if r.kind == "rms_norm" and r.dims["hidden"] == 32)
     assert sorted(m.rsplit(".", 1)[-1] for m in qk.modules) == ["k_norm"] * 2 + ["q_norm"] * 2
     assert qk.dims == {"hidden": 32} and qk.rows_per_token == [2, 4]  # k heads, q heads
@@ -68,11 +71,13 @@ def test_dims_and_epsilon_are_the_models(qwen3_capture):
     (attn,) = by_kind["attention"]
     assert attn.dims == {"heads": heads, "kv_heads": kv, "head_dim": hd}
     assert attn.reason and attn.program is None and attn.buckets == qwen3_capture.buckets
-    (rot,) = by_kind["rotary_embedding"]
+    (rot,) = by_kind["rotary"]
     assert rot.dims == {"heads": heads, "kv_heads": kv, "head_dim": hd, "rotary_dim": hd,
                         "max_position": cfg["max_position_embeddings"], "neox": 1}
     assert sorted(rot.layers) == sorted(attn.layers) == list(range(cfg["num_hidden_layers"]))
-    assert rot.reason and rot.program is None and rot.buckets == qwen3_capture.buckets
+    assert rot.reason is None and rot.program is not None and rot.buckets == qwen3_capture.buckets
+    (qk,) = by_kind["qk_norm_rotary"]
+    assert qk.dims == rot.dims and qk.eps == cfg["rms_norm_eps"] and sorted(qk.layers) == sorted(rot.layers)
     for kind in ("swiglu", "rmsnorm_swiglu"):
         assert by_kind[kind][0].dims == {"hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"]}
 

@@ -235,20 +235,66 @@ def _attention_graph(rotary_target=rotary_embedding, n=3, heads=4, kv=2, hd=8):
     return g
 
 
-def test_rotary_and_attention_are_reported_with_dims_and_a_reason():
+def test_rotary_is_a_supported_region_and_attention_is_reported_with_dims_and_a_reason():
     regions, _ = find_regions(_attention_graph())
     by_kind = {r["kind"]: r for r in regions}
-    rot, attn = by_kind["rotary_embedding"], by_kind["attention"]
+    rot, attn = by_kind["rotary"], by_kind["attention"]
     assert rot["dims"] == {"heads": 4, "kv_heads": 2, "head_dim": 8, "rotary_dim": 8, "max_position": 64,
                            "neox": 1}
     assert attn["dims"] == {"heads": 4, "kv_heads": 2, "head_dim": 8}
-    assert not rot["supported"] and not attn["supported"] and rot["layer"] == attn["layer"] == 1
-    assert "gather" in rot["reason"] and "kv_len" in attn["reason"]
+    assert rot["supported"] and rot["reason"] is None and not attn["supported"] and rot["layer"] == attn["layer"] == 1
+    assert "kv_len" in attn["reason"]
+    # the rotary Program's inputs: q and k by head, positions as a column, the cache
+    assert [ref.get("shape") for ref in rot["inputs"]] == [[-1, 4, 8], [-1, 2, 8], [-1, 1], None]
+    assert "qk_norm_rotary" not in by_kind  # q and k are no norms' outputs here
+
+
+def _qk_norm_rotary_graph(n=3, heads=4, kv=2, hd=8, k_eps=1e-6):
+    """Qwen3's attention input as Dynamo traces it: q and k viewed by head, each RMSNorm'd (here prism's
+    op, as the IR provider puts it in), viewed back, then vLLM's rotary op in place on both."""
+    from prism_serve.patch import ops
+
+    ops.define()
+    g = fx.Graph()
+    pos, q, k, cache, qw, kw = (g.placeholder(s) for s in ("positions", "q", "k", "cache", "qw", "kw"))
+    for p, val in ((pos, torch.arange(n)), (q, torch.randn(n, heads * hd)), (k, torch.randn(n, kv * hd)),
+                   (cache, torch.randn(64, hd)), (qw, torch.randn(hd)), (kw, torch.randn(hd))):
+        p.meta["example_value"] = val
+
+    def call(fn, args, path, cls, val=None, method=False):
+        node = g.call_method(fn, args) if method else g.call_function(fn, args)
+        node.meta["nn_module_stack"] = {path: (f"L['self'].{path}", cls)}
+        node.meta["example_value"] = val
+        return node
+
+    attn = "layers.0.self_attn"
+    normed = []
+    for x, w, h, name, eps in ((q, qw, heads, "q_norm", 1e-6), (k, kw, kv, "k_norm", k_eps)):
+        by_head = call("view", (x, n, h, hd), attn, object, torch.randn(n, h, hd), method=True)
+        out = call(torch.ops.prism.rms_norm.default, (by_head, w, eps), f"{attn}.{name}", RMSNorm,
+                   torch.randn(n, h, hd))
+        normed.append(call("view", (out, n, h * hd), attn, object, torch.randn(n, h * hd), method=True))
+    call(rotary_embedding, (pos, *normed, hd, cache, True), f"{attn}.rotary_emb", RotaryEmbedding)
+    g.output(normed[0])
+    return g
+
+
+def test_qk_norms_before_rotary_are_one_qk_norm_rotary_region_beside_the_rotary():
+    regions, _ = find_regions(_qk_norm_rotary_graph())
+    by_kind = {r["kind"]: r for r in regions}
+    rot, qk = by_kind["rotary"], by_kind["qk_norm_rotary"]
+    assert qk["supported"] and qk["dims"] == rot["dims"] and qk["eps"] == 1e-6
+    assert qk["modules"] == ["layers.0.self_attn.q_norm", "layers.0.self_attn.k_norm", "layers.0.self_attn.rotary_emb"]
+    # the Program's inputs: the norms' inputs by head, their weights, positions, the cache
+    assert [ref.get("shape") for ref in qk["inputs"]] == [[-1, 4, 8], [-1, 2, 8], None, None, [-1, 1], None]
+    assert qk["outputs"] == rot["outputs"]
+    regions, _ = find_regions(_qk_norm_rotary_graph(k_eps=1e-5))  # two epsilons: no QK-norm + rotary
+    assert "qk_norm_rotary" not in {r["kind"] for r in regions}
 
 
 def test_a_rotary_that_is_not_the_vllm_op_is_unsupported_without_dims():
     regions, _ = find_regions(_attention_graph(rotary_target=torch.neg))
-    rot = next(r for r in regions if r["kind"] == "rotary_embedding")
+    rot = next(r for r in regions if r["kind"] == "rotary")
     assert rot["dims"] == {} and not rot["supported"] and "not traced" in rot["reason"]
 
 
@@ -263,9 +309,10 @@ def test_recorder_takes_in_place_rotary_outputs_after_the_op(monkeypatch):
     run(pos, q, k, v, cache)
     recorded = backend.STATE.recorded[0][1]
     kinds = [r["kind"] for r in backend.STATE.regions]
-    rot = recorded[kinds.index("rotary_embedding")]
-    torch.testing.assert_close(rot["inputs"], [pos, q0, k0, cache])  # taken before the in-place op
-    torch.testing.assert_close(rot["outputs"], [2 * q0, 3 * k0])  # and after it
+    rot = recorded[kinds.index("rotary")]
+    by_head = [q0.reshape(3, 4, 8), k0.reshape(3, 2, 8)]
+    torch.testing.assert_close(rot["inputs"], [*by_head, pos.reshape(3, 1), cache])  # taken before the in-place op
+    torch.testing.assert_close(rot["outputs"], [2 * by_head[0], 3 * by_head[1]])  # and after it
     attn = recorded[kinds.index("attention")]
     torch.testing.assert_close(attn["outputs"], [(2 * q0).reshape(3, 4, 8)])
 
@@ -274,7 +321,7 @@ def test_a_rotary_op_without_traced_shapes_is_unsupported_not_a_crash():
     g = _attention_graph()
     next(n for n in g.nodes if n.name == "cache").meta.pop("example_value")
     regions, _ = find_regions(g)
-    rot = next(r for r in regions if r["kind"] == "rotary_embedding")
+    rot = next(r for r in regions if r["kind"] == "rotary")
     assert rot["dims"] == {} and not rot["supported"] and "without tensor shapes" in rot["reason"]
     assert next(r for r in regions if r["kind"] == "attention")["dims"]  # the rest is still found
 
@@ -373,8 +420,8 @@ def test_capture_reports_the_regions_the_pass_would_replace_on_vllms_onednn_call
     rs = next(r for r in regions if r["kind"] == "rmsnorm_swiglu")
     assert rs["modules"] == ["layers.0.post_attention_layernorm", "layers.0.mlp.gate_up_proj", "layers.0.mlp.act_fn"]
     assert rs["dims"] == {"hidden": 16, "intermediate": 24} and rs["eps"] == 1e-6 and rs["layer"] == 0
-    assert rs["inputs"][2:] == [{"param": "layers.0.mlp.gate_up_proj", "slice": [0, 24]},
-                                {"param": "layers.0.mlp.gate_up_proj", "slice": [24, 48]}]
+    assert rs["inputs"][2:] == [{"param": "layers.0.mlp.gate_up_proj", "span": [0, 24]},
+                                {"param": "layers.0.mlp.gate_up_proj", "span": [24, 48]}]
     # the recorder reads the region's values where the refs say, around vLLM's in-place GEMM
     monkeypatch.setattr(backend, "STATE", backend.CaptureState())
     gm = fx.GraphModule(torch.nn.Module(), g)

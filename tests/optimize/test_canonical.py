@@ -33,6 +33,10 @@ SGRAPHS = {
     "qk_norm_attention": lambda: oracle(WORKLOADS["qk_norm_attention"].program(kv_len=64, head_dim=32)),
     "fused_add_rmsnorm_linear": lambda: oracle(WORKLOADS["fused_add_rmsnorm_linear"].program(hidden=64)),
     "mlp_library": _library_mlp,
+    "rotary": lambda: oracle(WORKLOADS["rotary"].program(num_q_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8,
+                                                          max_position=32, style="gptj")),
+    "qk_norm_rotary": lambda: oracle(WORKLOADS["qk_norm_rotary"].program(num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                                                          max_position=32)),
 }
 BUILT = {name: build() for name, build in SGRAPHS.items()}
 
@@ -136,6 +140,11 @@ def _mutants():
     # the combine kernel's head axis no longer the split kernel's: a larger symbol space
     yield "symbol sharing", SGraph(att.name, att.program, att.intermediates, (k0, replace(
         att.kernels[1], grid=(att.kernels[1].grid[0], GridAxis("H2")))))
+    rot = BUILT["rotary"]  # GPT-J: q_x1 the even elements, q_x2 the odd ones
+    yield "slice start", _edit_block(rot, 0, "q_x1", lambda n: _with_attr(n, start=1))
+    yield "interleave", _edit_block(rot, 0, "q_rot", lambda n: _with_attr(n, interleave=False))
+    yield "concat order", _edit_block(rot, 0, "k_rot", lambda n: node(n.name, "concat", *n.inputs[::-1], **dict(n.attrs)))
+    yield "gathered half", _edit_block(rot, 0, "cos", lambda n: node(n.name, "gather", "sin_t", "pos", dim=0))
 
 
 def test_semantic_mutations_change_the_hash():

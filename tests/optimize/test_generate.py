@@ -11,7 +11,8 @@ import torch
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.codegen.render import compile_instance
 from prism_serve.optimize.generate.block import RULES, BlockGenerator, Value
-from prism_serve.optimize.generate.context import make_context, program_terms
+from prism_serve.optimize.generate.context import make_context
+from prism_serve.optimize.generate.windows import program_terms
 from prism_serve.optimize.generate.design import Design, build
 from prism_serve.optimize.instantiate import prune
 from prism_serve.optimize.instantiate.tune import rank

@@ -54,3 +54,11 @@ def regions_registry(tmp_path_factory):
     side (rmsnorm_linear, fused_add_rmsnorm_linear), the post-attention side (rmsnorm_swiglu) and
     the SwiGLU MLP (which rmsnorm_swiglu takes in where both are stored)."""
     return fill(tmp_path_factory.mktemp("reg-regions") / "registry.db", model_results(kinds=REGIONS))
+
+
+@pytest.fixture(scope="session")
+def rotary_registry(tmp_path_factory):
+    """As `kernels_registry`, plus both tiny models' rotary kernels and Qwen3's QK-norm + rotary."""
+    return fill(tmp_path_factory.mktemp("reg-rotary") / "registry.db",
+                model_results(kinds=seed.OP_KINDS + seed.ROTARY_KINDS))
+

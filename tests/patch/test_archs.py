@@ -51,6 +51,10 @@ import os
 import pytest
 
 from prism_serve.capture.embedded import resolve_model
+from prism_serve.patch import seed
+from prism_serve.patch.device import current_device
+from prism_serve.registry import add_kernel, open_registry
+from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import model_fingerprint, warmup
 
 from ..checkpoints import ARCH_CONFIGS, WARMUP_BUDGET_S, config_of, dtype_of, write_checkpoint
@@ -98,10 +102,28 @@ def arch(request, arch_registry, tmp_path_factory):
             os.environ.pop("PRISM_SERVE_CACHE", None)
         else:
             os.environ["PRISM_SERVE_CACHE"] = old
+    _seed_rotary(path, arch_registry, report, name)
     runs = run_vllm(path, tmp, [config("stock", arch_registry, *MODES, dtype=dtype_of(name), PRISM_SERVE_DISABLE="1"),
                                 config("prism", arch_registry, *MODES, dtype=dtype_of(name))])
     return {"name": name, "path": path, "registry": arch_registry, "biases": biases, "report": report,
             "capture": capture, "runs": runs}
+
+
+def _seed_rotary(path, url: str, report, name: str) -> None:
+    """The rotary kinds warmup's search did not store within the tests' budget, from their proven,
+    numerically checked oracles (as `seed` fills the other tests' registries), so the vLLM runs serve
+    rotary whatever the search reached."""
+    stored = {r.kind for r in report.regions if r.status in ("verified", "enabled")}
+    progs = seed.model_programs(path / "config.json", dtype=dtype_of(name),
+                                kinds=tuple(k for k in seed.ROTARY_KINDS if k not in stored))
+    reg = open_registry(url)
+    try:
+        with reg.write() as s:
+            progs = [p for p in progs if not list_kernels(s, program=p.canonical_hash)]
+            for r in seed.results(progs, current_device(use_vllm=False)[0], model=name):
+                add_kernel(s, r)
+    finally:
+        reg.close()
 
 
 def _stored(arch) -> set[str]:
@@ -146,6 +168,22 @@ def test_every_stored_region_kind_is_served_in_compiled_mode(arch):
     assert served == expected, {"stored": sorted(stored), "ran": ran, "doctor": r["served"]}
     assert all(row["patched"] for row in r["layers"] if row["op"] in stored), [
         row for row in r["layers"] if row["op"] in stored and not row["patched"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rotary_runs_as_a_prism_kernel_in_every_layer(arch, mode):
+    """Capture reports each layer's rotary (QK-norm + rotary where q and k are normed per head); the
+    plugin serves it in every layer: eager mode through the RotaryEmbedding replacement, compiled mode
+    through the fusion pass on vLLM's native rotary chain."""
+    layers = config_of(arch["name"])["num_hidden_layers"]
+    captured = [r for r in arch["capture"]["regions"] if r["kind"] == "rotary"]
+    assert captured and all(r["supported"] for r in captured) and sum(len(r["modules"]) for r in captured) == layers
+    ran = arch["runs"]["prism"]["runs"][mode]["kernel"]
+    rotated = ran["rotary"] + ran["qk_norm_rotary"]
+    assert rotated > 0 and rotated % layers == 0, ran
+    if mode == "compiled":
+        replaced = arch["runs"]["prism"]["runs"][mode]["compile"]["replaced"]
+        assert replaced.get("rotary", 0) + replaced.get("qk_norm_rotary", 0) == layers, replaced
 
 
 def test_a_projection_bias_gives_the_bias_kinds_and_nothing_else_does(arch):

@@ -8,12 +8,13 @@ from ..checkpoints import DTYPE
 
 
 REGIONS = ("swiglu", "rmsnorm_linear", "fused_add_rmsnorm_linear", "rmsnorm_swiglu")
+ROTARY = ("rotary", "qk_norm_rotary")
 
 
 def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
     r = patch_report("tiny-qwen3", kernels_registry, force=True, dtype=DTYPE)
     assert r["plugin"] == "would patch" and r["device"].startswith("cpu:")
-    ops = [row for row in r["layers"] if row["op"] not in REGIONS]
+    ops = [row for row in r["layers"] if row["op"] not in REGIONS + ROTARY]
     assert len(ops) == 2 * 5 + 1  # per layer: input norm, q norm, k norm, post norm, act; the final norm
     assert all(row["patched"] for row in ops)
     assert ops[0]["op"] == "rms_norm" and ops[0]["buckets"][0].startswith("1-8: kernel")
@@ -31,6 +32,12 @@ def test_every_layer_of_qwen3_is_patched_with_forced_kernels(kernels_registry):
                                         "model.layers.1.self_attn.k_norm"],
                            "silu_and_mul": ["model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"]}
     assert r["unserved"] == []
+    # rotary: every layer's rotary_emb, and Qwen3's QK-norm + rotary, listed with why not (no kernel stored)
+    rot = {row["layer"]: row for row in r["layers"] if row["op"] in ROTARY}
+    assert set(rot) == {f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+        "self_attn.rotary_emb", "self_attn.q_norm+model.layers.{i}.self_attn.k_norm+model.layers.{i}.self_attn.rotary_emb"
+        .replace("{i}", str(i)))}
+    assert all(not row["patched"] and "no kernel in the registry for" in row["why"] for row in rot.values())
 
 
 def test_decoder_regions_take_in_the_ops_they_span(regions_registry):

@@ -49,16 +49,18 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoints, kernels_registry, regions_registry, tmp_path_factory):
+def runs(checkpoints, kernels_registry, regions_registry, rotary_registry, tmp_path_factory):
     """One vLLM process per model runs every check of this module on it: stock vLLM, vLLM with the
-    plugin's op kernels, and with every region kind too, each in eager and compiled mode; for
-    tiny-llama also each fault and the registry attacks (eager). (model, config name) -> result."""
+    plugin's op kernels, with every region kind too, and with the op and rotary kernels, each in eager
+    and compiled mode; for tiny-llama also each fault and the registry attacks (eager).
+    (model, config name) -> result."""
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
     for m, path in checkpoints.items():
         configs = [config("stock", kernels_registry, "eager", "compiled", PRISM_SERVE_DISABLE="1"),
                    config("prism", kernels_registry, "eager", "compiled"),
-                   config("regions", regions_registry, "eager", "compiled")]
+                   config("regions", regions_registry, "eager", "compiled"),
+                   config("rotary", rotary_registry, "eager", "compiled")]
         if m == "tiny-llama":
             faults = _faults(tmp)
             configs += [config(name, url, *(("eager",) if name in ENGINE_FAULTS else ()))
@@ -167,6 +169,31 @@ def test_one_log_line_says_what_was_patched(runs, model):
     undone = prism["after_unpatch"]
     assert "prism" not in undone["ir_providers"] and "SiluAndMul" not in undone["oot"]
     assert undone["state"] == "not run"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_rotary_runs_as_a_prism_kernel_in_every_layer_with_stock_tokens(runs, model, mode):
+    """Eager mode: the RotaryEmbedding replacement runs `prism::rotary` in every layer (Qwen3's q/k norms
+    before it as `prism::rms_norm`); compiled mode: the fusion pass replaces each layer's rotary chain
+    (vLLM's native form: custom ops are off on the CPU build) by `prism::rotary`, and in Qwen3 the QK-norm
+    and rotary together by `prism::qk_norm_rotary`."""
+    stock, run = runs[model, "stock"]["runs"][mode], runs[model, "rotary"]["runs"][mode]
+    layers = 2
+    ops_only = runs[model, "prism"]["runs"][mode]["kernel"]
+    forwards = ops_only["silu_and_mul"] // layers
+    assert run["tokens"] == stock["tokens"]
+    fused = mode == "compiled" and model == "tiny-qwen3"
+    served = "qk_norm_rotary" if fused else "rotary"
+    assert run["kernel"][served] == layers * forwards > 0, run["kernel"]
+    assert run["kernel"]["rotary" if fused else "qk_norm_rotary"] == 0
+    # Qwen3's q and k norms (2 per layer) run inside qk_norm_rotary where it is served
+    assert run["kernel"]["rms_norm"] == ops_only["rms_norm"] - (2 * layers * forwards if fused else 0)
+    assert all(run["kernel"][op] > 0 for op in OPS) and not any(run["fallback"].values()), run["fallback"]
+    if mode == "compiled":
+        assert run["compile"]["replaced"] == {served: layers} and run["compile"]["class_hooked"] == 0
+    line = runs[model, "rotary"]["log_lines"]
+    assert len(line) == 1 and "RotaryEmbedding" in line[0]
 
 
 def test_qwen3_qk_norm_is_patched_too(runs):

@@ -2,7 +2,11 @@
 numbers, deep nesting, unknown or missing keys, repeated records), `prism-serve registry import`
 either refuses it with a one-line error and writes nothing, or stores rows that re-verify here;
 no module generated from what it stored contains an injected string; nothing is written outside
-the example's own directory."""
+the example's own directory. And whatever a mutated Program of the indirection ops holds (rotary's
+gather, slices and concats, its int64 positions), the typed loader refuses it in one line or
+returns a Program that round-trips and whose reference runs to the shapes its types say; and a
+mutated rotary oracle sGraph is refused in one line, or fails to instantiate in one line, or renders
+a module free of injected strings that Triton's interpreter runs."""
 
 from __future__ import annotations
 
@@ -18,13 +22,21 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from prism_serve.errors import ProgramError, SGraphError
+from prism_serve.optimize.codegen.render import compile_instance
 from prism_serve.optimize.codegen.render import render
-from prism_serve.optimize.ir.schema import NAME
+from prism_serve.optimize.ir.program import bind_shape
+from prism_serve.optimize.ir.reference import evaluate, random_inputs
+from prism_serve.optimize.ir.schema import NAME, program_from_json, sgraph_from_json
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.workloads.oracles import default_assignment, oracle
 from prism_serve.optimize.verify.check import check_numerics
 from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.registry import open_registry
 from prism_serve.registry.gate import IMPORTED_REASON
 from prism_serve.registry.store import decode_sgraph, kernel_instance, list_kernels
+from prism_serve.optimize.workloads.programs import qk_norm_rotary, rotary
 from tests.registry.untrusted import export_doc, import_doc
 
 OUTSIDE = "@@OUTSIDE@@"  # replaced by the example's "outside" folder, which must stay empty
@@ -46,6 +58,12 @@ VALUES = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
     st.sampled_from([[], {}, [1], {"k": 1}]),
     st.integers(min_value=40, max_value=3000).map(lambda n: f"@@DEEP{n}@@"),
+)
+# values an indirection attribute or an input may plausibly be given instead of its own
+INDIRECTION_VALUES = st.one_of(
+    VALUES, st.integers(min_value=-3, max_value=70), st.sampled_from(["int32", "int64", "uint8", "bool", "gather",
+                                                                     "slice", "concat", "positions", "cs"]),
+    st.lists(st.one_of(st.integers(-1, 70), st.just("num_tokens")), max_size=4),
 )
 
 
@@ -165,3 +183,95 @@ def _stored(db: Path) -> bool:
         found = bool(list_kernels(s))
     reg.close()
     return found
+
+
+INDIRECTION_PROGRAMS = (rotary(3, 1, 16, 8, 9, "float16", "neox"), rotary(2, 1, 8, 8, 5, "bfloat16", "gptj"),
+                        qk_norm_rotary(1, 1, 12, 8, 4, 1e-6, "float32", "gptj"))
+
+
+@st.composite
+def mutated_program(draw) -> str:
+    """The JSON of an indirection Program with up to two attributes given small values and up to two
+    fields replaced, added or deleted."""
+    doc = draw(st.sampled_from(INDIRECTION_PROGRAMS)).to_json()
+    tweakable = [n["attrs"] for n in doc["nodes"] if n["attrs"] and "shape" not in n["attrs"]]
+    for _ in range(draw(st.integers(0, 2))):  # a small int or bool for an attribute: often still well typed
+        attrs = draw(st.sampled_from(tweakable))
+        attrs[draw(st.sampled_from(sorted(attrs)))] = draw(st.one_of(st.integers(-1, 17), st.booleans()))
+    for _ in range(draw(st.integers(0, 2))):
+        at, key = draw(st.sampled_from(list(_paths(doc))))
+        parent = _get(doc, at)
+        kind = draw(st.sampled_from(["replace", "replace", "add key", "delete"]))
+        if kind == "add key" and isinstance(parent, dict):
+            parent[draw(st.sampled_from(("extra", "step", "interleave", "dim", "start")))] = draw(INDIRECTION_VALUES)
+        elif kind == "delete" and isinstance(parent, dict):
+            del parent[key]
+        else:
+            parent[key] = draw(INDIRECTION_VALUES)
+    return re.sub(r'"@@DEEP(\d+)@@"', lambda m: "[" * int(m[1]) + "]" * int(m[1]), json.dumps(doc))
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 30)) * 10, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(text=mutated_program())
+def test_mutated_indirection_programs_are_refused_in_one_line_or_well_typed(text):
+    try:
+        prog = program_from_json(text)
+    except ProgramError as exc:
+        event("refused")
+        assert str(exc) and "\n" not in str(exc), str(exc)
+        return
+    event("loaded")
+    assert program_from_json(json.dumps(prog.to_json())) == prog
+    values = evaluate(prog, random_inputs(prog, 3, seed=0))
+    for out, value in zip(prog.outputs, values):
+        assert tuple(value.shape) == bind_shape(prog.types[out].shape, 3), out
+
+
+ORACLE_SGRAPHS = (oracle(rotary(3, 1, 16, 8, 9, "float16", "gptj")),
+                  oracle(qk_norm_rotary(2, 1, 12, 12, 4, 1e-6, "float32", "neox")))
+
+
+@st.composite
+def mutated_sgraph(draw) -> tuple[str, list[str]]:
+    """(the JSON of a rotary oracle with up to two block-node attributes given small values and up
+    to two fields replaced, added or deleted, the strings injected)."""
+    doc = draw(st.sampled_from(ORACLE_SGRAPHS)).to_json()
+    tweakable = [n["attrs"] for n in doc["kernels"][0]["nodes"] if n["attrs"]]
+    for _ in range(draw(st.integers(0, 2))):
+        attrs = draw(st.sampled_from(tweakable))
+        key = draw(st.sampled_from(sorted(attrs)))
+        small = st.one_of(st.integers(-1, 17), st.booleans(), st.none())
+        attrs[key] = draw(st.lists(small, min_size=2, max_size=2) if key in ("imap", "omap") else small)
+    injected: list[str] = []
+    for _ in range(draw(st.integers(0, 2))):
+        at, key = draw(st.sampled_from(list(_paths(doc))))
+        parent = _get(doc, at)
+        if draw(st.booleans()) and isinstance(parent, dict):
+            del parent[key]
+        else:
+            parent[key] = draw(INDIRECTION_VALUES)
+            if isinstance(parent[key], str):
+                injected.append(parent[key])
+    return re.sub(r'"@@DEEP(\d+)@@"', lambda m: "[" * int(m[1]) + "]" * int(m[1]), json.dumps(doc)), injected
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 30)) * 3, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(example=mutated_sgraph())
+def test_mutated_rotary_sgraphs_are_refused_in_one_line_or_render_and_run(example):
+    text, injected = example
+    try:
+        g = sgraph_from_json(text)
+        inst = instantiate(g, default_assignment(g, block_tokens=4), get_gpu("h100"))
+    except (SGraphError, ProgramError) as exc:
+        event("refused")
+        assert str(exc) and "\n" not in str(exc), str(exc)
+        return
+    event("rendered")
+    source = render(inst)
+    leaked = [s for s in injected if len(s) > 2 and not NAME.fullmatch(s) and s in source]
+    assert not leaked, leaked
+    prog = g.program
+    outputs = compile_instance(inst)(*random_inputs(prog, 3, seed=0))
+    assert [tuple(o.shape) for o in outputs] == [bind_shape(prog.types[o].shape, 3) for o in prog.outputs]

@@ -14,84 +14,24 @@ import hashlib
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 from types import ModuleType
 
 from prism_serve.errors import CodegenError
+from prism_serve.optimize.codegen.source import (TL_DTYPES, Value, expand, gpu_label, ident, label, lit, torch_dtype,
+                                                 typed)
+from prism_serve.optimize.codegen.windows import WindowedAccess
 from prism_serve.optimize.ir.ops import OPS, Op
-from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, NUM_TOKENS, REDUCTIONS, Node,
-                                             code_spelling, is_tf32)
-from prism_serve.optimize.ir.schema import NAME
-from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, LibraryKernel, launch_dims, sym, tile_shape
-from prism_serve.optimize.target.gpus import GPU_NAME
+from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, INDEX_DTYPES, NUM_TOKENS,
+                                             REDUCTIONS, Node, is_tf32)
+from prism_serve.optimize.ir.sgraph import TOKENS, WINDOW_OPS, BlockKernel, LibraryKernel, launch_dims, sym, tile_shape
 from prism_serve.optimize.target.instance import Instance
 from prism_serve.optimize.target.resources import MMA_MIN, pow2
 
 CODEGEN_VERSION = 3
-TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
-
-
-def ident(name: str) -> str:
-    """The generated variable of an IR name: ``v_`` and the name with each non-word character replaced."""
-    return "v_" + code_spelling(label(name))
-
-
-# Generated source holds only these renderings of IR values: no string from an sGraph, its
-# Program or a registry row is pasted into it unless it passed the loader's name grammar.
-def typed(value, *types: type):
-    """`value` if its type is exactly one of `types` (floats finite), else CodegenError."""
-    if type(value) in types and not (type(value) is float and not math.isfinite(value)):
-        return value
-    raise CodegenError(f"refusing to render {type(value).__name__} {value!r:.40} into generated source "
-                       f"(expected {' or '.join(t.__name__ for t in types)})")
-
-
-def lit(value) -> str:
-    """The literal of an int, bool or finite float attribute."""
-    return repr(typed(value, int, bool, float))
-
-
-def gpu_label(name) -> str:
-    """A GPU's name as it may appear in a comment of generated source (`gpus.GPU_NAME`)."""
-    if type(name) is not str or not GPU_NAME.fullmatch(name):
-        raise CodegenError(f"refusing to render GPU name {name!r:.40} into generated source")
-    return name
-
-
-def label(name) -> str:
-    """A name (node, tensor, kernel, symbol) as it may appear in comments and messages."""
-    if type(name) is not str or not NAME.fullmatch(name):
-        raise CodegenError(f"refusing to render name {name!r:.40} into generated source")
-    return name
-
-
-def torch_dtype(dtype) -> str:
-    if dtype not in TL_DTYPES:
-        raise CodegenError(f"refusing to render dtype {dtype!r:.40} into generated source")
-    return f"torch.{dtype}"
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@dataclass(frozen=True)
-class Value:
-    """A tile in the generated code: its variable, true dims and the 1-D mask of each padded dim."""
-
-    var: str
-    dims: tuple[int, ...]
-    masks: tuple[str | None, ...]
-
-    @property
-    def padded(self) -> tuple[int, ...]:
-        return tuple(pow2(d) for d in self.dims)
-
-
-def _expand(var: str, dim: int, rank: int) -> str:
-    if rank == 1:
-        return var
-    return var + "[" + ", ".join(":" if i == dim else "None" for i in range(rank)) + "]"
 
 
 def _lift(v: Value, rank: int) -> tuple[str, tuple[int, ...], tuple[str | None, ...]]:
@@ -117,7 +57,7 @@ ROUND_BF16 = ["@triton.jit", "def _round_bf16(x):", "    bits = x.to(tl.float32)
               "    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)"]
 
 
-class _KernelWriter:
+class _KernelWriter(WindowedAccess):
     """Emits one @triton.jit kernel for a block kernel of an instance."""
 
     def __init__(self, inst: Instance, k: BlockKernel, dot_dtype: str, half: str | None = None,
@@ -133,6 +73,13 @@ class _KernelWriter:
         # model says so, so that their matmuls run as tl.dot on tensor cores.
         self.padded_token = next((a.symbol for a in k.grid if a.over_tokens), None) \
             if inst.resources(k).mma_padded else None
+        # loads, slices and gathers read only as windows by slices and gathers: rendered inside them
+        uses: dict[str, list[tuple[Node, int]]] = {}
+        for n in k.nodes:
+            for i, src in enumerate(n.inputs):
+                uses.setdefault(src, []).append((n, i))
+        self.windowed = {name for name, us in uses.items() if k.by_name[name].op in WINDOW_OPS and
+                         all(c.op == Op.SLICE or (c.op == Op.GATHER and i == 0) for c, i in us)}
 
     # --- helpers ---------------------------------------------------------
     def emit(self, line: str, depth: int) -> None:
@@ -145,8 +92,9 @@ class _KernelWriter:
             out += [f"{ident(t)[2:]}_s{d}" for d in range(len(self.g.tensors[t].shape))]
         return out + (["n_tokens"] if self.uses_tokens else [])
 
-    def _tiling(self, n: Node) -> list[tuple[int, str, str | None, bool]]:
-        """Per dim of a load/store: (tile, start expression, mask variable, loop-dependent)."""
+    def _tiling(self, n: Node, masks: bool = True) -> list[tuple[int, str, str | None, bool]]:
+        """Per dim of a load/store: (tile, start expression, mask variable, loop-dependent); with
+        `masks` False, each mask's expression instead (nothing registered: a window's load)."""
         t = n.attr("tensor")
         shape = self.g.tensors[t].shape
         imap = n.attr("imap") if n.op == "load" else n.attr("omap")
@@ -171,8 +119,9 @@ class _KernelWriter:
                 conds.append(f"tl.arange(0, {extent}) < {tile[d]}")
             if size == TOKENS:
                 conds.append(f"({' + '.join(starts) or '0'} + tl.arange(0, {extent})) < n_tokens")
+            cond = " & ".join(f"({c})" for c in conds)
             out.append((extent if token_dims[d] else tile[d], " + ".join(starts),
-                        self._mask(" & ".join(f"({c})" for c in conds)), loop_dep))
+                        self._mask(cond) if masks else cond, loop_dep))
         return out
 
     def _store_tile(self, n: Node) -> tuple[int, ...]:
@@ -193,9 +142,9 @@ class _KernelWriter:
         for d, (tile, start, mask, _) in enumerate(tiling):
             offs = f"offs_{ident(n.name)[2:]}_{d}"
             self.emit(f"{offs} = {start + ' + ' if start else ''}tl.arange(0, {pow2(tile)})", depth)
-            terms.append(f"{_expand(offs, d, rank)} * {ident(t)[2:]}_s{d}")
+            terms.append(f"{expand(offs, d, rank)} * {ident(t)[2:]}_s{d}")
             if mask:
-                masks.append(_expand(mask, d, rank))
+                masks.append(expand(mask, d, rank))
         return f"{ident(t)[2:]}_ptr + " + " + ".join(terms), " & ".join(masks) or None
 
     # --- ops ---------------------------------------------------------------
@@ -203,16 +152,25 @@ class _KernelWriter:
         tiling = self._tiling(n)
         ptrs, mask = self._pointers(n, tiling, depth)
         var = ident(n.name)
-        masked = f", mask={mask}, other=0.0" if mask else ""
-        self.emit(f"{var} = tl.load({ptrs}{masked}).to(tl.float32)", depth)
+        if self.g.tensors[n.attr("tensor")].dtype in INDEX_DTYPES:  # an index tile stays integer; masked rows pick row 0
+            self.emit(f"{var} = tl.load({ptrs}{f', mask={mask}, other=0' if mask else ''})", depth)
+        else:
+            masked = f", mask={mask}, other=0.0" if mask else ""
+            self.emit(f"{var} = tl.load({ptrs}{masked}).to(tl.float32)", depth)
         self.values[n.name] = Value(var, tuple(t for t, *_ in tiling), tuple(m for _, _, m, _ in tiling))
 
     def store(self, n: Node, depth: int) -> None:
+        if self.k.by_name[n.inputs[0]].op == Op.CONCAT:
+            self.store_parts(n, depth)
+            return
         v = self.values[n.inputs[0]]
         tiling = self._tiling(n)
         ptrs, mask = self._pointers(n, tiling, depth)
         dims = tuple(pow2(t) for t, *_ in tiling)
         val = v.var if v.padded == dims else f"tl.reshape({v.var}, {dims})"
+        self._store_line(n, ptrs, val, mask, depth)
+
+    def _store_line(self, n: Node, ptrs: str, val: str, mask: str | None, depth: int) -> None:
         masked = f", mask={mask}" if mask else ""
         if self.interpret and self.g.tensors[n.attr("tensor")].dtype == "bfloat16":
             val = f"_round_bf16({val})"  # see ROUND_BF16
@@ -232,7 +190,7 @@ class _KernelWriter:
     def _masked(self, v: Value, dim: int, neutral: str) -> str:
         if v.masks[dim] is None:
             return v.var
-        return f"tl.where({_expand(v.masks[dim], dim, len(v.dims))}, {v.var}, {neutral})"
+        return f"tl.where({expand(v.masks[dim], dim, len(v.dims))}, {v.var}, {neutral})"
 
     def compute(self, n: Node, depth: int) -> None:
         var, op = ident(n.name), n.op
@@ -356,10 +314,14 @@ class _KernelWriter:
                     continue
                 if stage != phase:
                     continue
+                if n.name in self.windowed or n.op == Op.CONCAT:  # rendered by their readers / their stores
+                    continue
                 if n.op == "load":
                     self.load(n, depth)
                 elif n.op == "store":
                     self.store(n, depth)
+                elif n.op in (Op.SLICE, Op.GATHER):
+                    self.read(n, depth)
                 else:
                     self.compute(n, depth)
         masks = [f"    {var} = {expr}" for expr, var in self.masks.items()]
@@ -375,9 +337,21 @@ class _KernelWriter:
         return f"{ident(self.g.name)[2:]}_{ident(self.k.name)[2:]}"
 
 
-def _library_line(op: Node) -> str:
+def _library_line(op: Node, rank: int) -> str:
+    """The torch line of a library kernel; `rank`: its first operand's."""
     x = [ident(s) for s in op.inputs]
     out = ident(op.name)
+    if op.op in (Op.GATHER, Op.SLICE, Op.CONCAT):
+        d = typed(op.attr("dim"), int) % rank
+        if op.op == Op.GATHER:
+            return f"{out} = {x[0]}.index_select({d}, {x[1]}.reshape(-1)).reshape(" \
+                   f"{x[0]}.shape[:{d}] + {x[1]}.shape + {x[0]}.shape[{d + 1}:])"
+        if op.op == Op.SLICE:
+            window = ":".join(lit(typed(op.attr(key), int)) for key in ("start", "stop", "step"))
+            return f"{out} = {x[0]}[{':, ' * d}{window}]"
+        if typed(op.attr("interleave"), bool):
+            return f"{out} = torch.stack(({x[0]}, {x[1]}), {d + 1}).flatten({d}, {d + 1})"
+        return f"{out} = torch.cat(({x[0]}, {x[1]}), {d})"
     if op.op in ELEMENTWISE_BINARY + ELEMENTWISE_UNARY:
         return f"{out} = {OPS[op.op].torch_source.format(*x)}"
     if op.op in REDUCTIONS:
@@ -444,7 +418,7 @@ def render(inst: Instance, *, interpret: bool | None = None) -> str:
                        f"dtype={torch_dtype(t.dtype)}, device={device})")
     for k in g.kernels:
         if isinstance(k, LibraryKernel):
-            out.append("    " + _library_line(k.op))
+            out.append("    " + _library_line(k.op, len(g.tensors[k.op.inputs[0]].shape) if k.op.inputs else 0))
             if k.op.name in prog.outputs:
                 i = prog.outputs.index(k.op.name)
                 out.append("    if out is not None:")

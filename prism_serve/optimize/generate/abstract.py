@@ -4,7 +4,12 @@ Every tensor the generator creates (a kernel tensor, or a tile of a block graph)
 the Program's inputs, with index labels (`labels.py`) naming the dims that reductions run over:
 
     ("var", name) | ("const", name) | (op, a[, b]) for op in add sub mul div exp silu gelu_tanh sqrt rsqrt
-    | ("sum" | "mean" | "max", label, a)
+    | ("sum" | "mean" | "max", label, a) | (gather, spec, table, index) | (concat, spec, a, b)
+
+Slices sit at the leaves: a Program's slices are moved down to its inputs (`context.py`, by the
+identities the proof's algebra holds), and a design slices only its loads, so a slice of an input
+is a variable of its own, named by `sliced` (``q[-1:0:64:1]``); a gather and a concat are function
+symbols that no rule crosses (tagged as themselves: `leaves`, `op_tags`).
 
 A matmul contracting label K is ``("sum", K, ("mul", a, b))``; ``square(x)`` is ``x * x``. The
 abstraction forgets which slice of a tensor a tile holds (the proof and the numeric check decide
@@ -30,7 +35,7 @@ import json
 from collections import Counter
 from functools import cached_property
 
-from egglog import EGraph, Expr, StringLike, eq, relation, rewrite, rule, ruleset, seq
+from egglog import EGraph, Expr, String, StringLike, eq, relation, rewrite, rule, ruleset, seq
 from egglog.bindings import EggSmolError
 
 from prism_serve.optimize.ir.ops import OPS, ROOT, Kind, Op, of_kind, symbols
@@ -81,19 +86,49 @@ class Abs(Expr):
 
     def rmax(self, lb: AbsLabel) -> Abs: ...
 
+    def gather(self, index: Abs, spec: StringLike) -> Abs: ...
+
+    def cat(self, other: Abs, spec: StringLike) -> Abs: ...
+
 
 indep = relation("abs_indep", Abs, AbsLabel)
 within = relation("abs_within", Abs)
 _OPS = {op: getattr(Abs, OPS[op].egg) for op in BINARY}
 _RED = {Op.SUM: "rsum", Op.MEAN: "rmean", Op.MAX: "rmax"}
+INDEXED = (Op.GATHER, Op.CONCAT)  # heads (head, spec, a, b): function symbols with a spec string
+_INDEXED_METHODS = {Op.GATHER: "gather", Op.CONCAT: "cat"}
+
+
+def sliced(name: str, dim: int, start: int, stop: int, step: int) -> str:
+    """The variable that stands for a slice of input `name` (`dim` counted from the right, `stop`
+    canonical: one past the last index taken), so that equal slices are one variable."""
+    count = -(-(stop - start) // step)
+    return f"{name}[{dim}:{start}:{start + step * (count - 1) + 1}:{step}]"
+
+
+def sliced_base(name: str) -> str:
+    """The input a (possibly sliced) variable reads."""
+    return name.split("[", 1)[0]
+
+
+def operands(t: Term) -> tuple:
+    """The operand terms of `t`."""
+    head = t[0]
+    if head in ("var", "const"):
+        return ()
+    if head in REDUCE:
+        return (t[2],)
+    return t[2:] if head in INDEXED else t[1:]
 
 
 @ruleset
-def _facts(x: Abs, y: Abs, e: Abs, lb: AbsLabel, other: AbsLabel):
+def _facts(x: Abs, y: Abs, e: Abs, lb: AbsLabel, other: AbsLabel, spec: String):
     for op in _OPS.values():
         yield rule(eq(e).to(op(x, y)), indep(x, lb), indep(y, lb)).then(indep(e, lb))
     for op in UNARY:
         yield rule(eq(e).to(getattr(x, op)()), indep(x, lb)).then(indep(e, lb))
+    yield rule(eq(e).to(x.gather(y, spec)), indep(x, lb), indep(y, lb)).then(indep(e, lb))
+    yield rule(eq(e).to(x.cat(y, spec)), indep(x, lb), indep(y, lb)).then(indep(e, lb))
     for red in _RED.values():
         yield rule(eq(e).to(getattr(x, red)(lb))).then(indep(e, lb))
         yield rule(eq(e).to(getattr(x, red)(other)), indep(x, lb)).then(indep(e, lb))
@@ -112,9 +147,11 @@ def _algebra(x: Abs, y: Abs, z: Abs, lb: AbsLabel):
 
 
 @ruleset
-def _subterms(e: Abs, x: Abs, y: Abs, lb: AbsLabel):
+def _subterms(e: Abs, x: Abs, y: Abs, lb: AbsLabel, spec: String):
     for op in _OPS.values():
         yield rule(within(e), eq(e).to(op(x, y))).then(within(x), within(y))
+    yield rule(within(e), eq(e).to(x.gather(y, spec))).then(within(x), within(y))
+    yield rule(within(e), eq(e).to(x.cat(y, spec))).then(within(x), within(y))
     for op in UNARY:
         yield rule(within(e), eq(e).to(getattr(x, op)())).then(within(x))
     for red in _RED.values():
@@ -147,6 +184,8 @@ def to_egg(t: Term) -> Abs:
         return getattr(to_egg(t[1]), head)()
     if head in REDUCE:
         return getattr(to_egg(t[2]), _RED[head])(AbsLabel(t[1]))
+    if head in INDEXED:
+        return getattr(to_egg(t[2]), _INDEXED_METHODS[head])(to_egg(t[3]), t[1])
     raise ValueError(f"no abstract form for {head!r}")
 
 
@@ -158,6 +197,8 @@ def _symbols(t: Term) -> frozenset:
         return _symbols(t[2]) | {(Op.SUM, t[1]), ("const", f"inv.{t[1]}")}
     if head in REDUCE:
         return _symbols(t[2]) | {(head, t[1])}
+    if head in INDEXED:
+        return frozenset({(head, t[1])}).union(*(_symbols(a) for a in t[2:]))
     own = {head} if _TAGGED.get(head) == head and head in BINARY + UNARY else set()
     return frozenset(own).union(*(_symbols(a) for a in t[1:]))
 
@@ -173,13 +214,30 @@ def op_tags(t: Term) -> frozenset:
     if head in REDUCE:
         return frozenset({(Op.MAX if head == Op.MAX else Op.SUM, t[1])}) | op_tags(t[2])
     own = {(_TAGGED[head],)} if head in _TAGGED else set()
-    return frozenset(own).union(*(op_tags(a) for a in t[1:]))
+    return frozenset(own).union(*(op_tags(a) for a in operands(t)))
 
 
-_TAGGED = {op: d.tag for op, d in OPS.items() if d.tag}  # sqrt and rsqrt: ROOT; exp, silu, ..., add, sub, max: own
+# sqrt and rsqrt: ROOT; exp, silu, ..., add, sub, max, gather, concat: own
+_TAGGED = {op: d.tag for op, d in OPS.items() if d.tag} | {op: op for op in INDEXED}
+
+
+_LEAVES: dict[Term, Counter] = {}
 
 
 def leaves(t: Term, tags: frozenset = frozenset()) -> Counter:
+    """`_leaves` of `t` (memoised at the top, where no tags are above it: every query asks it of
+    whole candidate terms, which the generator builds again and again)."""
+    if tags:
+        return _leaves(t, tags)
+    out = _LEAVES.get(t)
+    if out is None:
+        if len(_LEAVES) >= _AC_MAX:
+            _LEAVES.clear()
+        out = _LEAVES[t] = _leaves(t, tags)
+    return out
+
+
+def _leaves(t: Term, tags: frozenset) -> Counter:
     """The multiset of `t`'s variables and constants (but the ``inv.<label>`` of a mean), each with
     the set of tags of the ops above it that no rule moves a factor across: sqrt and rsqrt (one
     tag, ``root``, since x * rsqrt(y) = x / sqrt(y)), exp, silu, gelu_tanh, add, sub, max. Every rule keeps
@@ -191,8 +249,8 @@ def leaves(t: Term, tags: frozenset = frozenset()) -> Counter:
     tag = _TAGGED.get(head)
     inner = tags | {tag} if tag else tags
     out: Counter = Counter()
-    for a in (t[2],) if head in REDUCE else t[1:]:
-        out += leaves(a, inner)
+    for a in operands(t):
+        out += _leaves(a, inner)
     return out
 
 
@@ -221,6 +279,8 @@ def _operand_signatures(t: Term) -> tuple:
     x / sqrt(y)): its divisor is equal to one of those. Heads the rules create or rebuild
     (add, mul, sum, mean) sign nothing."""
     head = t[0]
+    if head in INDEXED:
+        return ((head, t[1]) + tuple(_frozen(leaves(a)) for a in t[2:]),)
     if _TAGGED.get(head) == head and head in BINARY + UNARY and not OPS[head].created_by_rules:  # sub, exp, silu, ...
         return ((head,) + tuple(_frozen(leaves(a)) for a in t[1:]),)
     if _TAGGED.get(head) == ROOT:
@@ -235,9 +295,8 @@ def _operand_signatures(t: Term) -> tuple:
 def term_parts(t: Term):
     """`t` and every term inside it."""
     yield t
-    if t[0] not in ("var", "const"):
-        for a in (t[2],) if t[0] in REDUCE else t[1:]:
-            yield from term_parts(a)
+    for a in operands(t):
+        yield from term_parts(a)
 
 
 _AC: dict[Term, Term] = {}
@@ -265,8 +324,8 @@ def ac_form(t: Term) -> Term:
             out = ops[0]
             for o in ops[1:]:
                 out = (head, out, o)
-        elif head in REDUCE:
-            out = (head, t[1], ac_form(t[2]))
+        elif head in REDUCE or head in INDEXED:
+            out = (head, t[1]) + tuple(ac_form(a) for a in t[2:])
         else:
             out = (head,) + tuple(ac_form(a) for a in t[1:])
         if len(_AC) >= _AC_MAX:
@@ -317,8 +376,15 @@ class Oracle:
     def _symbols(self) -> frozenset:
         return frozenset().union(*(_symbols(t) for t in self.targets.values()))
 
+    @cached_property
+    def sliced_inputs(self) -> frozenset[str]:
+        """The inputs the targets read through slices only or as well: a design loads them whole
+        and slices the loaded tile (a windowed load), so such a whole input passes `within`."""
+        return frozenset(sliced_base(s[1]) for t in self.targets.values() for s in term_parts(t)
+                         if s[0] == "var" and sliced_base(s[1]) != s[1])
+
     def within(self, t: Term) -> bool:
-        if not self.enabled:
+        if not self.enabled or t[0] == "var" and t[1] in self.sliced_inputs:
             return True
         key = ac_form(t)  # the rules hold + and * commutative and associative: one query per form
         if key in self._within:
@@ -431,7 +497,8 @@ class _TextForm:
     def __init__(self, egraph: EGraph):
         name = lambda fn: egraph._callable_to_egg(fn)[1]  # noqa: E731
         self.ops = {op: name(getattr(Abs, attr)) for op, attr in
-                    {**{op: OPS[op].egg for op in BINARY + UNARY}, "var": "var", "const": "const", **_RED}.items()}
+                    {**{op: OPS[op].egg for op in BINARY + UNARY}, "var": "var", "const": "const", **_RED,
+                     **_INDEXED_METHODS}.items()}
         self.label = name(AbsLabel)
         self.within = name(within)
         self._cache: dict[Term, str] = {}
@@ -444,6 +511,8 @@ class _TextForm:
                 text = f"({self.ops[head]} {json.dumps(t[1])})"
             elif head in REDUCE:
                 text = f"({self.ops[head]} {self(t[2])} ({self.label} {json.dumps(t[1])}))"
+            elif head in INDEXED:
+                text = f"({self.ops[head]} {self(t[2])} {self(t[3])} {json.dumps(t[1])})"
             elif head in BINARY or head in UNARY:
                 text = f"({self.ops[head]} {' '.join(self(a) for a in t[1:])})"
             else:

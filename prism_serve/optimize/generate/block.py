@@ -93,7 +93,10 @@ from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_p
 from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, iterator_ref,
                                                   read_labels, tensor_of)
 from prism_serve.optimize.ir.ops import OPS, Op
-from prism_serve.optimize.ir.program import NUM_TOKENS, REDUCTIONS, TF32, Node, TensorType, infer_type, is_tf32
+from prism_serve.optimize.generate.windows import (NO_INDEXING, Indexing, canonical, concat_spec, gather_spec,
+                                                   indexed_labels, slice_var)
+from prism_serve.optimize.ir.program import (INDEX_DTYPES, NUM_TOKENS, REDUCTIONS, TF32, Node, TensorType, infer_type,
+                                             is_tf32)
 
 # Steps per candidate whose abstract expression is asked of the e-graph (the oracle's cache may
 # answer it, but which queries that cache holds depends on what else the process walked).
@@ -188,13 +191,14 @@ class BlockGenerator:
     def __init__(self, oracle: Oracle, outputs: dict[str, TensorType], tensors: dict[str, Value],
                  consts: dict[str, Value], grid: tuple[str, ...], loop: str | None, max_ops: int,
                  written: frozenset[str], allowance: float = math.inf, outputs_only: bool = False,
-                 iterators: str = ALL, library: bool = False):
+                 iterators: str = ALL, library: bool = False, indexing: Indexing = NO_INDEXING):
         if iterators not in ITERATOR_SETS:
             raise ValueError(f"iterators must be one of {ITERATOR_SETS}, got {iterators!r}")
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
         self.written, self.allowance, self.outputs_only = written, allowance, outputs_only
         self.iterators = iterators
         self.library = library  # one library op over whole tensors: a reduction reduces its whole dim
+        self.indexing = indexing  # the Program's slices, gathers and concats, which designs may rebuild
         # float16 operands of tl.dot overflow past 65504 where float32 does not: a matmul of a
         # computed operand is offered on TF32 operands too (bfloat16 has float32's range)
         self.tf32_dots = any(v.type.dtype == "float16" for v in tensors.values())
@@ -394,6 +398,10 @@ class BlockGenerator:
         elementwise pair whose broadcast dims carry one label each, a matmul whose operands' last
         dims carry the contracted label. Ill-typed pairs are never built, so they are neither
         generated nor pruned (and not counted)."""
+        if f.type.dtype in INDEX_DTYPES or f.expr[0] == Op.CONCAT:  # only a gather's index; only stored
+            yield from self._pairs(f, partners)
+            return
+        yield from self._windows(f)
         for u in UNARY:
             yield u, (f,), ()
         for d, lb in enumerate(f.labels):
@@ -402,8 +410,48 @@ class BlockGenerator:
                     yield r, (f,), (("dim", d - len(f.labels)), ("keepdim", True))
         yield from self._pairs(f, partners)
 
+    def _windows(self, f: Value) -> Iterator[tuple[str, tuple, tuple]]:
+        """The Program's slices of a tile loaded whole along the sliced dim (a windowed load: a
+        load, or a slice of one; never a computed value, `ir/sgraph.py`)."""
+        if f.expr[0] != "var" or f.partial or f.type.dtype == "const":
+            return
+        for d, lb in enumerate(f.labels):
+            if lb is None or _is_whole(lb) or (not self.library and (lb in self.grid or lb == self.loop)):
+                continue
+            for (label, (start, stop, step)) in self.indexing.slices:
+                if label == lb:
+                    yield Op.SLICE, (f,), (("dim", d), ("start", start), ("step", step), ("stop", stop))
+
+    def _indexed(self, f: Value, b: Value) -> Iterator[tuple[str, tuple, tuple]]:
+        """A gather of table `f` (a load, or a slice of one) by the loaded index `b`; a concat of
+        `f` and `b` as the Program joins values of their labels (it feeds stores only)."""
+        if f.type.dtype in INDEX_DTYPES:
+            return
+        if b.type.dtype in INDEX_DTYPES:
+            if f.expr[0] == "var" and b.ref[0] == "@" and f.type.dtype not in INDEX_DTYPES:
+                for d, lb in enumerate(f.labels):
+                    if lb in self.indexing.gathers:
+                        yield Op.GATHER, (f, b), (("dim", d),)
+            return
+        if f.type.dtype == "const" or b.type.dtype == "const" or f.partial or b.partial:
+            return
+        for x, y in ((f, b), (b, f)) if b is not f else ((f, f),):
+            for il in (False, True):
+                joined = self.indexing.concats.get((x.labels, y.labels, il))
+                if joined:
+                    yield Op.CONCAT, (x, y), (("dim", joined[0]), ("interleave", il))
+
     def _pairs(self, f: Value, partners: list[Value]) -> Iterator[tuple[str, tuple, tuple]]:
+        if self.indexing.slices or self.indexing.gathers or self.indexing.concats:
+            for b in partners:
+                yield from self._indexed(f, b)
+                if f.type.dtype in INDEX_DTYPES and b is not f:
+                    yield from self._indexed(b, f)
+        if f.type.dtype in INDEX_DTYPES or f.expr[0] == Op.CONCAT:
+            return
         for b in partners:
+            if b.type.dtype in INDEX_DTYPES or b.expr[0] == Op.CONCAT:
+                continue
             if _broadcasts(f.labels, b.labels):
                 yield from _binary(f, b)
                 if b.ref != f.ref and b.type.dtype != "const":
@@ -469,7 +517,7 @@ class BlockGenerator:
         if any(v.partial for v in ins) and self.oracle.enabled:
             return None, "abstract_expression"  # a loop-tile partial is no subexpression of the target
         a = dict(attrs)
-        labels = _labels(op, a, ins)
+        labels = _labels(op, a, ins, self.indexing)
         if labels is None:
             return None, "shape"
         try:
@@ -696,8 +744,10 @@ def _fill(survivors: list, slots: tuple[Value, ...], literal: bool) -> Iterator[
 
 
 
-def _labels(op: str, a: dict, ins: tuple[Value, ...]) -> tuple | None:
+def _labels(op: str, a: dict, ins: tuple[Value, ...], indexing: Indexing = NO_INDEXING) -> tuple | None:
     """The result's labels, or None where the operands' labels disagree."""
+    if op in (Op.SLICE, Op.GATHER, Op.CONCAT):
+        return indexed_labels(op, a, [v.labels for v in ins], indexing)
     if op in BINARY:
         x, y = ins[0].labels, ins[1].labels
         out = []
@@ -735,6 +785,13 @@ def _reduced_dim(op: str, a: dict, ins: tuple[Value, ...]) -> str | None:
 def _expr(op: str, a: dict, ins: tuple[Value, ...]) -> tuple[Term, str | None]:
     """The abstract expression of an op, and the label it reduces (if any)."""
     e = [v.expr for v in ins]
+    if op == Op.SLICE:  # of a load: a variable of its own (`windows.slice_var`)
+        rank = len(ins[0].labels)
+        return ("var", slice_var(e[0][1], a["dim"] - rank, canonical(a["start"], a["stop"], a["step"]))), None
+    if op == Op.GATHER:
+        return (Op.GATHER, gather_spec(a["dim"] - len(ins[0].labels)), e[0], e[1]), None
+    if op == Op.CONCAT:
+        return (Op.CONCAT, concat_spec(a["dim"] - len(ins[0].labels), a["interleave"]), e[0], e[1]), None
     if OPS[op].expands_to:  # square: x * x
         return (OPS[op].expands_to, e[0], e[0]), None
     if op in UNARY:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prism_serve.optimize.generate.abstract import BINARY, REDUCE, UNARY, Oracle, Term
+from prism_serve.optimize.generate.abstract import Oracle, Term
 from prism_serve.optimize.generate.block import Value, new_terms
 from prism_serve.optimize.generate.design import program_context
-from prism_serve.optimize.ir.ops import OPS, Op
+from prism_serve.optimize.generate.windows import Indexing, indexing, program_terms, sliced_labels, term_nodes
 from prism_serve.optimize.ir.program import Program, TensorType
 
 
@@ -22,31 +22,7 @@ class Context:
     targets: dict[str, Term]
     labels: tuple[str, ...]  # every index label, in order of first appearance
     oracle: Oracle
-
-
-def program_terms(flat: Program, labels) -> dict[str, Term]:
-    """The abstract expression of every node of an expanded Program."""
-    terms: dict[str, Term] = {}
-    for n in flat.nodes:
-        e = [terms[s] for s in n.inputs]
-        if n.op == "input":
-            t = ("var", n.name)
-        elif n.op == "const":
-            t = ("const", n.name)
-        elif OPS[n.op].expands_to:  # square: x * x
-            t = (OPS[n.op].expands_to, e[0], e[0])
-        elif n.op in BINARY:
-            t = (n.op, e[0], e[1])
-        elif n.op in UNARY:
-            t = (n.op, e[0])
-        elif n.op in REDUCE:
-            t = (n.op, labels.reduced[n.name][0], e[0])
-        elif n.op == Op.MATMUL:
-            t = (Op.SUM, labels.reduced[n.name][0], (Op.MUL, e[0], e[1]))
-        else:
-            raise AssertionError(n.op)
-        terms[n.name] = t
-    return terms
+    indexing: Indexing  # the Program's slices, gathers and concats, by the labels they read
 
 
 def make_context(prog: Program) -> Context:
@@ -56,14 +32,14 @@ def make_context(prog: Program) -> Context:
     terms = program_terms(flat, labels)
     inputs = {f"@{n}": Value(f"@{n}", t.type, t.labels, terms[n]) for n, t in tensors.items()}
     const_values = {f"#{c}": Value(f"#{c}", TensorType((), "const"), (), terms.get(c, ("const", c))) for c in consts}
-    var_labels = {n: frozenset(lb for lb in t.labels if lb) for n, t in tensors.items()}
+    var_labels = {n: frozenset(lb for lb in t.labels if lb) for n, t in tensors.items()} | sliced_labels(flat, labels)
     targets = {o: terms[o] for o in flat.outputs}
     order: list[str] = []
     for n in flat.nodes:
         for lb in labels.dims.get(n.name, ()):
             if lb and lb not in order:
                 order.append(lb)
-    nodes = tuple((terms[n.name], labels.dims[n.name]) for n in flat.nodes)
+    nodes = term_nodes(flat, labels)
     oracle = Oracle(targets, var_labels, tuple(consts), nodes)
     return Context(prog, flat, inputs, const_values, {o: flat.types[o] for o in flat.outputs}, targets,
-                   tuple(order), oracle)
+                   tuple(order), oracle, indexing(flat, labels))

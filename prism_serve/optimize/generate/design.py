@@ -36,6 +36,7 @@ from prism_serve.optimize.ir.ops import OPS, Kind, Op, of_kind, symbols
 from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType,
                                              infer_type, is_tf32, node)
 from prism_serve.optimize.ir.reference import expand_composites
+from prism_serve.optimize.generate.windows import NO_INDEXING, Indexing, indexed_labels, indexing
 from prism_serve.optimize.ir.sgraph import (ACCUM_KINDS, MAX_GRID_AXES, BlockKernel, GridAxis, Kernel, LibraryKernel,
                                             SGraph, TensorDecl, to_expr)
 
@@ -45,7 +46,7 @@ DESIGN_VERSION = 1
 UNARY = symbols() + tuple(op for op in of_kind(Kind.UNARY) if op not in symbols())
 BINARY = of_kind(Kind.BINARY)
 COMMUTATIVE = tuple(op for op in BINARY if OPS[op].commutative)
-DESIGN_OPS = UNARY + BINARY + REDUCTIONS + of_kind(Kind.MATMUL)
+DESIGN_OPS = UNARY + BINARY + REDUCTIONS + of_kind(Kind.MATMUL) + of_kind(Kind.SLICE, Kind.GATHER, Kind.CONCAT)
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,8 @@ def program_context(prog: Program) -> tuple[Program, Labels, dict[str, KTensor],
     return flat, labels, tensors, consts
 
 
-def block_types(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, tuple[TensorType, tuple]]:
+def block_types(spec: BlockSpec, tensors: dict[str, KTensor], indexing: Indexing = NO_INDEXING
+                ) -> dict[str, tuple[TensorType, tuple]]:
     """Logical type and labels of every block op (raises ProgramError / SGraphError)."""
     out: dict[str, tuple[TensorType, tuple]] = {}
     for o in spec.ops:
@@ -259,7 +261,7 @@ def block_types(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, tuple
             continue
         n = Node(o.name, o.op, tuple(f"i{j}" for j in range(len(ins))), o.attrs)
         t = infer_type(n, [i[0] for i in ins])
-        out[o.name] = (t, op_labels(o.op, dict(o.attrs), [i[1] for i in ins]))
+        out[o.name] = (t, op_labels(o.op, dict(o.attrs), [i[1] for i in ins], indexing))
     return out
 
 
@@ -274,8 +276,14 @@ def _operand(s: str, local: dict, tensors: dict[str, KTensor], spec: BlockSpec):
     return local[s]
 
 
-def op_labels(op: str, attrs: dict, ins: list[tuple]) -> tuple:
-    """Labels of an op's result from its operands' (the operands' labels must already agree)."""
+def op_labels(op: str, attrs: dict, ins: list[tuple], indexing: Indexing = NO_INDEXING) -> tuple:
+    """Labels of an op's result from its operands' (the operands' labels must already agree; a
+    slice or concat as the Program has it over those labels)."""
+    if op in (Op.SLICE, Op.GATHER, Op.CONCAT):
+        labels = indexed_labels(op, attrs, ins, indexing)
+        if labels is None:
+            raise SGraphError(f"no {op} of the Program reads labels {ins}")
+        return labels
     if op in ELEMENTWISE_BINARY:
         a, b = ins
         return tuple(reversed([(a[-i] if i <= len(a) else None) or (b[-i] if i <= len(b) else None)
@@ -296,7 +304,8 @@ def build(prog: Program, design: Design) -> SGraph:
     not fit the Program)."""
     from prism_serve.optimize.generate.split import split_kernel
 
-    flat, _, tensors, consts = program_context(prog)
+    flat, labels, tensors, consts = program_context(prog)
+    windows = indexing(flat, labels)
     decls: list[TensorDecl] = []
     kernels: list[Kernel] = []
     try:
@@ -308,12 +317,12 @@ def build(prog: Program, design: Design) -> SGraph:
                         raise SGraphError(f"design kernel {i}: library op reads unknown tensor '{s}'")
                 t = infer_type(n, [tensors[s].type for s in spec.inputs])
                 ins = [tensors[s].labels for s in spec.inputs]
-                tensors[spec.out] = KTensor(spec.out, t, op_labels(spec.op, dict(n.attrs), ins))
+                tensors[spec.out] = KTensor(spec.out, t, op_labels(spec.op, dict(n.attrs), ins, windows))
                 if spec.out not in flat.outputs:
                     decls.append(TensorDecl(spec.out, tuple(to_expr(d) for d in t.shape), t.dtype))
                 kernels.append(LibraryKernel(n))
                 continue
-            types = block_types(spec, tensors)
+            types = block_types(spec, tensors, windows)
             nodes = _block_nodes(spec, i, tensors, consts, types)
             for o in spec.ops:
                 if o.op == "store" and o.attr("tensor") not in tensors:
@@ -398,7 +407,8 @@ def stages(spec: BlockSpec, tensors: dict[str, KTensor]) -> dict[str, str]:
 
 REF = re.compile(rf"(@{T.NAME.pattern}(:whole|:row|:[0-9-]{{1,{MAX_GRID_AXES}}}/[0-9-])?|#{T.NAME.pattern}|{T.NAME.pattern})")
 _DESIGN_ATTRS: dict[str, T.Check] = {"dim": T.DIM_ATTR, "keepdim": T.boolean, "transpose_b": T.boolean,
-                                     "precision": T.OneOf((TF32,)), "kind": T.OneOf(ACCUM_KINDS), "tensor": T.name}
+                                     "precision": T.OneOf((TF32,)), "kind": T.OneOf(ACCUM_KINDS), "tensor": T.name,
+                                     **{k: T.ATTR_CHECKS[k] for k in ("start", "stop", "step", "interleave")}}
 MAX_BLOCK_OPS = 64
 
 

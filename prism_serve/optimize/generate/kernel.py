@@ -50,6 +50,7 @@ from typing import Iterator
 
 from prism_serve.optimize.generate.block import (ALL, ROWS, TILES, BlockGenerator, Counts, Value, base_label,
                                                  input_iterators)
+from prism_serve.optimize.generate.abstract import term_parts
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads,
@@ -76,6 +77,10 @@ class KernelGenerator:
         # per matmul, for a factor moved past it (1/rms after both of an MLP's projections: 11)
         self.alone_ops = max(max_block_ops, sum(n.op not in ("input", "const") for n in ctx.flat.nodes)
                              + sum(n.op == Op.MATMUL for n in ctx.flat.nodes))
+        if ctx.indexing.slices or ctx.indexing.concats:  # slices moved down to the loads take more ops;
+            # the bound on ops still needed (`BlockGenerator._ops_needed`) counts each finished output
+            # but one as a value to join, so a kernel writing all of them has that many ops of slack
+            self.alone_ops = max(self.alone_ops, _target_ops(ctx) + len(ctx.outputs) - 1)
         self.deadline = deadline  # wall clock (perf_counter): a safety net, past it the walk stops
         self.bound = bound
         self.best_us = math.inf  # the best modeled design with fewer kernels than the current depth
@@ -122,7 +127,10 @@ class KernelGenerator:
         if self._choices is not None:
             return self._choices
         ctx = self.ctx
-        out_labels = [lb for lb in ctx.labels if any(lb in v.labels for v in self._outputs_labels())]
+        windows = {lb for lb in ctx.indexing.slices.values()} | {lb for _, lb in ctx.indexing.concats.values()}
+        # a grid axis never partitions a dim that a slice or concat makes (it is read whole)
+        out_labels = [lb for lb in ctx.labels if any(lb in v.labels for v in self._outputs_labels())
+                      and lb not in windows]
         reduced = [lb for lb in ctx.labels if any(lb in r for r in _reduced(ctx))]
         has_tokens = any(NUM_TOKENS in v.labels for v in ctx.inputs.values())
         sizes = {lb: d for v in ctx.inputs.values() for lb, d in zip(v.labels, v.type.shape) if isinstance(d, int)}
@@ -315,7 +323,7 @@ class KernelGenerator:
         if entry is None:
             gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, self.ctx.consts, grid, loop,
                                  self.alone_ops if alone else self.max_block_ops, written, outputs_only=last,
-                                 iterators=iterators)
+                                 iterators=iterators, indexing=self.ctx.indexing)
             entry = self._cache[key] = [[], gen, gen.run()]
             self._advance(key, entry)
         elif self._resumed is not None and entry[2] is not None and key not in self._resumed:
@@ -352,7 +360,8 @@ class KernelGenerator:
     def _library(self, tensors: dict[str, Value], written: frozenset[str], index: int):
         """One IR op over kernel tensors, as a library kernel (same rules as a block op)."""
         gen = BlockGenerator(self.ctx.oracle, self.ctx.outputs, tensors, {}, tuple(self.ctx.labels), None, 1,
-                             written, iterators=TILES, library=True)  # whole tensors: no block iterators
+                             written, iterators=TILES, library=True,  # whole tensors: no block iterators
+                             indexing=self.ctx.indexing)
         for op, ins, attrs in gen.source_candidates():
             self._own.generated += 1
             new, rule = gen._op(op, ins, attrs, "lib")
@@ -376,6 +385,14 @@ def _dead_kernel(kernels: tuple, outputs) -> bool:
         if not writes(k) & (set(outputs) | later):
             return True
     return False
+
+
+def _target_ops(ctx: Context) -> int:
+    """The block ops of the targets' terms as a design with slices on its loads builds them: one
+    per distinct op and per sliced variable (a windowed load; two for a window of a window)."""
+    parts = {p for t in ctx.targets.values() for p in term_parts(t)}
+    return sum(p[0] != "const" and (p[0] != "var" or p[1].count("[")) for p in parts) + \
+        sum(p[1].count("[") - 1 for p in parts if p[0] == "var" and p[1].count("[") > 1)
 
 
 def _reduced(ctx: Context):

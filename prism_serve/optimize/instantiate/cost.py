@@ -31,6 +31,7 @@ from prism_serve.optimize.ir.reference import expand_composites
 from prism_serve.optimize.ir.sgraph import BYTES, BlockKernel, Kernel, sym
 from prism_serve.optimize.target.gpus import ARCH, GRAPH_LAUNCH_US, GpuSpec
 from prism_serve.optimize.target.instance import Instance
+from prism_serve.optimize.target.reads import INDEXING, block_reads
 from prism_serve.optimize.target.resources import KernelResources, blocks_per_sm
 
 LAUNCH_US = GRAPH_LAUNCH_US  # the default mode's launch cost (CUDA-graph replay), for bounds
@@ -132,14 +133,18 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
     token = next((sym(a.symbol) for a in k.grid if a.over_tokens), None)
     # fp32 programs get tl.dot(..., input_precision="ieee") from codegen: FMA units, not tensor cores
     half = any(n.attr("dtype") in ("float16", "bfloat16") for n in g.program.inputs)
+    indexed = block_reads(k)
+    gathered: set[str] = set()  # tensors read only as rows picked by an index
     for n in k.nodes:
-        if n.op == "const":
+        if n.op == "const" or n.name in indexed.virtual:
             continue
         tile = tuple(inst.concrete(d, num_tokens) for d in types[n.name].shape)
         stage = k.stages[n.name]
         times = steps if stage == "loop" else 1
-        if n.op in ("load", "store"):
-            decl = g.tensors[n.attr("tensor")]
+        if n.op in ("load", "store") or n.name in indexed.reads:  # a windowed or indexed load: its own tile
+            decl = g.tensors[(k.by_name[indexed.reads[n.name]] if n.name in indexed.reads else n).attr("tensor")]
+            if n.op == Op.GATHER:
+                gathered.add(decl.name)
             shape = inst.tensor_shape(decl.name, num_tokens)
             waste = _sector_waste(tile[-1] if tile else 1, shape[-1] if shape else 1, BYTES[decl.dtype])
             writers = blocks
@@ -150,7 +155,7 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
             tile_bytes = _numel(rows) * BYTES[decl.dtype] * waste  # masked rows past num_tokens move nothing
             requested[decl.name] = requested.get(decl.name, 0.0) + writers * times * tile_bytes
             unique[decl.name] = max(unique.get(decl.name, 0.0), _numel(shape) * BYTES[decl.dtype] * waste)
-            if n.op == "load":
+            if n.op != "store":
                 key = ("loop" if stage == "loop" else "pre", decl.name)
                 in_flight[key] = max(in_flight.get(key, 0.0), tile_bytes)
         elif n.op == Op.MATMUL:
@@ -165,8 +170,10 @@ def block_kernel_cost(inst: Instance, k: BlockKernel, num_tokens: int, gpu: GpuS
                     tc += 2.0 * m * kk * nn * blocks * times
             else:
                 fp32 += 2.0 * a_dims * kk * nn * blocks * times
-        else:
+        elif n.op not in INDEXING:
             fp32 += _numel(tile) * blocks * times
+    for name in gathered:  # an indexed load's rows come from DRAM once, however large the table
+        unique[name] = min(unique[name], requested[name])
     dram, l2 = _split_l2(requested, unique, gpu)
     resident = max(blocks_per_sm(res, gpu), 1)
     per_stage = {st: sum(b for (s, _), b in in_flight.items() if s == st) for st in ("pre", "loop")}
@@ -217,6 +224,8 @@ def _library_cost(prog_types, op, num_tokens: int, gpu: GpuSpec, name: str, grap
 
     out = prog_types[name]
     dram = nbytes(out) + sum(nbytes(prog_types[s]) for s in op.inputs if prog_types[s].dtype != "const")
+    if op.op in (Op.SLICE, Op.GATHER):  # reads its window / the rows it picks (and the index), not the whole table
+        dram = 2 * nbytes(out) + sum(nbytes(prog_types[s]) for s in op.inputs[1:])
     tc = fp32 = 0.0
     if op.op == Op.MATMUL:
         a = prog_types[op.inputs[0]]

@@ -26,7 +26,7 @@ from prism_serve.errors import CodegenError
 from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel
 from prism_serve.optimize.target.instance import Instance
 
-TRITON_PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
+TRITON_PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int32": "*i32", "int64": "*i64"}
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def _compile_plan(plan_path: str) -> None:
 
 
 def _kernel_name(inst: Instance, k: BlockKernel) -> str:
-    from prism_serve.optimize.codegen.render import ident
+    from prism_serve.optimize.codegen.source import ident
     return f"{ident(inst.sgraph.name)[2:]}_{ident(k.name)[2:]}"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import subprocess
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -38,7 +39,8 @@ class Candidate:
 
 
 def split_sizes(g: SGraph) -> dict[str, int]:
-    """The size of the data dim each grid / loop symbol divides (a loop's, before any split)."""
+    """The size of the data dim each grid / loop symbol divides (a loop's, before any split); where
+    one axis divides dims of several sizes (a head block over q's and k's heads), their gcd."""
     sizes: dict[str, int] = {}
     for k in g.kernels:
         if not isinstance(k, BlockKernel):
@@ -48,7 +50,7 @@ def split_sizes(g: SGraph) -> dict[str, int]:
             maps = n.attr("imap") if n.op == "load" else n.attr("omap")
             for axis, d in zip(k.grid, maps):
                 if d is not None and not axis.over_tokens and not shape[d].free_symbols:
-                    sizes.setdefault(axis.symbol, int(shape[d]))
+                    sizes[axis.symbol] = math.gcd(sizes.get(axis.symbol, 0), int(shape[d]))
             if n.op == "load" and n.attr("fmap") is not None and not shape[n.attr("fmap")].free_symbols:
                 sizes.setdefault(k.forloop, int(shape[n.attr("fmap")]))
         for axis in k.grid:  # an axis that partitions nothing (a size-1 label) has extent 1

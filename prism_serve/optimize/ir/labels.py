@@ -96,6 +96,15 @@ def index_labels(prog: Program, seed: dict[str, tuple[Label, ...]] | None = None
                 uf.union(a[-1], bk)
             reduced_raw[n.name] = (a[-1] or bk,) if (a[-1] or bk) else ()
             labels = _align(uf, a[:-2], b[:-2]) + (a[-2], bn)
+        elif n.op == Op.GATHER:  # the table's gathered dim gives way to the index's dims
+            d = n.attr("dim") % len(ins[0])
+            labels = ins[0][:d] + ins[1] + ins[0][d + 1:]
+        elif n.op in (Op.SLICE, Op.CONCAT):  # a window or a join is a new index along its dim
+            d = n.attr("dim") % len(ins[0])
+            new = None if t.shape[d] == 1 else uf.add(f"{_ident(n.name)}{d}")
+            kept = [x[:d] + x[d + 1:] for x in ins]
+            kept = _align(uf, *kept) if n.op == Op.CONCAT else kept[0]
+            labels = kept[:d] + (new,) + kept[d:]
         else:
             raise ProgramError(f"node '{n.name}': op {n.op!r} must be expanded before labelling")
         raw[n.name] = labels

@@ -42,6 +42,9 @@ class Op:
     MEAN = "mean"
     MAX = "max"
     RMS_NORM = "rms_norm"
+    GATHER = "gather"
+    SLICE = "slice"
+    CONCAT = "concat"
 
 
 class Kind(Enum):
@@ -53,6 +56,9 @@ class Kind(Enum):
     UNARY = "unary"  # elementwise
     REDUCE = "reduce"  # along attribute dim, keepdim
     COMPOSITE = "composite"  # expanded into primitives before any stage but the library kernel
+    GATHER = "gather"  # rows of a float table picked along a fixed dim by an integer index tensor
+    SLICE = "slice"  # a strided window along a fixed dim
+    CONCAT = "concat"  # two tensors joined (or interleaved) along a fixed dim
 
 
 # The tag the abstract expressions give sqrt and rsqrt alike (x * rsqrt(y) = x / sqrt(y)).
@@ -92,6 +98,25 @@ def _reduce(fn: str) -> Callable:
     return lambda args, a: getattr(_torch(), fn)(args[0], dim=a["dim"], keepdim=a["keepdim"])
 
 
+def _gather(args, a):
+    table, index = args
+    dim = a["dim"] % table.dim()
+    out_shape = table.shape[:dim] + index.shape + table.shape[dim + 1:]
+    return table.index_select(dim, index.reshape(-1)).reshape(out_shape)
+
+
+def _slice(args, a):
+    x = args[0]
+    return x[(slice(None),) * (a["dim"] % x.dim()) + (slice(a["start"], a["stop"], a["step"]),)]
+
+
+def _concat(args, a):
+    dim = a["dim"] % args[0].dim()
+    if a["interleave"]:  # out[2i] = a[i], out[2i + 1] = b[i] along dim
+        return _torch().stack(args, dim + 1).flatten(dim, dim + 1)
+    return _torch().cat(args, dim)
+
+
 _REDUCE_ATTRS = {"dim": int, "keepdim": bool}
 DEFINITIONS: tuple[OpDef, ...] = (
     OpDef(Op.INPUT, Kind.LEAF, 0, {"shape": tuple, "dtype": str}),
@@ -126,6 +151,12 @@ DEFINITIONS: tuple[OpDef, ...] = (
     OpDef(Op.MAX, Kind.REDUCE, 1, _REDUCE_ATTRS, {"keepdim": False}, torch=_reduce("amax"),
           torch_source="torch.amax", tag="max"),
     OpDef(Op.RMS_NORM, Kind.COMPOSITE, (1, 2), {"eps": float}),
+    # gather(table, index): out shape table.shape[:dim] + index.shape + table.shape[dim + 1:]
+    OpDef(Op.GATHER, Kind.GATHER, 2, {"dim": int}, torch=_gather),
+    # slice(x)[..., i, ...] = x[..., start + i * step, ...] along dim, for i < ceil((stop - start) / step)
+    OpDef(Op.SLICE, Kind.SLICE, 1, {"dim": int, "start": int, "stop": int, "step": int}, {"step": 1},
+          torch=_slice),
+    OpDef(Op.CONCAT, Kind.CONCAT, 2, {"dim": int, "interleave": bool}, {"interleave": False}, torch=_concat),
 )
 OPS: Mapping[str, OpDef] = {d.name: d for d in DEFINITIONS}
 

@@ -21,7 +21,9 @@ from prism_serve.optimize.ir.ops import OPS as OP_DEFS
 from prism_serve.optimize.ir.ops import Kind, Op, of_kind
 
 NUM_TOKENS = "num_tokens"
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")  # of tensors that computations read and write
+# of integer inputs (positions, slot mappings): only ever the index operand of a gather
+INDEX_DTYPES = ("int32", "int64")
 IR_VERSION = 1
 
 Dim = int | str  # an int, or NUM_TOKENS
@@ -30,6 +32,7 @@ Shape = tuple[Dim, ...]
 ELEMENTWISE_BINARY = of_kind(Kind.BINARY)
 ELEMENTWISE_UNARY = of_kind(Kind.UNARY)
 REDUCTIONS = of_kind(Kind.REDUCE)
+INDIRECTION = of_kind(Kind.GATHER, Kind.SLICE, Kind.CONCAT)
 OPS = tuple(OP_DEFS)
 ARITY = {name: d.arity for name, d in OP_DEFS.items()}
 ATTRS = {name: dict(d.attrs) for name, d in OP_DEFS.items() if d.attrs}  # required attributes, with their types
@@ -96,17 +99,72 @@ def _broadcast(a: Shape, b: Shape, where: str) -> Shape:
     return tuple(reversed(out))
 
 
+def _fixed_dim(n: Node, shape: Shape, what: str) -> int:
+    """`n`'s attribute dim, normalised, checked to be within `shape`'s rank and a fixed size."""
+    dim = n.attr("dim")
+    if not -len(shape) <= dim < len(shape):
+        raise ProgramError(f"node '{n.name}': {n.op} dim {dim} out of range for {what} shape {shape}")
+    dim %= len(shape)
+    if shape[dim] == NUM_TOKENS:
+        raise ProgramError(f"node '{n.name}': {n.op} along dim {dim} of {what} shape {shape}, "
+                           f"which is {NUM_TOKENS}; it must be a fixed size")
+    return dim
+
+
+def _check_index_operands(n: Node, srcs: list[TensorType]) -> None:
+    """Integer tensors are a gather's index and nothing else; a gather's index is one."""
+    for i, s in enumerate(srcs):
+        is_index = n.op == Op.GATHER and i == 1
+        if is_index and s.dtype not in INDEX_DTYPES:
+            raise ProgramError(f"node '{n.name}': gather index '{n.inputs[i]}' is {s.dtype}, "
+                               f"not an integer tensor ({' or '.join(INDEX_DTYPES)})")
+        if not is_index and s.dtype in INDEX_DTYPES:
+            raise ProgramError(f"node '{n.name}': input '{n.inputs[i]}' is an integer tensor ({s.dtype}), "
+                               f"which only a gather's index may be")
+
+
+def _indirection_type(n: Node, srcs: list[TensorType]) -> TensorType:
+    """The type rules of gather, slice and concat (fixed dims only: no op changes num_tokens)."""
+    if n.op == Op.GATHER:
+        table, index = srcs
+        dim = _fixed_dim(n, table.shape, "table")
+        return TensorType(table.shape[:dim] + index.shape + table.shape[dim + 1:], table.dtype)
+    x = srcs[0]
+    dim = _fixed_dim(n, x.shape, "input")
+    if n.op == Op.SLICE:
+        start, stop, step, size = n.attr("start"), n.attr("stop"), n.attr("step"), x.shape[dim]
+        if not (0 <= start < stop <= size and step >= 1):
+            raise ProgramError(f"node '{n.name}': slice [{start}:{stop}:{step}] of dim {dim} (size {size}) "
+                               f"needs 0 <= start < stop <= {size} and step >= 1")
+        return TensorType(x.shape[:dim] + (-(-(stop - start) // step),) + x.shape[dim + 1:], x.dtype)
+    a, b = srcs
+    if len(a.shape) != len(b.shape) or any(p != q for i, (p, q) in enumerate(zip(a.shape, b.shape)) if i != dim):
+        raise ProgramError(f"node '{n.name}': concat of shapes {a.shape} and {b.shape} along dim {dim}: "
+                           f"they must be equal but at that dim")
+    if n.attr("interleave") and a.shape[dim] != b.shape[dim]:
+        raise ProgramError(f"node '{n.name}': interleaved concat of shapes {a.shape} and {b.shape} needs "
+                           f"equal sizes at dim {dim}")
+    if b.shape[dim] == NUM_TOKENS:
+        raise ProgramError(f"node '{n.name}': concat along dim {dim} of shape {b.shape}, which is {NUM_TOKENS}; "
+                           f"it must be a fixed size")
+    dtype = a.dtype if a.dtype == b.dtype else "float32"
+    return TensorType(a.shape[:dim] + (a.shape[dim] + b.shape[dim],) + a.shape[dim + 1:], dtype)
+
+
 def infer_type(n: Node, srcs: list[TensorType]) -> TensorType:
     if n.op == "input":
         shape, dtype = n.attr("shape"), n.attr("dtype")
-        if dtype not in DTYPES:
-            raise ProgramError(f"node '{n.name}': dtype {dtype!r} is not one of {DTYPES}")
+        if dtype not in DTYPES + INDEX_DTYPES:
+            raise ProgramError(f"node '{n.name}': dtype {dtype!r} is not one of {DTYPES + INDEX_DTYPES}")
         for d in shape:
             if not (d == NUM_TOKENS or (isinstance(d, int) and not isinstance(d, bool) and d > 0)):
                 raise ProgramError(f"node '{n.name}': dim {d!r} is neither a positive int nor {NUM_TOKENS!r}")
         return TensorType(shape, dtype)
     if n.op == "const":
         return TensorType((), "const")
+    _check_index_operands(n, srcs)
+    if n.op in INDIRECTION:
+        return _indirection_type(n, srcs)
     # mixed precisions promote to float32; `const` nodes take their partner's dtype
     dtypes = [s.dtype for s in srcs if s.dtype != "const"] or ["float32"]
     dtype = dtypes[0] if all(d == dtypes[0] for d in dtypes) else "float32"
@@ -192,6 +250,9 @@ class Program:
                 raise ProgramError(f"program '{self.name}': output '{out}' is not a node")
             if types[out].dtype == "const":
                 raise ProgramError(f"program '{self.name}': output '{out}' is a constant")
+            if types[out].dtype in INDEX_DTYPES:
+                raise ProgramError(f"program '{self.name}': output '{out}' is an integer tensor "
+                                   f"({types[out].dtype}); outputs are float tensors")
         object.__setattr__(self, "types", types)
 
     @cached_property

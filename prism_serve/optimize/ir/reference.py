@@ -13,9 +13,10 @@ import torch
 
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.ir.ops import OPS, Op
-from prism_serve.optimize.ir.program import NUM_TOKENS, Node, Program, bind_shape, node
+from prism_serve.optimize.ir.program import INDEX_DTYPES, NUM_TOKENS, Node, Program, bind_shape, node
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 
 
 def expand_composites(prog: Program) -> Program:
@@ -81,7 +82,7 @@ def evaluate(prog: Program, inputs: Sequence[torch.Tensor] | Mapping[str, torch.
                     raise ProgramError(f"input '{n.name}': num_tokens is {got} here but {num_tokens} elsewhere")
             elif want != got:
                 raise ProgramError(f"input '{n.name}': expected shape {shape}, got {tuple(t.shape)}")
-        env[n.name] = t.to(precision)
+        env[n.name] = t.to(torch.int64 if n.attr("dtype") in INDEX_DTYPES else precision)
     for n in expand_composites(prog).nodes:
         if n.op != "input":
             env[n.name] = _apply(n, [env[s] for s in n.inputs], precision)
@@ -96,14 +97,33 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
+def index_bounds(prog: Program) -> dict[str, int]:
+    """Per integer input, how many rows its values may pick: the smallest gathered dim it indexes
+    (1 for an index no gather reads)."""
+    rows: dict[str, int] = {}
+    for n in prog.nodes:
+        if n.op == Op.GATHER:
+            table = prog.types[n.inputs[0]].shape
+            size = table[n.attr("dim") % len(table)]
+            rows[n.inputs[1]] = min(rows.get(n.inputs[1], size), size)
+    return {n.name: rows.get(n.name, 1) for n in prog.inputs if n.attr("dtype") in INDEX_DTYPES}
+
+
 def random_inputs(prog: Program, num_tokens: int, *, seed: int | None = None,
                   device: str = "cpu", dtype: str | None = None) -> list[torch.Tensor]:
-    """Fresh random inputs for `prog` (standard normal, scaled so matmuls stay O(1))."""
+    """Fresh random inputs for `prog` (standard normal, scaled so matmuls stay O(1)); an integer
+    input's values uniform in [0, rows it may pick) (`index_bounds`), in its own dtype. `dtype`
+    overrides the float inputs' dtype only."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed if seed is not None else fresh_seed())
+    bounds = index_bounds(prog)
     out = []
     for n in prog.inputs:
         shape = bind_shape(n.attr("shape"), num_tokens)
+        if n.name in bounds:
+            t = torch.randint(0, bounds[n.name], shape, generator=gen, dtype=torch.int64)
+            out.append(t.to(device=device, dtype=TORCH_INDEX_DTYPES[n.attr("dtype")]))
+            continue
         t = torch.randn(shape, generator=gen, dtype=torch.float32)
         if len(shape) >= 2:
             t = t / shape[-1] ** 0.25

@@ -25,6 +25,7 @@ from prism_serve.optimize.ir.program import (
     ARITY,
     DEFAULTS,
     DTYPES,
+    INDEX_DTYPES,
     IR_VERSION,
     NUM_TOKENS,
     OPS,
@@ -200,10 +201,14 @@ class OneOf:
 DIM_ATTR = lambda v, w, e: int_in(v, -MAX_RANK, MAX_RANK - 1, w, e)  # noqa: E731
 _EPS = lambda v, w, e: float_in(v, 0.0, 1.0, w, e, open_lo=True)  # noqa: E731
 _VALUE = lambda v, w, e: float_in(v, -1e30, 1e30, w, e)  # noqa: E731
+MAX_INDEX = 2**20  # a slice's start / stop / step (the Program's type rule bounds them by the dim's size)
+_START = lambda v, w, e: int_in(v, 0, MAX_INDEX, w, e)  # noqa: E731
+_STOP_STEP = lambda v, w, e: int_in(v, 1, MAX_INDEX, w, e)  # noqa: E731
 
 # The check of each IR op attribute the registry declares (`OpDef.attrs`), by its name: its bounds
-ATTR_CHECKS: dict[str, Check] = {"shape": _shape, "dtype": OneOf(DTYPES), "value": _VALUE, "eps": _EPS,
-                                 "dim": DIM_ATTR, "keepdim": boolean, "transpose_b": boolean}
+ATTR_CHECKS: dict[str, Check] = {"shape": _shape, "dtype": OneOf(DTYPES + INDEX_DTYPES), "value": _VALUE,
+                                 "eps": _EPS, "dim": DIM_ATTR, "keepdim": boolean, "transpose_b": boolean,
+                                 "start": _START, "stop": _STOP_STEP, "step": _STOP_STEP, "interleave": boolean}
 
 
 def _op_schema(d: OpDef) -> tuple[dict[str, Check], dict[str, Check]]:

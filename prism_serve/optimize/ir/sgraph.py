@@ -17,6 +17,12 @@ nodes plus three block-only ops:
   kernel tensor; with ``fmap``, a loop-body value is written every iteration as the tile the
   for-loop selects along that dim (a fused producer's own output, e.g. the residual sum).
 
+Block graphs may also hold ``slice``, ``gather`` and ``concat``, placed so that Triton renders
+them without slicing registers (`_check_indirection`): a slice or gather reads a *window*, a load
+followed by slices and at most one gather (rendered as one windowed, strided or indexed load), on
+dims the load maps no grid axis or loop onto; a gather's index is a load of an integer tensor; a
+concat feeds only stores (one per part, at its offset) and other concats.
+
 Tile dims are sympy expressions of the symbols. A grid axis over the symbolic
 ``num_tokens`` dim is parametrised by its block of tokens (`over_tokens`),
 because num_tokens is only known at launch: its extent is ceil(num_tokens / symbol)
@@ -37,7 +43,8 @@ import sympy
 from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.ir.dims import parse_dim, render
 from prism_serve.optimize.ir.ops import Op
-from prism_serve.optimize.ir.program import NUM_TOKENS, Node, Program, TensorType, code_spelling, infer_type
+from prism_serve.optimize.ir.program import (INDEX_DTYPES, NUM_TOKENS, Node, Program, TensorType, code_spelling,
+                                             infer_type)
 
 SGRAPH_VERSION = 1
 TOKENS = sympy.Symbol(NUM_TOKENS, positive=True, integer=True)
@@ -289,6 +296,9 @@ def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, writ
                 types[n.name] = TensorType(tile, decl.dtype)
             else:
                 value = types[n.inputs[0]]
+                if value.dtype in INDEX_DTYPES:
+                    raise _fail(at, f"stores an integer tile ({value.dtype}); integer tensors are inputs only")
+                _check_concat_store(at, k, n, decl, types)
                 if [d for d in value.shape if d != 1] != [d for d in tile if d != 1]:
                     raise _fail(at, f"value tile {value.shape} does not fit the tile {tile} of '{name}'")
                 if fmap is None and k.stages[n.inputs[0]] == "loop":
@@ -307,12 +317,15 @@ def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, writ
                 raise _fail(at, "accumulates a value that does not change in the loop")
             if (kind == "rescaled_sum") != (len(n.inputs) == 2):
                 raise _fail(at, "rescaled_sum takes (value, max accumulator); other kinds take one input")
+            if types[n.inputs[0]].dtype in INDEX_DTYPES or k.by_name[n.inputs[0]].op == Op.CONCAT:
+                raise _fail(at, "accumulates an integer tile or a concat")
             if kind == "rescaled_sum":
                 m = k.by_name[n.inputs[1]]
                 if m.op != "accum" or m.attr("kind") != Op.MAX:
                     raise _fail(at, f"rescales by '{m.name}', which is not a max accumulator")
             types[n.name] = types[n.inputs[0]]
         else:
+            _check_indirection(at, k, n, types)
             if k.stages[n.name] == "loop":
                 bad = [s for s in n.inputs if k.stages[s] == "post" and
                        not (k.by_name[s].op == "accum" and k.by_name[s].attr("kind") == Op.MAX)]
@@ -334,6 +347,86 @@ def _check_block(gname: str, k: BlockKernel, tensors: dict, declared: dict, writ
     if both:  # one block may read what another has already overwritten
         raise _fail(where, f"loads and stores tensor '{both[0]}'")
     return types
+
+
+WINDOW_OPS = ("load", Op.SLICE, Op.GATHER)  # the nodes of a window: one load, then slices and one gather
+
+
+def window_source(k: BlockKernel, types: Mapping[str, TensorType], name: str, dim: int) -> tuple[Node, int | None]:
+    """The load under window node `name` and the dim of its tensor that the window's `dim` reads
+    (None: a dim of the gather's index)."""
+    n = k.by_name[name]
+    dim %= len(types[name].shape)
+    if n.op == "load":
+        return n, dim
+    if n.op == Op.SLICE:
+        return window_source(k, types, n.inputs[0], dim)
+    g = n.attr("dim") % len(types[n.inputs[0]].shape)
+    rank = len(types[n.inputs[1]].shape)
+    if g <= dim < g + rank:
+        return window_source(k, types, n.inputs[0], g)[0], None
+    return window_source(k, types, n.inputs[0], dim if dim < g else dim - rank + 1)
+
+
+def _gathers(k: BlockKernel, name: str) -> bool:
+    """Whether window node `name` holds a gather."""
+    n = k.by_name[name]
+    return n.op == Op.GATHER or (n.op == Op.SLICE and _gathers(k, n.inputs[0]))
+
+
+def _check_indirection(at: str, k: BlockKernel, n: Node, types: dict[str, TensorType]) -> None:
+    """The placement rules of slice, gather and concat in a block graph (see the module docstring)."""
+    read_concat = [s for s in n.inputs if k.by_name[s].op == Op.CONCAT]
+    if read_concat and n.op != Op.CONCAT:
+        raise _fail(at, f"reads concat '{read_concat[0]}'; a concat feeds only stores and other concats")
+    if n.op not in (Op.SLICE, Op.GATHER):
+        return
+    src = n.inputs[0]
+    if k.by_name[src].op not in WINDOW_OPS:
+        raise _fail(at, f"{n.op} of '{src}', a computed value: a {n.op} reads a load (or a window of one), "
+                        f"so that it renders as one windowed or indexed load")
+    rank = len(types[src].shape)
+    dim = n.attr("dim")
+    if not -rank <= dim < rank:
+        return  # the type rule names it
+    load, tdim = window_source(k, types, src, dim)
+    if tdim is None:
+        raise _fail(at, f"{n.op} along dim {dim % rank} of '{src}', a dim of its gather's index")
+    if tdim in load.attr("imap") or load.attr("fmap") == tdim:
+        raise _fail(at, f"{n.op} along dim {tdim} of '{load.attr('tensor')}', which load '{load.name}' "
+                        f"partitions over the grid or the loop; that dim must be whole in the tile")
+    if not types[load.name].shape[tdim].is_Integer:
+        raise _fail(at, f"{n.op} along dim {tdim} of '{load.attr('tensor')}', which is {NUM_TOKENS}; "
+                        f"it must be a fixed size")
+    if n.op == Op.GATHER:
+        index = k.by_name[n.inputs[1]]
+        if _gathers(k, src):
+            raise _fail(at, f"gathers from '{src}', which is already gathered; one gather per window")
+        if index.op != "load" or types[index.name].dtype not in INDEX_DTYPES:
+            raise _fail(at, f"gather index '{index.name}' must be a load of an integer tensor")
+        if types[src].shape[dim % rank] != types[load.name].shape[tdim]:
+            raise _fail(at, f"gathers along dim {tdim} of '{load.attr('tensor')}', which a slice narrowed; "
+                            f"gather first, then slice")
+
+
+def _check_concat_store(at: str, k: BlockKernel, st: Node, decl: TensorDecl, types: dict[str, TensorType]) -> None:
+    """A store of a concat writes each part at its offset: along fixed dims the store leaves whole."""
+    value = k.by_name[st.inputs[0]]
+    if value.op != Op.CONCAT:
+        return
+    rank = len(decl.shape)
+    if len(types[value.name].shape) != rank:
+        raise _fail(at, f"stores concat '{value.name}' of rank {len(types[value.name].shape)} into a tensor "
+                        f"of rank {rank}; a stored concat has the tensor's rank")
+    omap, fmap = st.attr("omap"), dict(st.attrs).get("fmap")
+    stack = [value]
+    while stack:
+        c = stack.pop()
+        d = c.attr("dim") % rank
+        if d in omap or fmap == d or not decl.shape[d].is_Integer:
+            raise _fail(at, f"stores concat '{c.name}' along dim {d}, which the store partitions over the grid "
+                            f"or the loop (or is {NUM_TOKENS}); that dim must be whole and fixed in the tile")
+        stack += [k.by_name[s] for s in c.inputs if k.by_name[s].op == Op.CONCAT]
 
 
 def _check_maps(at: str, k: BlockKernel, decl: TensorDecl, imap: tuple, fmap: int | None) -> None:
@@ -384,7 +477,7 @@ def evaluate_dim(expr: Expr, values: Mapping[str, int]) -> Fraction:
     return value
 
 
-BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 
 
 def _exact(gname: str, where: str, dim: Expr, values: dict) -> int:

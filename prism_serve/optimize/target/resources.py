@@ -66,6 +66,7 @@ from prism_serve.errors import SGraphError
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import REDUCTIONS, is_tf32
 from prism_serve.optimize.ir.sgraph import BYTES, BlockKernel, SGraph, _exact, sym
+from prism_serve.optimize.target.reads import block_reads
 
 # Architectural limits of every NVIDIA GPU from compute capability 5.0 to 10.0 (CUDA C++
 # Programming Guide, "Technical Specifications per Compute Capability"): 64 K 32-bit
@@ -300,11 +301,12 @@ def _register_demand(k: BlockKernel, types, padded_of: dict, dots: tuple[str, ..
     loads, accums, tiles, products, reduced = [], [], [], [], []
     by_name = {n.name: n for n in k.nodes}
     seen_operands: set[str] = set()
+    indexed = block_reads(k)
     for n in k.nodes:
-        if n.name not in padded_of:
+        if n.name not in padded_of or n.name in indexed.virtual:
             continue
         size = math.prod(padded_of[n.name])
-        if n.op == "load":
+        if n.op == "load" or n.name in indexed.reads:  # a windowed or indexed load holds its own tile
             loads.append((size * BYTES.get(types[n.name].dtype, 4), k.stages[n.name] == "loop"))
         elif n.op == "accum" and n.inputs[0] not in dots:
             accums.append(size)
@@ -363,7 +365,9 @@ def _resources(g: SGraph, k: BlockKernel, values: Mapping[str, int], pad: bool) 
     types, dims_of, padded_of = _analyse(g, k, values, pad)
     dots = _dots(k, padded_of)
     demand = _register_demand(k, types, padded_of, dots, values)
-    largest = max(((n, math.prod(p)) for n, p in padded_of.items()), key=lambda t: t[1], default=("", 0))
+    virtual = block_reads(k).virtual
+    largest = max(((n, math.prod(p)) for n, p in padded_of.items() if n not in virtual), key=lambda t: t[1],
+                  default=("", 0))
     batched = next((n.name for n in k.nodes if n.op == Op.MATMUL
                     and any(d != 1 for s in n.inputs for d in dims_of[s][:-2])), None)
     warps = choose_warps(demand)

@@ -12,8 +12,10 @@ import torch
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.codegen.render import compile_instance
-from prism_serve.optimize.ir.program import NUM_TOKENS, Node, Program, node
-from prism_serve.optimize.ir.reference import TOLERANCE, TORCH_DTYPES, evaluate, fresh_seed, max_rel_error, random_inputs
+from prism_serve.optimize.ir.ops import Op
+from prism_serve.optimize.ir.program import INDEX_DTYPES, NUM_TOKENS, Node, Program, node
+from prism_serve.optimize.ir.reference import (TOLERANCE, TORCH_DTYPES, evaluate, fresh_seed, index_bounds,
+                                               max_rel_error, random_inputs)
 from prism_serve.optimize.ir.sgraph import SGraph
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import Instance, instantiate
@@ -21,12 +23,25 @@ from prism_serve.optimize.target.instance import Instance, instantiate
 SMALL_DIM = 48  # not a power of two, so padding and masks are exercised
 
 
+def _placed_sizes(prog: Program) -> set[int]:
+    """The sizes of the dims that a slice cuts or a concat joins: their attributes and shapes name
+    them, so they are not cut."""
+    sizes: set[int] = set()
+    for n in prog.nodes:
+        if n.op in (Op.SLICE, Op.CONCAT):
+            sizes |= {prog.types[s].shape[n.attr("dim")] for s in n.inputs} | {prog.types[n.name].shape[n.attr("dim")]}
+    return sizes
+
+
 def small_program(prog: Program, limit: int = SMALL_DIM) -> Program:
-    """`prog` with every fixed dim over `limit` cut to `limit` (equal dims stay equal)."""
+    """`prog` with every fixed dim over `limit` cut to `limit` (equal dims stay equal), but for the
+    sizes a slice or concat reads (rotary's head and rotary dims): a gathered table keeps its
+    columns and loses rows."""
+    kept = _placed_sizes(prog)
     nodes: list[Node] = []
     for n in prog.nodes:
         if n.op == "input":
-            shape = tuple(d if isinstance(d, str) or d <= limit else limit for d in n.attr("shape"))
+            shape = tuple(d if isinstance(d, str) or d <= limit or d in kept else limit for d in n.attr("shape"))
             n = node(n.name, "input", shape=shape, dtype=n.attr("dtype"))
         nodes.append(n)
     return Program(prog.name, tuple(nodes), prog.outputs)
@@ -77,11 +92,13 @@ def check_numerics(inst: Instance, dtype: str | None = None, *, tokens: tuple[in
                    seed: int | None = None, device: str = "cpu") -> NumericVerdict:
     """Run `inst`'s kernels through Triton with inputs in `dtype` (the program's by default):
     a few outlier channels at the largest magnitude the reference survives and at 1e4; then
-    fresh random inputs at each of `tokens`, the last with two rows of zeros. A case fails when an
-    output overflows (inf) or turns NaN where the reference's output, in `dtype`, stays finite, or
-    misses the dtype's tolerance against the exact (float64) reference where the float32 reference
-    does not. The check stops at the first failing case (each case is a run of the interpreter).
-    The references run on the CPU; the kernels on `device` ("cpu": Triton's interpreter)."""
+    fresh random inputs at each of `tokens`, the last with two rows of zeros; where integer inputs
+    index a table, they pick its last and first rows at each of `tokens`, then a few rows repeated
+    in random order. A case fails when an output overflows (inf) or turns NaN where the
+    reference's output, in `dtype`, stays finite, or misses the dtype's tolerance against the
+    exact (float64) reference where the float32 reference does not. The check stops at the first
+    failing case (each case is a run of the interpreter). The references run on the CPU; the
+    kernels on `device` ("cpu": Triton's interpreter)."""
     inst = _retyped(inst, dtype) if dtype else inst
     prog = inst.sgraph.program
     dtype = prog.inputs[0].attr("dtype")
@@ -104,6 +121,12 @@ def check_numerics(inst: Instance, dtype: str | None = None, *, tokens: tuple[in
                 yield f"random inputs with zero rows{at(nt)}", nt, _zero_rows(prog, inputs)
             else:
                 yield f"random inputs{at(nt)}", nt, inputs
+        if index_bounds(prog):  # rows picked at the table's edges (one token: the last), repeated in random order
+            for nt in tokens:
+                yield f"indices at the last and first rows{at(nt)}", nt, \
+                    _edge_indices(prog, random_inputs(prog, nt, seed=fresh()))
+            inputs = random_inputs(prog, big, seed=fresh())
+            yield f"repeated indices in random order{at(big)}", big, _repeated_indices(prog, inputs, gen)
 
     cases: list[Case] = []
     for name, nt, inputs in plans():
@@ -156,14 +179,14 @@ def _survived(prog: Program, output: str, ref: torch.Tensor, exact: torch.Tensor
 
 
 def _activations(prog: Program) -> list[int]:
-    """Positions of the inputs that carry activations: those with a num_tokens dim, else (attention)
-    those of the largest rank."""
-    ins = prog.inputs
-    tok = [i for i, n in enumerate(ins) if NUM_TOKENS in n.attr("shape")]
+    """Positions of the float inputs that carry activations: those with a num_tokens dim, else
+    (attention) those of the largest rank."""
+    ins = [(i, n) for i, n in enumerate(prog.inputs) if n.attr("dtype") not in INDEX_DTYPES]
+    tok = [i for i, n in ins if NUM_TOKENS in n.attr("shape")]
     if tok:
         return tok
-    rank = max(len(n.attr("shape")) for n in ins)
-    return [i for i, n in enumerate(ins) if len(n.attr("shape")) == rank]
+    rank = max(len(n.attr("shape")) for _, n in ins)
+    return [i for i, n in ins if len(n.attr("shape")) == rank]
 
 
 def _zero_rows(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -174,6 +197,28 @@ def _zero_rows(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             t = out[i].clone()
             t[..., sorted({0, t.shape[-2] // 2}), :] = 0
             out[i] = t
+    return out
+
+
+def _edge_indices(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every integer input alternating between the last row it may pick and row 0 (the last first:
+    one token picks the last row)."""
+    out, rows = list(inputs), index_bounds(prog)
+    for i, n in enumerate(prog.inputs):
+        if n.name in rows:
+            t = inputs[i]
+            out[i] = torch.tensor([rows[n.name] - 1, 0], dtype=t.dtype).repeat(t.numel())[:t.numel()].reshape(t.shape)
+    return out
+
+
+def _repeated_indices(prog: Program, inputs: list[torch.Tensor], gen: torch.Generator) -> list[torch.Tensor]:
+    """Every integer input holding a third as many values as elements, each repeated, in random order."""
+    out, rows = list(inputs), index_bounds(prog)
+    for i, n in enumerate(prog.inputs):
+        if n.name in rows:
+            t = inputs[i].reshape(-1)
+            few = t[:max(1, t.numel() // 3)]
+            out[i] = few[torch.randint(few.numel(), (t.numel(),), generator=gen)].reshape(inputs[i].shape)
     return out
 
 
@@ -222,15 +267,15 @@ def _largest_surviving(prog: Program, base: list[torch.Tensor], dtype: str, step
 
 
 def _retyped(inst: Instance, dtype: str) -> Instance:
-    """`inst` with the Program's inputs (and intermediates of their dtype) in `dtype`."""
+    """`inst` with the Program's float inputs (and intermediates of their dtype) in `dtype`."""
     g = inst.sgraph
     old = g.program.inputs[0].attr("dtype")
     if dtype == old:
         return inst
     if dtype not in TORCH_DTYPES:
         raise SGraphError(f"numeric check: dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
-    nodes = tuple(node(n.name, "input", shape=n.attr("shape"), dtype=dtype) if n.op == "input" else n
-                  for n in g.program.nodes)
+    nodes = tuple(node(n.name, "input", shape=n.attr("shape"), dtype=dtype)
+                  if n.op == "input" and n.attr("dtype") not in INDEX_DTYPES else n for n in g.program.nodes)
     inter = tuple(replace(t, dtype=dtype) if t.dtype == old else t for t in g.intermediates)
     program = Program(g.program.name, nodes, g.program.outputs)
     return instantiate(SGraph(g.name, program, inter, g.kernels), inst.values, get_gpu(inst.gpu))

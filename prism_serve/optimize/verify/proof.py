@@ -100,7 +100,37 @@ def _op(n: Node, args: list[T], shapes: list[tuple], ctx: _Ctx) -> T:
             inv = _const(1.0 / int(size)) if size.is_Integer else T.const(f"1/({sympy.srepr(size)})")
             out = out * ctx.note(inv, (), frozenset())
         return out if n.attr("keepdim") else out.squeeze(d)
+    if op in (Op.SLICE, Op.GATHER, Op.CONCAT):
+        return _indexing(n, args, shapes)
     raise Unsupported(f"node '{n.name}': op {op!r} has no abstract form")
+
+
+def _fixed(n: Node, shape: tuple, d: int) -> int:
+    """The size of dim `d` of an operand of `n`: a slice's, gather's or concat's dims are fixed ints
+    (a tile partitioned along that dim has a symbolic size and is not supported)."""
+    size = shape[d]
+    if isinstance(size, sympy.Basic) and size.is_Integer:
+        size = int(size)
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise Unsupported(f"node '{n.name}': dim {d} of its operand has no fixed size ({size})")
+    return size
+
+
+def _indexing(n: Node, args: list[T], shapes: list[tuple]) -> T:
+    """A slice (stop made canonical: one past the last index taken), a gather or a concat."""
+    d = _neg(n.attr("dim"), len(shapes[0]))
+    if n.op == Op.SLICE:
+        start, stop, step = n.attr("start"), n.attr("stop"), n.attr("step")
+        count = -(-(stop - start) // step)
+        return args[0].slc(d, start, start + step * (count - 1) + 1, step, _fixed(n, shapes[0], d))
+    if n.op == Op.GATHER:
+        return args[0].gather(args[1], d, len(shapes[1]))
+    na, nb = _fixed(n, shapes[0], d), _fixed(n, shapes[1], d)
+    if n.attr("interleave"):
+        if na != nb:
+            raise Unsupported(f"node '{n.name}': interleaved parts of sizes {na} and {nb}")
+        return args[0].il(args[1], d, na)
+    return args[0].cat(args[1], d, na, nb)
 
 
 def program_terms(g: SGraph, ctx: _Ctx) -> dict[str, T]:
@@ -247,7 +277,7 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
         return ProofResult(False, f"unsupported: {exc}", time.perf_counter() - start)
     failed = [o for o in g.program.outputs if not _holds(egraph, eq(wants[o]).to(gots[o]))]
     rounds = iterations
-    while failed and rounds < 2 * iterations and egraph.run(A.schedule(1)).updated:
+    while failed and rounds < 2 * iterations and egraph.run(A.rounds(1)).updated:
         rounds += 1
         failed = [o for o in failed if not _holds(egraph, eq(wants[o]).to(gots[o]))]
     size = sum(n for _, n in egraph.all_function_sizes())

@@ -283,6 +283,87 @@ def _split_kv(prog: Program, name: str, q_side: list[Node], k_side: list[Node], 
     return SGraph(name, prog, inter, (k1, k2))
 
 
+HEAD_BLOCK = "HB"  # grid axis over head blocks: a count dividing both q's and k's heads
+
+
+def _rotary_dims(prog: Program) -> tuple[int, int, bool]:
+    """(head_dim, rotary_dim, GPT-J style) of a rotary Program."""
+    head_dim = prog.by_name["q"].attr("shape")[2]
+    rotary_dim = prog.by_name["cos_sin_cache"].attr("shape")[1]
+    return head_dim, rotary_dim, any(n.op == "concat" and n.attr("interleave") for n in prog.nodes)
+
+
+def _cos_sin_rows(rotary_dim: int) -> list[Node]:
+    """cos and sin (BT, 1, R/2): each an indexed load of its half of the cache's rows by the
+    position tile, loaded once per block and shared by q's and k's heads."""
+    half = rotary_dim // 2
+    return [load("pos", "positions", (0, None)), load("cache", "cos_sin_cache", (None, None)),
+            node("cos_t", "slice", "cache", dim=1, start=0, stop=half),
+            node("sin_t", "slice", "cache", dim=1, start=half, stop=rotary_dim),
+            node("cos", "gather", "cos_t", "pos", dim=0), node("sin", "gather", "sin_t", "pos", dim=0)]
+
+
+def _halves(x: str, dim: int, rotary_dim: int, gptj: bool, prefix: str) -> list[Node]:
+    """The two rotated halves of `x` along `dim` as windows: neox's first / second half of the
+    rotary part, GPT-J's even / odd elements."""
+    if gptj:
+        return [node(f"{prefix}1", "slice", x, dim=dim, start=0, stop=rotary_dim, step=2),
+                node(f"{prefix}2", "slice", x, dim=dim, start=1, stop=rotary_dim, step=2)]
+    return [node(f"{prefix}1", "slice", x, dim=dim, start=0, stop=rotary_dim // 2),
+            node(f"{prefix}2", "slice", x, dim=dim, start=rotary_dim // 2, stop=rotary_dim)]
+
+
+def _rotate(p: str, x1: str, x2: str, passed: str | None, gptj: bool, out: str) -> list[Node]:
+    """o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, stored as their concat (interleaved for GPT-J)
+    and the pass-through part `passed`: one store per part, at its offset."""
+    nodes = [node(f"{p}_a", "mul", x1, "cos"), node(f"{p}_b", "mul", x2, "sin"),
+             node(f"{p}_o1", "sub", f"{p}_a", f"{p}_b"),
+             node(f"{p}_c", "mul", x2, "cos"), node(f"{p}_d", "mul", x1, "sin"),
+             node(f"{p}_o2", "add", f"{p}_c", f"{p}_d"),
+             node(f"{p}_rot", "concat", f"{p}_o1", f"{p}_o2", dim=2, interleave=gptj)]
+    if passed:
+        nodes.append(node(f"{p}_cat", "concat", f"{p}_rot", passed, dim=2))
+    return nodes + [store(f"st_{p}", f"{p}_cat" if passed else f"{p}_rot", out, (0, 1))]
+
+
+def rotary(prog: Program) -> SGraph:
+    """One kernel per (token block, head block): cos / sin rows gathered once for q and k alike,
+    each half of q's and k's heads a windowed load, the rotated halves (and the pass-through part)
+    stored at their offsets: no concat materialised."""
+    head_dim, rotary_dim, gptj = _rotary_dims(prog)
+    nodes = _cos_sin_rows(rotary_dim)
+    for x in ("q", "k"):
+        nodes += [load(x, x, (0, 1)), *_halves(x, 2, rotary_dim, gptj, f"{x}_x")]
+        passed = None
+        if rotary_dim < head_dim:
+            passed = f"{x}_pass"
+            nodes.append(node(passed, "slice", x, dim=2, start=rotary_dim, stop=head_dim))
+        nodes += _rotate(x, f"{x}_x1", f"{x}_x2", passed, gptj, f"{x}_out")
+    k = BlockKernel("rotary", (GridAxis(TOKEN_BLOCK, True), GridAxis(HEAD_BLOCK)), None, tuple(nodes))
+    return SGraph("rotary_oracle", prog, (), (k,))
+
+
+def qk_norm_rotary(prog: Program) -> SGraph:
+    """rotary's kernel with the norm in the same pass over each head: rsqrt(mean(x^2) + eps) from
+    the whole head, then the rotation of the normed halves, x_i * r * w_i, each a windowed load of
+    x and of its weight."""
+    head_dim, rotary_dim, gptj = _rotary_dims(prog)
+    eps = _eps(prog)
+    nodes = _cos_sin_rows(rotary_dim)
+    for x in ("q", "k"):
+        nodes += [load(x, x, (0, 1)), load(f"{x}_w", f"{x}_weight", (None, None)), *_rms_nodes(x, eps, f"{x}_"),
+                  *_halves(x, 2, rotary_dim, gptj, f"{x}_x"), *_halves(f"{x}_w", 0, rotary_dim, gptj, f"{x}_w")]
+        parts = ["1", "2"] + (["p"] if rotary_dim < head_dim else [])
+        if rotary_dim < head_dim:
+            nodes += [node(f"{x}_xp", "slice", x, dim=2, start=rotary_dim, stop=head_dim),
+                      node(f"{x}_wp", "slice", f"{x}_w", dim=0, start=rotary_dim, stop=head_dim)]
+        for i in parts:
+            nodes += [node(f"{x}_r{i}", "mul", f"{x}_x{i}", f"{x}_r"), node(f"{x}_n{i}", "mul", f"{x}_r{i}", f"{x}_w{i}")]
+        nodes += _rotate(x, f"{x}_n1", f"{x}_n2", f"{x}_np" if rotary_dim < head_dim else None, gptj, f"{x}_out")
+    k = BlockKernel("qk_norm_rotary", (GridAxis(TOKEN_BLOCK, True), GridAxis(HEAD_BLOCK)), None, tuple(nodes))
+    return SGraph("qk_norm_rotary_oracle", prog, (), (k,))
+
+
 ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
     "rmsnorm_linear": rmsnorm_linear, "fused_add_rmsnorm_linear": fused_add_rmsnorm_linear, "swiglu": swiglu,
@@ -294,6 +375,7 @@ ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "gemma_rmsnorm_geglu": gemma_rmsnorm_geglu,
     "attention": attention,
     "qk_norm_attention": qk_norm_attention,
+    "rotary": rotary, "qk_norm_rotary": qk_norm_rotary,
 }
 
 

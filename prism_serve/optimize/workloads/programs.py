@@ -277,6 +277,87 @@ def qk_norm_attention(batch: int = 2, heads: int = 8, q_len: int = 1, kv_len: in
     return Program("qk_norm_attention", tuple(nodes + _attention_nodes("qn", "kn", "v", head_dim)), ("o",))
 
 
+ROTARY_STYLES = ("neox", "gptj")
+
+
+def _rotation(x: str, head_dim: int, rotary_dim: int, style: str, out: str) -> list[Node]:
+    """`out` = `x` (T, H, D) rotated by the `cos` / `sin` (T, 1, R/2) nodes: neox rotates the halves
+    of x[..., :R], GPT-J its even and odd elements (interleaved back); x[..., R:] passes through."""
+    half = rotary_dim // 2
+    if style == "neox":
+        parts = [node(f"{x}_x1", "slice", x, dim=2, start=0, stop=half),
+                 node(f"{x}_x2", "slice", x, dim=2, start=half, stop=rotary_dim)]
+    else:
+        parts = [node(f"{x}_x1", "slice", x, dim=2, start=0, stop=rotary_dim, step=2),
+                 node(f"{x}_x2", "slice", x, dim=2, start=1, stop=rotary_dim, step=2)]
+    rot = out if rotary_dim == head_dim else f"{x}_rot"
+    nodes = parts + [
+        node(f"{x}_a", "mul", f"{x}_x1", "cos"), node(f"{x}_b", "mul", f"{x}_x2", "sin"),
+        node(f"{x}_o1", "sub", f"{x}_a", f"{x}_b"),
+        node(f"{x}_c", "mul", f"{x}_x2", "cos"), node(f"{x}_d", "mul", f"{x}_x1", "sin"),
+        node(f"{x}_o2", "add", f"{x}_c", f"{x}_d"),
+        node(rot, "concat", f"{x}_o1", f"{x}_o2", dim=2, interleave=style == "gptj"),
+    ]
+    if rotary_dim < head_dim:
+        nodes += [node(f"{x}_pass", "slice", x, dim=2, start=rotary_dim, stop=head_dim),
+                  node(out, "concat", rot, f"{x}_pass", dim=2)]
+    return nodes
+
+
+def _rotary_checked(head_dim: int, rotary_dim: int, style: str) -> None:
+    if style not in ROTARY_STYLES:
+        raise ProgramError(f"rotary: style {style!r} is not one of {ROTARY_STYLES}")
+    if rotary_dim % 2 or not 2 <= rotary_dim <= head_dim:
+        raise ProgramError(f"rotary: rotary_dim {rotary_dim} must be even and in [2, head_dim {head_dim}]")
+
+
+def _cos_sin(rotary_dim: int) -> list[Node]:
+    """cos and sin (T, 1, R/2) of each token: its row of vLLM's cache, cos in the first half, sin in the rest."""
+    return [node("cs", "gather", "cos_sin_cache", "positions", dim=0),
+            node("cos", "slice", "cs", dim=2, start=0, stop=rotary_dim // 2),
+            node("sin", "slice", "cs", dim=2, start=rotary_dim // 2, stop=rotary_dim)]
+
+
+def _rotary_inputs(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: str) -> list[Node]:
+    return [node("q", "input", shape=(N, num_q_heads, head_dim), dtype=dtype),
+            node("k", "input", shape=(N, num_kv_heads, head_dim), dtype=dtype)]
+
+
+def _position_inputs(rotary_dim: int, max_position: int, dtype: str) -> list[Node]:
+    return [node("positions", "input", shape=(N, 1), dtype="int64"),
+            node("cos_sin_cache", "input", shape=(max_position, rotary_dim), dtype=dtype)]
+
+
+def rotary(num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, rotary_dim: int | None = None,
+           max_position: int = 4096, dtype: str = "float16", style: str = "neox") -> Program:
+    """vLLM's RotaryEmbedding on q (T, Hq, D) and k (T, Hk, D): each token's cos / sin row gathered
+    from cos_sin_cache (max_position, R) by its position, rotating the first R = rotary_dim of each
+    head (neox: rotate_half; gptj: interleaved pairs). Outputs (q_out, k_out)."""
+    rotary_dim = rotary_dim or head_dim
+    _rotary_checked(head_dim, rotary_dim, style)
+    return Program("rotary", tuple(
+        _rotary_inputs(num_q_heads, num_kv_heads, head_dim, dtype) + _position_inputs(rotary_dim, max_position, dtype)
+        + _cos_sin(rotary_dim) + _rotation("q", head_dim, rotary_dim, style, "q_out")
+        + _rotation("k", head_dim, rotary_dim, style, "k_out")), ("q_out", "k_out"))
+
+
+def qk_norm_rotary(num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, rotary_dim: int | None = None,
+                   max_position: int = 4096, eps: float = EPS, dtype: str = "float16",
+                   style: str = "neox") -> Program:
+    """Qwen3's QK-norm then rotary: per-head rms_norm of q and k over D (times q_weight / k_weight,
+    as vLLM's RMSNorm), then `rotary` of the normed heads. Outputs (q_out, k_out)."""
+    rotary_dim = rotary_dim or head_dim
+    _rotary_checked(head_dim, rotary_dim, style)
+    return Program("qk_norm_rotary", tuple(
+        _rotary_inputs(num_q_heads, num_kv_heads, head_dim, dtype)
+        + [node("q_weight", "input", shape=(head_dim,), dtype=dtype),
+           node("k_weight", "input", shape=(head_dim,), dtype=dtype)]
+        + _position_inputs(rotary_dim, max_position, dtype)
+        + [node("qn", "rms_norm", "q", "q_weight", eps=eps), node("kn", "rms_norm", "k", "k_weight", eps=eps)]
+        + _cos_sin(rotary_dim) + _rotation("qn", head_dim, rotary_dim, style, "q_out")
+        + _rotation("kn", head_dim, rotary_dim, style, "k_out")), ("q_out", "k_out"))
+
+
 @dataclass(frozen=True)
 class Workload:
     """A named Program family with its default dims and the shapes that define success."""
@@ -294,6 +375,10 @@ class Workload:
 _NORM_SHAPES = tuple({"hidden": d} for d in (1024, 2048, 4096))
 _ATTN_SHAPES = tuple(dict(zip(("batch", "heads", "q_len", "kv_len", "head_dim"), s)) for s in
                      ((2, 8, 1, 1024, 128), (2, 8, 128, 1024, 128), (2, 32, 1, 1024, 128), (4, 8, 1, 1024, 128)))
+
+# Llama-3-8B's and Qwen3-8B's attention heads; full and partial (GLM-4's half) rotary dims, both styles
+_ROTARY_DIMS = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+_ROTARY_SHAPES = ({"style": "neox"}, {"style": "gptj"}, {"rotary_dim": 64})
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rmsnorm_linear", rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
@@ -317,6 +402,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("gemma_rmsnorm_linear", gemma_rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("gemma_fused_add_rmsnorm_linear", gemma_fused_add_rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("gemma_rmsnorm_geglu", gemma_rmsnorm_geglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
+    Workload("rotary", rotary, _ROTARY_DIMS, default_num_tokens=(1, 16, 256), shapes=_ROTARY_SHAPES),
+    Workload("qk_norm_rotary", qk_norm_rotary, _ROTARY_DIMS, default_num_tokens=(1, 16, 256), shapes=_ROTARY_SHAPES),
 )}
 PRISM_WORKLOADS = ("rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention")
 
