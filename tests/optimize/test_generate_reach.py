@@ -20,6 +20,7 @@ from prism_serve.optimize.generate.context import Context, make_context
 from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, build, iterator_maps, op_labels,
                                                   program_context, tensor_of)
 from prism_serve.optimize.generate.kernel import DEEP_PENDING, LIBRARY, KernelGenerator
+from prism_serve.optimize.generate.windows import canonical, concat_spec, gather_spec, slice_var
 from prism_serve.optimize.instantiate import prune
 from prism_serve.optimize.ir.canonical import canonical_hash
 from prism_serve.optimize.ir.labels import index_labels
@@ -126,7 +127,7 @@ def _judge_kernel(ctx: Context, consts: dict[str, float], k: BlockKernel, stored
             for s in n.inputs:
                 if stage[s] == "post" and not (by[s].op == "accum" and by[s].attr("kind") == "max"):
                     failures.append(f"{k.name}.{n.name}: schedule: reads post-loop '{s}' in the loop")
-        lbs = op_labels(n.op, dict(n.attrs), labels)
+        lbs = op_labels(n.op, dict(n.attrs), labels, ctx.indexing)
         terms = [_term(n.op, dict(n.attrs), labels, list(es)) for es in itertools.product(*(e for e, _ in ins))]
         if n.op in _REDUCE + ("matmul",) and stage[n.name] == "loop":
             reduced = labels[0][-1] if n.op == "matmul" else labels[0][n.attr("dim") % len(labels[0])]
@@ -198,6 +199,13 @@ def _term(op: str, attrs: dict, labels: list[tuple], e: list[Term]) -> Term:
         return (op, e[0], e[1])
     if op in _REDUCE:
         return (op, labels[0][attrs["dim"] % len(labels[0])], e[0])
+    dim = attrs.get("dim", 0) % len(labels[0]) - len(labels[0])
+    if op == "slice":  # of a load: a variable of its own, as `block._expr` forms it
+        return ("var", slice_var(e[0][1], dim, canonical(attrs["start"], attrs["stop"], attrs["step"])))
+    if op == "gather":
+        return (op, gather_spec(dim), e[0], e[1])
+    if op == "concat":
+        return (op, concat_spec(dim, attrs["interleave"]), e[0], e[1])
     assert op == "matmul", op
     return ("sum", labels[0][-1], ("mul", e[0], e[1]))
 
@@ -218,7 +226,15 @@ def _judge(g: SGraph) -> tuple[list[str], list[str]]:
     return failures, skipped
 
 
-@pytest.mark.parametrize("name", sorted(HAND_BUILT))
+# The rotary oracles' head-block axis partitions q's heads and k's heads alike (32 and 8 of them):
+# no index label stands for both, and the generator's grid axes are labels, so their k loads are
+# outside its space (it reaches their block graphs over a token grid: tests/optimize/test_rotary_search.py)
+SHARED_HEAD_AXIS = {"oracle_rotary", "oracle_qk_norm_rotary"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="a grid axis over q's and k's heads is no label")) if n in SHARED_HEAD_AXIS else n
+    for n in sorted(HAND_BUILT)])
 def test_every_hand_built_design_passes_every_pruning_rule(name):
     g: SGraph = HAND_BUILT[name]()
     failures, skipped = _judge(g)

@@ -131,7 +131,9 @@ class KernelGenerator:
         # a grid axis never partitions a dim that a slice or concat makes (it is read whole)
         out_labels = [lb for lb in ctx.labels if any(lb in v.labels for v in self._outputs_labels())
                       and lb not in windows]
-        reduced = [lb for lb in ctx.labels if any(lb in r for r in _reduced(ctx))]
+        # no loop walks a dim the Program slices: the windowed loads need it whole in the tile
+        sliced = {lb for lb, _ in ctx.indexing.slices}
+        reduced = [lb for lb in ctx.labels if any(lb in r for r in _reduced(ctx)) and lb not in sliced]
         has_tokens = any(NUM_TOKENS in v.labels for v in ctx.inputs.values())
         sizes = {lb: d for v in ctx.inputs.values() for lb, d in zip(v.labels, v.type.shape) if isinstance(d, int)}
         reduced.sort(key=lambda lb: -sizes.get(lb, 0))  # a loop over the longest reduction first

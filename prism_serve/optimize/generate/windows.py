@@ -39,9 +39,6 @@ class Indexing:
     concats: dict[tuple[tuple, tuple, bool], tuple[int, str | None]]
     gathers: frozenset[str | None]
 
-    def slice_label(self, label: str | None, window: Window) -> str | None:
-        return self.slices[(label, window)]
-
 
 NO_INDEXING = Indexing({}, {}, frozenset())
 
