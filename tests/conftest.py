@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any import of tri
 # Files that take minutes each (vLLM processes, warmups): collected first, so that the parallel
 # workers of scripts/test.sh (`pytest -n 2 --dist loadfile`) start them early instead of ending on them.
 SLOW_FIRST = ("tests/patch/test_vllm.py", "tests/test_warmup.py", "tests/patch/test_archs.py",
-              "tests/scripts/test_gpu_check.py")
+              "tests/fleet/test_ray.py", "tests/patch/test_partial_rotary.py", "tests/scripts/test_gpu_check.py")
 
 
 def pytest_collection_modifyitems(config, items):
