@@ -66,6 +66,7 @@ GPU_PLAN = {  # workload -> (list of dims, num_tokens list); attention shapes ca
     **{w: ([{}], [1, 16, 256, 4096]) for w in ("rmsnorm_linear", "swiglu", "rmsnorm_mlp", "fused_add_rmsnorm_linear",
                                                "rmsnorm_swiglu", "fused_add_rmsnorm_linear_bias")},
     **{w: (list(WORKLOADS[w].shapes), [0]) for w in ("attention", "qk_norm_attention")},
+    **{w: ([{}], [1, 16, 256, 4096]) for w in ("rotary", "qk_norm_rotary")},
 }
 INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden sizes
     "rms_norm": ([{"hidden": 96}], [1, 5]), "fused_add_rms_norm": ([{"hidden": 96}], [5]),
@@ -77,6 +78,9 @@ INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden size
     "rmsnorm_swiglu": ([{"hidden": 64, "intermediate": 32}], [1]),
     "attention": ([dict(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16)], [0]),
     "qk_norm_attention": ([dict(batch=1, heads=2, q_len=1, kv_len=48, head_dim=16)], [0]),
+    # the searched rotary designs hold their slices' bounds as numbers: they rebuild at head_dim 128 only
+    "rotary": ([dict(num_q_heads=3, num_kv_heads=1, head_dim=128, max_position=40)], [1, 5]),
+    "qk_norm_rotary": ([dict(num_q_heads=3, num_kv_heads=1, head_dim=128, max_position=40)], [5]),
 }
 
 
@@ -142,14 +146,14 @@ def compiled_us(prog, dims, sets, args) -> float:
 
 
 def searched_designs(path: Path | None) -> dict[str, Design]:
-    """workload -> the search's best design, from a bench_search JSON (the newest one by default)."""
-    if path is None:
-        found = sorted((ROOT / "bench" / "results").glob("search-*.json"))
-        if not found:
-            return {}
-        path = found[-1]
-    data = json.loads(path.read_text())["workloads"]
-    return {name: Design.from_json(r["best_design_json"]) for name, r in data.items() if r.get("best_design_json")}
+    """workload -> the search's best design, from a bench_search JSON or by default from the newest
+    one holding that workload (a bench run may cover some workloads only)."""
+    paths = [path] if path is not None else sorted((ROOT / "bench" / "results").glob("search-*.json"))
+    designs = {}
+    for p in paths:  # oldest first: a newer run's design replaces an older one's
+        data = json.loads(p.read_text())["workloads"]
+        designs |= {name: r["best_design_json"] for name, r in data.items() if r.get("best_design_json")}
+    return {name: Design.from_json(d) for name, d in designs.items()}
 
 
 def check_case(name, dims, num_tokens, dtype, spec, device, args, deadline, design: Design | None = None):

@@ -20,10 +20,11 @@ from prism_serve.capture.embedded import EMBEDDED, embedded_path
 # asked for it: vLLM's default ("auto") would run these float32 checkpoints in bfloat16
 DTYPE = "float32"
 # the search budget of the tests' warmups: they test capture, checks, storage and serving, not search
-# quality (scripts/bench_search.py measures that). On the embedded model the four served regions
-# verify at 4 s as at warmup's default 60 s, and the warmup takes 33 s, 36 s at 8 s, 46 s at 20 s
-# (2026-12-06, a 2-core AMD EPYC); 8 s leaves a machine half as fast the work of 4 s.
-WARMUP_BUDGET_S = 8.0
+# quality (scripts/bench_search.py measures that). On the embedded model the four norm and MLP
+# regions verify at 4 s as at warmup's default 60 s (2026-12-06, a 2-core AMD EPYC); the rotary
+# region's one-kernel design is found within 8 s on a quiet machine but not under the suite's two
+# workers beside Ray's tests (2026-12-07), so 20 s: the searches that end sooner cost no more.
+WARMUP_BUDGET_S = 20.0
 _BASE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 256,
          "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "vocab_size": 256, "tie_word_embeddings": False,

@@ -8,9 +8,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any import of tri
 # Files that take minutes each (vLLM processes, warmups): collected first, so that the parallel
 # workers of scripts/test.sh (`pytest -n 2 --dist loadfile`) start them early instead of ending on them.
 SLOW_FIRST = ("tests/patch/test_vllm.py", "tests/test_warmup.py", "tests/patch/test_archs.py",
-              "tests/fleet/test_ray.py", "tests/patch/test_partial_rotary.py", "tests/scripts/test_gpu_check.py")
+              "tests/patch/test_partial_rotary.py", "tests/scripts/test_gpu_check.py")
+# Ray's tests start clusters of two CPUs: collected last, so that they do not run beside the warmups,
+# whose search budgets they would eat
+LAST = ("tests/fleet/test_ray.py",)
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)} | {path: len(SLOW_FIRST) + 1 for path in LAST}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(SLOW_FIRST)))  # stable: file order kept

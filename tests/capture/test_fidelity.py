@@ -35,11 +35,11 @@ def _check_all(result):
 
 def test_llama_fidelity(llama_capture):
     assert llama_capture.recorded_num_tokens == [len(RECORD_PROMPT), 1]  # the prefill and one decode step
-    assert _check_all(llama_capture) == 15  # 7 per layer + the final norm
+    assert _check_all(llama_capture) == 17  # 8 per layer (rotary among them) + the final norm
 
 
 def test_qwen3_fidelity(qwen3_capture):
-    assert _check_all(qwen3_capture) == 19  # + q_norm, k_norm per layer
+    assert _check_all(qwen3_capture) == 23  # + q_norm, k_norm and QK-norm + rotary per layer
 
 
 def test_the_comparison_is_sharp(llama_capture):
