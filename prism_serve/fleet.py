@@ -97,11 +97,11 @@ def kind_device(kind: str):
 
 def _served(captured) -> list:
     """The capture's regions the plugin would serve, largest first (as warmup orders them)."""
-    from prism_serve.warmup import _served_by, _span
+    from prism_serve.warmup import region_span, served_by
 
     docs = [r.to_json() for r in captured.regions]
     return sorted((r for r in captured.regions if r.supported and
-                   _served_by(r.to_json(), docs, captured.classes) is None), key=lambda r: -_span(r.to_json()))
+                   served_by(r.to_json(), docs, captured.classes) is None), key=lambda r: -region_span(r.to_json()))
 
 
 def search_regions(captured, registry: str | None, budget_s: float, ray: str, spec_name: str,
@@ -146,7 +146,7 @@ def warm_kind(kind: str, model: str, captured, found: dict, registry: str | None
     from prism_serve.optimize.target.gpus import get_gpu
     from prism_serve.registry.db import open_registry
     from prism_serve.registry.store import current_versions, finish_warmup, start_warmup
-    from prism_serve.warmup import REGION_STAGES, RegionOutcome, RegionRun, _have_kernels, bucket_ranges, run_status
+    from prism_serve.warmup import REGION_STAGES, RegionOutcome, RegionRun, have_kernels, bucket_ranges, run_status
 
     start = time.perf_counter()
     device, device_type, measured = kind_device(kind)
@@ -160,7 +160,7 @@ def warm_kind(kind: str, model: str, captured, found: dict, registry: str | None
         for region in _served(captured):
             doc = region.to_json()
             with reg.read() as s:
-                if _have_kernels(s, doc, device, env):
+                if have_kernels(s, doc, device, env):
                     held += 1
                     continue
             out = RegionOutcome(region.kind, region.program.canonical_hash, region.layers,
@@ -267,14 +267,14 @@ def _warm_model(ray, model: str, kinds: dict, registry: str, budget_s: float, dt
     pinned task per kind, waited for while its kind has a live node."""
     from prism_serve.capture.embedded import resolve_model
     from prism_serve.registry.store import current_versions
-    from prism_serve.warmup import _all_stored, _cached_capture, _store_capture, model_fingerprint
+    from prism_serve.warmup import all_stored, cached_capture, store_capture, model_fingerprint
 
     say = progress or (lambda message: None)
     key = model_fingerprint(resolve_model(model), dtype)
-    cached, env = _cached_capture(key), current_versions()
+    cached, env = cached_capture(key), current_versions()
     rows, pending = [], []
     for kind in kinds:
-        held = cached is not None and _all_stored(registry, cached, _table_device(kind), env)
+        held = cached is not None and all_stored(registry, cached, _table_device(kind), env)
         if held:
             rows.append(KindOutcome(model, kind, _table_device(kind).fingerprint, held=len(held),
                                     reason="already in the registry"))
@@ -286,7 +286,7 @@ def _warm_model(ray, model: str, kinds: dict, registry: str, budget_s: float, dt
     say(f"{model}: capture")
     try:
         captured = capture(model, dtype)
-        _store_capture(key, captured.to_json())
+        store_capture(key, captured.to_json())
         say(f"{model}: search and proof on the cluster")
         found = search_regions(captured, registry, budget_s, address, _table_device(pending[0]).name, workers,
                                work)

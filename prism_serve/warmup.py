@@ -105,7 +105,8 @@ def model_fingerprint(model_dir: Path, dtype: str = "auto") -> str:
     return h.hexdigest()[:24]
 
 
-def _cached_capture(key: str) -> dict | None:
+def cached_capture(key: str) -> dict | None:
+    """The capture report stored under `key` (a model fingerprint), or None when there is none."""
     path = cache_dir() / "captures" / f"{key}.json"
     try:
         return json.loads(path.read_text())
@@ -113,7 +114,8 @@ def _cached_capture(key: str) -> dict | None:
         return None
 
 
-def _store_capture(key: str, report: dict) -> None:
+def store_capture(key: str, report: dict) -> None:
+    """Store a capture report under `key`, for the next warmup of the same model and versions."""
     path = cache_dir() / "captures" / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -121,7 +123,7 @@ def _store_capture(key: str, report: dict) -> None:
     os.replace(tmp, path)  # atomic: a crash never leaves half a report behind
 
 
-def _have_kernels(session, region: dict, device, env) -> bool:
+def have_kernels(session, region: dict, device, env) -> bool:
     """Every bucket of a supported region already has a compatible kernel for this device."""
     from prism_serve.registry.store import incompatibility, list_kernels
 
@@ -136,11 +138,12 @@ def _sites(region: dict) -> list:
     return [Site(region["kind"], frozenset(m.split("+"))) for m in region["modules"]]
 
 
-def _span(region: dict) -> int:
+def region_span(region: dict) -> int:
+    """How many modules the region's largest site covers: warmup serves larger regions first."""
     return max((len(s.modules) for s in _sites(region)), default=0)
 
 
-def _served_by(region: dict, regions: list[dict], classes: dict[str, str], failed=frozenset()) -> str | None:
+def served_by(region: dict, regions: list[dict], classes: dict[str, str], failed=frozenset()) -> str | None:
     """None when the plugin would serve `region` with its own kernel at one of its sites at least, in
     compiled or in eager mode, else why not (the region table's rules, given every supported region
     of the capture but the `failed` sites, and the classes of the capture's modules)."""
@@ -157,7 +160,7 @@ def _served_by(region: dict, regions: list[dict], classes: dict[str, str], faile
     return f"no plugin hook serves {region['kind']} at {'+'.join(sorted(mine[0].modules))}"
 
 
-def _all_stored(registry: str | None, cached: dict, device, env) -> list[dict] | None:
+def all_stored(registry: str | None, cached: dict, device, env) -> list[dict] | None:
     """The regions of a cached capture that the plugin would serve, when every one of them has its
     kernels in the registry; else None (read only: a registry that does not exist holds nothing,
     and is not created here)."""
@@ -165,7 +168,7 @@ def _all_stored(registry: str | None, cached: dict, device, env) -> list[dict] |
     from prism_serve.registry.errors import RegistryError
 
     served = [r for r in cached["regions"]
-              if r["supported"] and _served_by(r, cached["regions"], cached.get("classes", {})) is None]
+              if r["supported"] and served_by(r, cached["regions"], cached.get("classes", {})) is None]
     if not served:
         return None
     try:
@@ -174,7 +177,7 @@ def _all_stored(registry: str | None, cached: dict, device, env) -> list[dict] |
         return None
     try:
         with reg.read() as s:
-            return served if all(_have_kernels(s, r, device, env) for r in served) else None
+            return served if all(have_kernels(s, r, device, env) for r in served) else None
     finally:
         reg.close()
 
@@ -226,8 +229,8 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
     device, device_type = current_device(use_vllm=False, measure=True)
     key = model_fingerprint(model_dir, dtype)
     env = current_versions()
-    cached = _cached_capture(key)
-    stored = _all_stored(registry, cached, device, env) if cached is not None else None
+    cached = cached_capture(key)
+    stored = all_stored(registry, cached, device, env) if cached is not None else None
     if stored:
         return WarmupReport(name, device.fingerprint, time.perf_counter() - start, True, [
             RegionOutcome(r["kind"], r["program_hash"], r["layers"], [tuple(b) for b in bucket_ranges(r["buckets"])],
@@ -246,10 +249,10 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
             run_id = start_warmup(s, name, device)
         outcomes = []
         docs = [r.to_json() for r in captured.regions]
-        supported = sorted((r for r in captured.regions if r.supported), key=lambda r: -_span(r.to_json()))
+        supported = sorted((r for r in captured.regions if r.supported), key=lambda r: -region_span(r.to_json()))
         failed: set = set()
         for i, region in enumerate(supported):
-            why = _served_by(region.to_json(), docs, captured.classes, failed)
+            why = served_by(region.to_json(), docs, captured.classes, failed)
             if why is not None:
                 if progress:
                     progress(f"{region.kind} ({i + 1}/{len(supported)}) not searched", i, len(supported))
@@ -274,7 +277,7 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
         report = WarmupReport(name, device.fingerprint, time.perf_counter() - start, False, outcomes, captured.dtype)
         with reg.write() as s:
             finish_warmup(s, run_id, run_status(outcomes), report.to_json())
-        _store_capture(key, captured.to_json())
+        store_capture(key, captured.to_json())
         return report
     finally:
         reg.close()
