@@ -310,17 +310,12 @@ def norm_before(x: fx.Node) -> QkNorm | None:
     if found is not None and found.residual is None and not found.gemma:
         return QkNorm(found.x, found.weight, found.eps, frozenset({x}))
     nodes = []
-    n = x
-    if _call(n, "prims::convert_element_type", "aten::_to_copy"):
-        nodes.append(n)
-        n = n.args[0]
+    n = _under_cast(x, nodes)
     if not (_call(n, "aten::mul") and len(n.args) == 2):
         return None
     normed, weight = n.args
     nodes.append(n)
-    if _call(normed, "prims::convert_element_type", "aten::_to_copy"):
-        nodes.append(normed)
-        normed = normed.args[0]
+    normed = _under_cast(normed, nodes)
     if not (_call(normed, "aten::mul") and len(normed.args) == 2):
         return None
     xf, r = normed.args
@@ -333,11 +328,15 @@ def norm_before(x: fx.Node) -> QkNorm | None:
             and mean.args[0].args[0] is xf and mean.args[0].args[1] == 2 and list(mean.args[1]) in ([-1], [2])):
         return None
     nodes += [r, add, mean, mean.args[0]]
-    src = xf
-    if _call(xf, "prims::convert_element_type", "aten::_to_copy"):
-        nodes.append(xf)
-        src = xf.args[0]
-    return QkNorm(src, weight, eps, frozenset(nodes))
+    return QkNorm(_under_cast(xf, nodes), weight, eps, frozenset(nodes))
+
+
+def _under_cast(n: fx.Node, nodes: list) -> fx.Node:
+    """What `n` casts when it is a dtype cast (the cast then added to `nodes`), else `n`."""
+    if _call(n, "prims::convert_element_type", "aten::_to_copy"):
+        nodes.append(n)
+        return n.args[0]
+    return n
 
 
 def _custom_op(n: fx.Node) -> Rotary | None:
