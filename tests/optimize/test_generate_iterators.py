@@ -10,9 +10,10 @@ import itertools
 import pytest
 
 from prism_serve.errors import SGraphError
-from prism_serve.optimize.generate.block import ALL, ROWS, TILES, BlockGenerator, input_iterators
+from prism_serve.optimize.generate.block import ALL, ROWS, TILES, BlockGenerator, input_iterators, own_iterators
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, iterator_maps, tensor_of
+from prism_serve.optimize.generate.kernel import KernelGenerator
 from prism_serve.optimize.pipeline.stages import _check_numerics
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.verify.proof import prove_equivalent
@@ -81,6 +82,23 @@ def test_the_tiles_walk_offers_own_maps_only_and_the_rows_walk_every_surviving_m
     assert tiles == (["@x", "@g", "@w"], 0)  # the ROWS walk judges (and counts) the maps
     assert rows == every and set(rows[0]) == {"@x", "@g", "@w", "@x:whole", "@g:whole", "@w:whole"}
     assert rows[1] > 0
+
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_linear", "rmsnorm_swiglu", "attention", "rotary"])
+def test_the_own_iterators_derived_are_those_the_enumeration_keeps(name):
+    """`own_iterators` (the TILES walk's, and a library op's over every label) derives each
+    tensor's own maps instead of enumerating them all: the same iterators, with the rules on or off,
+    over every kernel choice of the search and over the library grid."""
+    ctx = make_context(WORKLOADS[name].program())
+    gen = KernelGenerator(ctx, max_kernels=1, max_block_ops=8, max_grid=3)
+    choices = gen.choices() + [(tuple(ctx.labels), None)]
+    for enabled in (True, False):
+        ctx.oracle.enabled = enabled
+        for grid, loop in choices:
+            own = input_iterators(ctx.oracle, ctx.inputs, grid, loop)[0]
+            assert own_iterators(ctx.oracle, ctx.inputs, grid, loop) == own, (grid, loop, enabled)
+            assert own, (grid, loop)
 
 
 def _one_kernel(*ops) -> Design:

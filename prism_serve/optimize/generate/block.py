@@ -91,7 +91,7 @@ from typing import Iterator
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
 from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, iterator_ref,
-                                                  read_labels, tensor_of)
+                                                  own_maps, read_labels, tensor_of)
 from prism_serve.optimize.ir.ops import OPS, Op
 from prism_serve.optimize.generate.windows import (NO_INDEXING, Indexing, canonical, concat_spec, gather_spec,
                                                    indexed_labels, slice_var)
@@ -208,10 +208,10 @@ class BlockGenerator:
         # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
         # design that keeps the loop's operands normalised; other maps last (the order only decides
         # what comes sooner)
-        own, others, judged = input_iterators(oracle, tensors, grid, loop)
-        if iterators == TILES:
-            others = []
+        if iterators == TILES:  # the tensors' own iterators only: no other map is enumerated
+            own, others = own_iterators(oracle, tensors, grid, loop), []
         else:
+            own, others, judged = input_iterators(oracle, tensors, grid, loop)
             self._counts.add(judged)
         rows = [v for v in others if tensor_of(v.ref)[1] in (WHOLE, ROW) and NUM_TOKENS in v.labels]
         self.sources = rows + own + list(consts.values()) + [v for v in others if v not in rows]
@@ -594,7 +594,7 @@ def input_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, 
     """Every input iterator a block of (grid, loop) may read over `tensors`: the tensors' own (their
     index labels' maps), the others that pass the rules (whole rows, then token rows, then any
     other maps), and what the rules judged of every map enumerated (`iterator_maps`)."""
-    extents = tuple(sorted({lb: d for v in tensors.values() for lb, d in zip(v.labels, v.type.shape) if lb}.items()))
+    extents = _extents(tensors)
     own, others, counts = [], [], Counts()
     cache = _ITERATORS.setdefault(oracle, {})
     for v in tensors.values():
@@ -610,8 +610,37 @@ def input_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, 
     return own, others, counts
 
 
+def own_iterators(oracle: Oracle, tensors: dict[str, Value], grid: tuple[str, ...], loop: str | None) -> list[Value]:
+    """The tensors' own iterators (their index labels' maps) that pass the rules: those of
+    `input_iterators`, without enumerating every other map (a library op's grid has every label
+    of the Program, and rotary's ten make millions of maps)."""
+    extents = _extents(tensors)
+    cache = _OWN_ITERATORS.setdefault(oracle, {})
+    own = []
+    for v in tensors.values():
+        key = (oracle.enabled, v, grid, loop, extents)
+        if key not in cache:
+            cache[key] = _own_iterator(oracle, v, grid, loop, dict(extents))
+        own += [cache[key]] if cache[key] else []
+    return own
+
+
+def _own_iterator(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None, extents: dict) -> Value | None:
+    imap, fmap = own_maps(v.labels, grid, loop)
+    dims = [d for d in imap if d is not None]
+    if len(set(dims)) != len(dims) or fmap in dims:
+        return None  # not a map `_iterators` enumerates
+    it, rule = _iterator(oracle, v, grid, loop, (imap, fmap), extents)
+    return it if rule is None and it.ref == v.ref else None
+
+
+def _extents(tensors: dict[str, Value]) -> tuple:
+    return tuple(sorted({lb: d for v in tensors.values() for lb, d in zip(v.labels, v.type.shape) if lb}.items()))
+
+
 # per oracle (dropped with it), per (whether its rule is enabled, tensor, grid, loop, extents)
 _ITERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OWN_ITERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same, own iterators only
 
 
 def _iterators(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None, extents: tuple
