@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     print("input iterator maps judged (kept): " + "; ".join(f"{n}: {r['iterator_maps']} ({r['iterator_maps_kept']})"
                                                              for n, r in results.items()))
     args.json.write_text(json.dumps({"device": args.device, "budget_s": args.budget, "max_block_ops": args.max_block_ops,
-                                     "workers": next(iter(results.values()))["workers"], "workloads": results},
-                                    indent=1))
+                                     "workers": next(iter(results.values()))["workers"],
+                                     "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                     "workloads": results}, indent=1))
     print(f"wrote {args.json}")
     failed = [n for n, r in results.items() if r["best_modeled_us"] is None]
     return 1 if failed else 0

@@ -145,14 +145,14 @@ def compiled_us(prog, dims, sets, args) -> float:
     return time_us(_COMPILED[key], sets, args)
 
 
-def searched_designs(path: Path | None) -> dict[str, Design]:
+def searched_designs(path: Path | None, results: Path = ROOT / "bench" / "results") -> dict[str, Design]:
     """workload -> the search's best design, from a bench_search JSON or by default from the newest
-    one holding that workload (a bench run may cover some workloads only)."""
-    paths = [path] if path is not None else sorted((ROOT / "bench" / "results").glob("search-*.json"))
+    one under `results` holding that workload (a bench run may cover some workloads only). Newest by
+    the time bench_search wrote into it; runs from before it wrote one are older, in name order."""
+    runs = [json.loads(p.read_text()) for p in ([path] if path is not None else sorted(results.glob("search-*.json")))]
     designs = {}
-    for p in paths:  # oldest first: a newer run's design replaces an older one's
-        data = json.loads(p.read_text())["workloads"]
-        designs |= {name: r["best_design_json"] for name, r in data.items() if r.get("best_design_json")}
+    for data in sorted(runs, key=lambda d: str(d.get("finished", ""))):  # stable: oldest first, replaced by newer
+        designs |= {name: r["best_design_json"] for name, r in data["workloads"].items() if r.get("best_design_json")}
     return {name: Design.from_json(d) for name, d in designs.items()}
 
 

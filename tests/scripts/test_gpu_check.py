@@ -45,3 +45,23 @@ def test_interpret_mode_checks_every_workload(tmp_path):
     table = (tmp_path / "gpu_check.md").read_text()
     assert proc.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
     assert table.count("| yes |") == len(cases)
+
+
+def test_the_searched_designs_come_from_the_newest_run_by_the_time_it_finished(tmp_path):
+    """A run's name does not order it ("...-after-redesign" sorts before "...-before-redesign"): the
+    time bench_search wrote into the JSON does, and runs from before it wrote one come first."""
+    from scripts.gpu_check import searched_designs
+
+    real = json.loads((ROOT / "bench" / "results" / "search-cpu-2026-12-07-rotary.json").read_text())
+    one, other = (real["workloads"][w]["best_design_json"] for w in ("rotary", "qk_norm_rotary"))
+
+    def write(name, design, finished=None):
+        data = {"workloads": {"rotary": {"best_design_json": design}}} | ({"finished": finished} if finished else {})
+        (tmp_path / f"search-{name}.json").write_text(json.dumps(data))
+
+    write("a-after", one, "2026-12-07T02:00:00Z")
+    write("b-before", other, "2026-12-07T01:00:00Z")
+    write("c-untimed", other)
+    assert searched_designs(None, tmp_path)["rotary"].to_json() == one
+    write("a-after", one)
+    assert searched_designs(None, tmp_path)["rotary"].to_json() == other
