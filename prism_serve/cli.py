@@ -161,6 +161,8 @@ def warmup(
     registry: Optional[str] = typer.Option(None, "--registry", help="registry path or URL (default: the "
                                                                     "configured one)"),
     budget: float = typer.Option(60.0, "--budget", help="search seconds per region"),
+    work: Optional[int] = typer.Option(None, "--work", help="steps of generation work per region (default: 50,000 "
+                                                            "per second of --budget)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the warmup report here"),
     dtype: str = typer.Option("auto", "--dtype", help="the dtype vLLM serves the model in, as `vllm serve --dtype`: "
                                                       "auto (vLLM's default: bfloat16 for a float32 checkpoint), "
@@ -189,7 +191,8 @@ def warmup(
             raise _fail(exc) from None
         display = progress_for(quiet=quiet, plain=no_progress, prefix="warmup")
         try:
-            report = run_warmup(model, registry=registry, budget_s=budget, progress=display, dtype=dtype, ray=ray)
+            report = run_warmup(model, registry=registry, budget_s=budget, progress=display, dtype=dtype, ray=ray,
+                                work=work)
         except BaseException as exc:
             display.close(stopped=True)
             if isinstance(exc, PrismError):

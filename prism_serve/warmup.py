@@ -210,11 +210,13 @@ def known_designs(session, prog) -> list:
 
 
 def warmup(model: str | Path | None = None, *, registry: str | None = None, budget_s: float = 60.0,
-           progress: Progress | None = None, dtype: str = "auto", ray: str | None = None) -> WarmupReport:
+           progress: Progress | None = None, dtype: str = "auto", ray: str | None = None,
+           work: int | None = None) -> WarmupReport:
     """Capture, optimize, check and store kernels for `model` on this device (see the module doc),
     for the dtype vLLM runs it in: `dtype` as vLLM's own (`vllm serve --dtype`; "auto", vLLM's
     default, runs a float32 checkpoint in bfloat16). With `ray` (a cluster address, "auto", or
-    "local") each search runs on Ray (`pipeline/ray_pool.py`)."""
+    "local") each search runs on Ray (`pipeline/ray_pool.py`). Each region's search generates for
+    `work` steps (default: the search's, per second of `budget_s`), within `budget_s` seconds."""
     from prism_serve.capture.embedded import resolve_model
     from prism_serve.patch.device import current_device
     from prism_serve.registry.db import open_registry
@@ -263,7 +265,7 @@ def warmup(model: str | Path | None = None, *, registry: str | None = None, budg
                                 bucket_ranges(sorted(set(region.buckets)) or [1]))
             try:
                 outcome = _warm_region(RegionRun(region, captured, name, reg, device, device_type, env, run_id,
-                                                 budget_s, out, ray=ray), progress, i, len(supported))
+                                                 budget_s, out, ray=ray, work=work), progress, i, len(supported))
             except Exception as exc:  # noqa: BLE001 - one region's failure is reported, the run goes on
                 outcome = RegionOutcome(region.kind, region.program.canonical_hash, region.layers, status="failed",
                                         reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
@@ -308,6 +310,7 @@ class RegionRun:
     budget_s: float
     out: RegionOutcome
     ray: str | None = None  # the Ray cluster the search runs on (None: this process)
+    work: int | None = None  # the search's generation steps (None: per second of `budget_s`)
     spec: object = None  # the GPU spec the search ranks for
     designs: list = field(default_factory=list)  # verified designs stored for this Program (family)
     best: object = None  # the search's winner
@@ -344,7 +347,7 @@ def _search(run: RegionRun) -> str | None:
     # one process: on two cores the workers' start-up (5-10 s) costs more than they save (see #11's notes);
     # on a GPU, only instances that ptxas does not spill for it (compiled by the Triton vLLM will launch with)
     def search(known=()):
-        return optimize(run.prog, run.spec, run.sizes, budget_s=run.budget_s, known=known,
+        return optimize(run.prog, run.spec, run.sizes, budget_s=run.budget_s, work=run.work, known=known,
                         workers=1 if run.ray is None else None, static_check=run.device.kind == "gpu", ray=run.ray)
     try:
         result = search(run.designs)

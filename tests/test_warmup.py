@@ -18,7 +18,7 @@ from prism_serve.registry import open_registry
 from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, model_fingerprint, warmup
 
-from .checkpoints import DTYPE, WARMUP_BUDGET_S
+from .checkpoints import DTYPE, WARMUP_BUDGET_S, WARMUP_WORK
 from .cpu_gemm import packs_weights
 from .patch.vllm_run import config, run_vllm
 
@@ -39,14 +39,14 @@ def warmed(tmp_path_factory):
     try:
         stages = []
         first = warmup(None, registry=url, progress=lambda stage, done, total: stages.append(stage), dtype=DTYPE,
-                       budget_s=WARMUP_BUDGET_S)
-        second = warmup(None, registry=url, dtype=DTYPE, budget_s=WARMUP_BUDGET_S)
+                       budget_s=WARMUP_BUDGET_S, work=WARMUP_WORK)
+        second = warmup(None, registry=url, dtype=DTYPE, budget_s=WARMUP_BUDGET_S, work=WARMUP_WORK)
         # without the cached capture, with the plugin pointed at the warmed registry and forced on:
         # capture must still see vLLM's own ops, and every plan is reused instead of searched
         for f in (tmp / "cache" / "captures").glob("*.json"):
             f.unlink()
         os.environ.update(PRISM_SERVE_REGISTRY=url, PRISM_SERVE_FORCE="1")
-        third = warmup(None, registry=url, dtype=DTYPE, budget_s=WARMUP_BUDGET_S)
+        third = warmup(None, registry=url, dtype=DTYPE, budget_s=WARMUP_BUDGET_S, work=WARMUP_WORK)
     finally:
         for k, v in {"PRISM_SERVE_CACHE": old, **saved}.items():
             if v is None:
@@ -181,7 +181,7 @@ def test_by_default_warmup_stores_kernels_for_the_dtype_vllm_serves(tmp_path, mo
     serves float32 warmups the same way.)"""
     monkeypatch.setenv("PRISM_SERVE_CACHE", str(tmp_path / "cache"))
     url = f"sqlite:///{tmp_path / 'registry.db'}"
-    report = warmup(None, registry=url, budget_s=WARMUP_BUDGET_S)
+    report = warmup(None, registry=url, budget_s=WARMUP_BUDGET_S, work=WARMUP_WORK)
     assert report.dtype == "bfloat16"
     stored = {r.kind for r in report.regions if r.status in ("verified", "enabled")}
     # the final norm, and the regions on vLLM's CPU GEMMs (oneDNN, or AMX for small bf16 weights)

@@ -57,7 +57,7 @@ from prism_serve.registry import add_kernel, open_registry
 from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import model_fingerprint, warmup
 
-from ..checkpoints import ARCH_CONFIGS, WARMUP_BUDGET_S, config_of, dtype_of, write_checkpoint
+from ..checkpoints import ARCH_CONFIGS, WARMUP_BUDGET_S, WARMUP_WORK, config_of, dtype_of, write_checkpoint
 from .vllm_run import config, run_vllm
 
 ARCHS = tuple(ARCH_CONFIGS)
@@ -94,7 +94,7 @@ def arch(request, arch_registry, tmp_path_factory):
     old = os.environ.get("PRISM_SERVE_CACHE")
     os.environ["PRISM_SERVE_CACHE"] = str(tmp / "cache")
     try:
-        report = warmup(path, registry=arch_registry, dtype=dtype_of(name), budget_s=WARMUP_BUDGET_S)
+        report = warmup(path, registry=arch_registry, dtype=dtype_of(name), budget_s=WARMUP_BUDGET_S, work=WARMUP_WORK)
         key = model_fingerprint(resolve_model(path), dtype_of(name))
         capture = json.loads((tmp / "cache" / "captures" / f"{key}.json").read_text())
     finally:
