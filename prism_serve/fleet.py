@@ -146,7 +146,7 @@ def warm_kind(kind: str, model: str, captured, found: dict, registry: str | None
     from prism_serve.optimize.target.gpus import get_gpu
     from prism_serve.registry.db import open_registry
     from prism_serve.registry.store import current_versions, finish_warmup, start_warmup
-    from prism_serve.warmup import REGION_STAGES, RegionOutcome, RegionRun, have_kernels, bucket_ranges, run_status
+    from prism_serve.warmup import REGION_STAGES, RegionOutcome, RegionRun, bucket_ranges, have_kernels, run_status
 
     start = time.perf_counter()
     device, device_type, measured = kind_device(kind)
@@ -267,7 +267,7 @@ def _warm_model(ray, model: str, kinds: dict, registry: str, budget_s: float, dt
     pinned task per kind, waited for while its kind has a live node."""
     from prism_serve.capture.embedded import resolve_model
     from prism_serve.registry.store import current_versions
-    from prism_serve.warmup import all_stored, cached_capture, store_capture, model_fingerprint
+    from prism_serve.warmup import all_stored, cached_capture, model_fingerprint, store_capture
 
     say = progress or (lambda message: None)
     key = model_fingerprint(resolve_model(model), dtype)
