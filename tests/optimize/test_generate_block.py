@@ -226,6 +226,19 @@ def test_a_paused_walk_resumes_where_it_stopped_and_finds_what_an_uninterrupted_
     assert len(uninterrupted) >= 2 and resumed == uninterrupted
 
 
+def test_a_walk_past_its_deadline_pauses_however_many_steps_it_has():
+    """The search's wall-clock safety net reaches into a block walk: one that completes nothing for
+    a long time (qk_norm_rotary's generation ended 5 s past its deadline) pauses at its next state."""
+    ctx = make_context(WORKLOADS["rms_norm"].program(hidden=40, dtype="float32"))
+    gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, ("num_tokens",), None, 6, frozenset(),
+                         outputs_only=True)
+    walk = gen.run()
+    assert next(walk) is not None  # in time, with steps to spend: a kernel
+    gen.deadline = 0.0  # long past
+    assert next(walk) is None and gen.stopped and gen.allowance > 0
+    assert next(walk) is None  # and it stays paused
+
+
 def _completions(ctx, grid, loop, max_ops: int) -> list:
     gen = BlockGenerator(ctx.oracle, ctx.outputs, ctx.inputs, ctx.consts, grid, loop, max_ops, frozenset(),
                          outputs_only=True)

@@ -17,8 +17,8 @@ from prism_serve.optimize.codegen.render import compile_instance
 from prism_serve.optimize.generate.abstract import Term
 from prism_serve.optimize.generate.block import Value, input_iterators
 from prism_serve.optimize.generate.context import Context, make_context
-from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, build, iterator_maps, op_labels,
-                                                  program_context, tensor_of)
+from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, build, iterator_maps, joint_axis,
+                                                  op_labels, program_context, tensor_of)
 from prism_serve.optimize.generate.kernel import DEEP_PENDING, LIBRARY, KernelGenerator
 from prism_serve.optimize.generate.windows import canonical, concat_spec, gather_spec, slice_var
 from prism_serve.optimize.instantiate import prune
@@ -144,7 +144,8 @@ def _judge_kernel(ctx: Context, consts: dict[str, float], k: BlockKernel, stored
 def _judge_maps(ctx: Context, k: BlockKernel, stored: dict, tensors: dict[str, TensorDecl]) -> list[str]:
     """Each load's (imap, fmap) among the input iterators the generator keeps for the kernel's
     (grid labels, loop label): a grid axis stands for the label of the dims its stores partition
-    (its loads', where every store replicates it), the loop for the label most loads walk; an axis
+    (for the joint axis of their labels where they partition dims of several, as the rotary
+    oracles' head axis does q's heads and k's; its loads', where every store replicates it), the loop for the label most loads walk; an axis
     of the loop's label is a split's, which `split.py` adds to the generated kernel, and an axis
     over a dim of size 1 (no label names it) has no counterpart in a generated kernel."""
     program_labels = index_labels(ctx.flat).dims
@@ -158,6 +159,8 @@ def _judge_maps(ctx: Context, k: BlockKernel, stored: dict, tensors: dict[str, T
         for nodes, key in ((k.stores, "omap"), (k.loads, "imap")):
             found = [labels_of(n.attr("tensor"))[n.attr(key)[a]] for n in nodes
                      if n.attr(key)[a] is not None and labels_of(n.attr("tensor")) is not None]
+            if len(set(found) - {NUM_TOKENS}) > 1 and key == "omap":  # stores of several labels: a joint axis
+                return joint_axis(lb for lb in ctx.labels if lb in found)
             if found:
                 return Counter(found).most_common(1)[0][0]
         return None
@@ -226,15 +229,7 @@ def _judge(g: SGraph) -> tuple[list[str], list[str]]:
     return failures, skipped
 
 
-# The rotary oracles' head-block axis partitions q's heads and k's heads alike (32 and 8 of them):
-# no index label stands for both, and the generator's grid axes are labels, so their k loads are
-# outside its space (it reaches their block graphs over a token grid: tests/optimize/test_rotary_search.py)
-SHARED_HEAD_AXIS = {"oracle_rotary", "oracle_qk_norm_rotary"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="a grid axis over q's and k's heads is no label")) if n in SHARED_HEAD_AXIS else n
-    for n in sorted(HAND_BUILT)])
+@pytest.mark.parametrize("name", sorted(HAND_BUILT))
 def test_every_hand_built_design_passes_every_pruning_rule(name):
     g: SGraph = HAND_BUILT[name]()
     failures, skipped = _judge(g)

@@ -2,7 +2,8 @@
 swapped, cos and sin swapped, the wrong position, a gather on the wrong dim) is rejected, the test
 saying by what; the generator reaches designs with the oracles' block graphs (cos / sin rows
 gathered once per token block for q and k alike, the halves as windowed loads, the norm and the
-rotation in one pass), which the proof and the numeric check accept."""
+rotation in one pass), over a token grid and over the oracles' grid, whose one head axis splits
+q's heads and k's, which the proof and the numeric check accept."""
 
 from __future__ import annotations
 
@@ -127,8 +128,8 @@ def test_the_generator_reaches_the_oracles_block_graph(prog):
     """The one-kernel design the generator reaches first holds the oracle's ops exactly: two
     windows of the cache, each gathered once and read by q's and k's rotations alike, q's and k's
     halves as windowed loads, the rotated halves concatenated into the stores; qk_norm_rotary's
-    rsqrt of each head's mean square once, times each half. (The oracle's extra head-block axis,
-    shared by q's and k's heads, is no label of the Program: the generator's grids are labels.)"""
+    rsqrt of each head's mean square once, times each half (here over a token grid; the oracle's
+    head axis, shared by q's and k's heads, below)."""
     design = _one_kernel(prog)
     g = build(prog, design)
     assert _block_ops(g) == _block_ops(oracle(prog))
@@ -136,3 +137,45 @@ def test_the_generator_reaches_the_oracles_block_graph(prog):
     proof, verdict, _ = verify_design(prog, design, H100)
     assert proof.ok, proof.reason
     assert verdict.ok, verdict.reasons
+
+
+HEADS = NUM_TOKENS, "q1.k1"  # one grid axis over q's heads and k's heads
+
+
+@pytest.mark.parametrize("name", ["rotary", "qk_norm_rotary"])
+def test_the_generator_offers_one_grid_axis_over_q_and_k_heads(name):
+    """q's heads and k's share no tensor and nothing reduces or gathers them, so a joint axis over
+    both is a grid choice, and the first one; programs whose outputs share their labels (or that
+    have one output) get none."""
+    gen = KernelGenerator(make_context(P.WORKLOADS[name].program()), max_kernels=1, max_block_ops=8, max_grid=3)
+    assert gen.choices()[0] == (HEADS, None)
+    for other in ("fused_add_rms_norm", "attention", "rmsnorm_swiglu"):
+        ctx = make_context(P.WORKLOADS[other].program())
+        grids = [g for g, _ in KernelGenerator(ctx, max_kernels=1, max_block_ops=8, max_grid=3).choices()]
+        assert not any("." in axis for g in grids for axis in g), other
+
+
+@pytest.mark.parametrize("prog", [P.rotary(6, 2, 16, 8, 32, "float32", "gptj"),
+                                  P.qk_norm_rotary(4, 2, 16, 16, 32, 1e-6, "float32")], ids=["gptj_partial", "qk_norm"])
+def test_the_search_reaches_the_oracles_design_with_one_axis_over_q_and_k_heads(prog):
+    """The oracle's design: one kernel per (token block, head block) whose block holds a slice of
+    q's heads and of k's (6 and 2: the axis' blocks divide both), gathering each cos / sin row once
+    for both; walked as its own subtree of the search, proven and checked (odd head counts per
+    block included), and its stored form reloads through the typed loader."""
+    gen = KernelGenerator(make_context(prog), max_kernels=1, max_block_ops=8, max_grid=3)
+    design = next(gen.explore(1, (HEADS, None), gen.choices(), 400_000))
+    assert [k.grid for k in design.kernels] == [HEADS]
+    g = build(prog, design)
+    k = g.kernels[0]
+    axis = [a.symbol for a in k.grid if not a.over_tokens]
+    assert len(k.grid) == 2 and len(axis) == 1
+    loads = {n.attr("tensor"): n.attr("imap") for n in k.loads}
+    assert loads["q"] == loads["k"] == (0, 1)  # both split their heads by the one axis
+    assert loads["cos_sin_cache"][1] is None and loads["positions"][1] is None  # read once per head block
+    assert _block_ops(g) == _block_ops(oracle(prog))
+    assert sum(n.op == "gather" for n in k.nodes) == 2
+    proof, verdict, _ = verify_design(prog, design, H100)
+    assert proof.ok, proof.reason
+    assert verdict.ok, verdict.reasons
+    assert Design.from_json(design.to_json()) == design
+

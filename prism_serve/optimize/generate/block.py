@@ -1,11 +1,12 @@
 """The block-level generator: a graph-defined kernel built one block op at a time.
 
-For a grid (index labels, one per axis) and an optional for-loop label, `BlockGenerator` walks
-block graphs depth first. Each step adds one op over the block's tensors so far, the input
-iterators over the kernel tensors and the Program's constants: a unary or binary elementwise op,
-a sum / mean / max over one labelled dim, a matmul, or a for-loop accumulator (sum, mean, max,
-and the online-softmax ``rescaled_sum`` when the value uses a running max). A reduction over the
-loop label inside the loop yields a loop-tile partial that only an accumulator may consume.
+For a grid (an index label per axis, or a joint axis' labels: `design.axis_labels`) and an
+optional for-loop label, `BlockGenerator` walks block graphs depth first. Each step adds one op
+over the block's tensors so far, the input iterators over the kernel tensors and the Program's
+constants: a unary or binary elementwise op, a sum / mean / max over one labelled dim, a matmul,
+or a for-loop accumulator (sum, mean, max, and the online-softmax ``rescaled_sum`` when the
+value uses a running max). A reduction over the loop label inside the loop yields a loop-tile
+partial that only an accumulator may consume.
 
 Input iterators are enumerated, as Prism's generator does: for each kernel tensor, every imap
 (each grid axis partitions a distinct dim of the tensor, or replicates the tile) and every fmap
@@ -75,14 +76,15 @@ The walk is metered in steps (`steps`): one per candidate op it judges (on its o
 once per generator, and in each state that offers it), and QUERY_STEPS more per candidate
 whose abstract expression goes to the e-graph, most of the walk's time. With its `allowance`
 spent it pauses at the next state (yields None) and resumes where it stopped once the consumer
-grants more. A walk given the same steps reaches the same graphs whichever process runs it and
-however busy the machine is: the search's budget is counted in these steps, not in seconds
-(see `kernel.py`)."""
+grants more; past the search's wall-clock `deadline` (a safety net) it pauses for good. A walk
+given the same steps reaches the same graphs whichever process runs it and however busy the
+machine is: the search's budget is counted in these steps, not in seconds (see `kernel.py`)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 import weakref
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -90,8 +92,9 @@ from typing import Iterator
 
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
-from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, iterator_ref,
-                                                  own_maps, read_labels, tensor_of)
+from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, JOINT, ROW, UNARY, WHOLE, BlockOp,
+                                                  axis_labels, grid_labels, iterator_ref, own_maps, read_labels,
+                                                  tensor_of)
 from prism_serve.optimize.ir.ops import OPS, Op
 from prism_serve.optimize.generate.windows import (NO_INDEXING, Indexing, canonical, concat_spec, gather_spec,
                                                    indexed_labels, slice_var)
@@ -195,6 +198,7 @@ class BlockGenerator:
         if iterators not in ITERATOR_SETS:
             raise ValueError(f"iterators must be one of {ITERATOR_SETS}, got {iterators!r}")
         self.oracle, self.outputs, self.grid, self.loop, self.max_ops = oracle, outputs, grid, loop, max_ops
+        self.partitioned = grid_labels(grid)  # the labels the grid's axes split (a joint axis splits several)
         self.written, self.allowance, self.outputs_only = written, allowance, outputs_only
         self.iterators = iterators
         self.library = library  # one library op over whole tensors: a reduction reduces its whole dim
@@ -203,6 +207,7 @@ class BlockGenerator:
         # computed operand is offered on TF32 operands too (bfloat16 has float32's range)
         self.tf32_dots = any(v.type.dtype == "float16" for v in tensors.values())
         self.steps = 0  # spent so far (see the module's docstring)
+        self.deadline = math.inf  # wall clock (perf_counter): the search's safety net; past it the walk pauses
         self.stopped = False
         self._counts = Counts()  # this walk's own verdicts; see `counts`
         # whole rows first: a row statistic before the loop, then the loop, is the usual shape of a
@@ -250,7 +255,8 @@ class BlockGenerator:
         if self.outputs_only:  # the bounds on ops left (see `_ops_needed`)
             if self._ops_needed(values, uses) > left:
                 return
-        while self.allowance <= 0:  # paused: the consumer may grant more steps and resume
+        # paused: the consumer may grant more steps and resume; past the deadline it stays paused
+        while self.allowance <= 0 or time.perf_counter() > self.deadline:
             self.stopped = True
             yield None
         self.stopped = False
@@ -416,7 +422,7 @@ class BlockGenerator:
         if f.expr[0] != "var" or f.partial or f.type.dtype == "const":
             return
         for d, lb in enumerate(f.labels):
-            if lb is None or _is_whole(lb) or (not self.library and (lb in self.grid or lb == self.loop)):
+            if lb is None or _is_whole(lb) or (not self.library and (lb in self.partitioned or lb == self.loop)):
                 continue
             for (label, (start, stop, step)) in self.indexing.slices:
                 if label == lb:
@@ -524,9 +530,9 @@ class BlockGenerator:
             t = infer_type(Node(name, op, tuple(f"i{j}" for j in range(len(ins))), attrs), [v.type for v in ins])
         except ProgramError:
             return None, "shape"
-        if NUM_TOKENS in labels and NUM_TOKENS not in self.grid:
+        if NUM_TOKENS in labels and NUM_TOKENS not in self.partitioned:
             return None, "shape"
-        if op == Op.MATMUL and any(lb is not None and lb not in self.grid for lb in labels[:-2]):
+        if op == Op.MATMUL and any(lb is not None and lb not in self.partitioned for lb in labels[:-2]):
             return None, "shape"
         stages = {v.stage for v in ins}
         if "loop" in stages and any(v.stage == "post" and not v.running_max for v in ins):
@@ -538,7 +544,7 @@ class BlockGenerator:
         expr, reduced = _expr(op, a, ins)
         partial = None
         if reduced is not None:
-            if (reduced in self.grid and not self.library and not _is_whole(_reduced_dim(op, a, ins))
+            if (reduced in self.partitioned and not self.library and not _is_whole(_reduced_dim(op, a, ins))
                     and self.oracle.enabled):
                 # the block holds a slice of the reduced dim only
                 return None, "abstract_expression"
@@ -565,7 +571,7 @@ class BlockGenerator:
         unused = [v for v in values if v.ref not in uses]
         if any(v.partial or v.stage == "loop" for v in unused):
             return None
-        if any(w and base_label(lb) in self.grid for v in unused for lb, w in zip(v.labels, v.whole)):
+        if any(w and base_label(lb) in self.partitioned for v in unused for lb, w in zip(v.labels, v.whole)):
             return None  # a row's whole dim that a grid axis splits: the block holds no tile of it to store
         if self.loop and not any(o.op == "accum" for o in ops):
             return None
@@ -584,7 +590,7 @@ class BlockGenerator:
         if any(outs) and not all(outs) or self.outputs_only and not all(outs):
             return None  # a kernel writes program outputs, or intermediates for later kernels, not both
         stored = set().union(*({base_label(lb) for lb in v.labels} for v in sinks))
-        if any(lb not in stored for lb in self.grid):  # a grid axis that every store replicates
+        if any(stored.isdisjoint(axis_labels(axis)) for axis in self.grid):  # an axis every store replicates
             return None
         return Completion(tuple(ops), tuple(sinks), tuple(outs))
 
@@ -672,8 +678,9 @@ def _iterator(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None,
     """The iterator reading `v` through `maps`, or the rule that prunes it:
 
     - ``shape``: a token axis partitions a dim other than the tokens, or another axis the tokens;
-      the token axis replicates the tokens (one tile would hold every token); the loop walks the
-      tokens or an unlabelled dim; a dim is read at a label of another extent;
+      the token axis replicates the tokens (one tile would hold every token); a joint axis
+      partitions a dim of none of its labels; the loop walks the tokens or an unlabelled dim; a
+      dim is read at a label of another extent;
     - ``abstract_expression``: a dim is read at another label than its own (a transposed or
       mismatched map): its term reads the tensor at renamed indices, a leaf that no term of the
       target has; or the tile holds a dim whole that the grid or the loop splits, along a label the
@@ -689,6 +696,8 @@ def _iterator(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None,
             return None, "shape"
         if d is not None and (labels[d] is None or (lb == NUM_TOKENS) != (labels[d] == NUM_TOKENS)):
             return None, "shape"
+        if d is not None and JOINT in lb and labels[d] not in axis_labels(lb):
+            return None, "shape"
     if fmap is not None and labels[fmap] in (None, NUM_TOKENS):
         return None, "shape"
     read = read_labels(labels, grid, loop, maps)
@@ -696,7 +705,8 @@ def _iterator(oracle: Oracle, v: Value, grid: tuple[str, ...], loop: str | None,
         return None, "shape"
     ref = iterator_ref(v.ref, maps, labels, grid, loop)
     split = {d for d in imap if d is not None} | ({fmap} if fmap is not None else set())
-    tile = tuple(whole_label(lb) if d not in split and lb is not None and (lb in grid or lb == loop) else r
+    partitioned = grid_labels(grid)
+    tile = tuple(whole_label(lb) if d not in split and lb is not None and (lb in partitioned or lb == loop) else r
                  for d, (lb, r) in enumerate(zip(labels, read)))
     expr = v.expr if read == labels else ("var", ref[1:])
     if not oracle.within(expr):

@@ -1,9 +1,10 @@
 """A design: the generator's trace of operators, and the sGraph it builds for a Program.
 
 A `Design` is a sequence of kernels. A `LibrarySpec` runs one IR op over kernel tensors. A
-`BlockSpec` is a graph-defined kernel: its grid axes are index labels (`labels.py`) and its
-for-loop walks one label; its block ops refer to the Program's constants as ``#name`` and to
-kernel tensors through input iterators, each with its own imap and fmap:
+`BlockSpec` is a graph-defined kernel: its grid axes are index labels (`labels.py`), or joint
+axes over labels that share no tensor (``q1.k1``, `axis_labels`), and its for-loop walks one
+label; its block ops refer to the Program's constants as ``#name`` and to kernel tensors
+through input iterators, each with its own imap and fmap:
 
 - ``@name``: the tensor's own maps: the imap partitions, per grid axis, the tensor's dim with
   that axis' label, or replicates the tile where the tensor lacks it; the fmap is the dim with
@@ -23,6 +24,7 @@ another one (shape-generic reuse of stored designs).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -62,7 +64,7 @@ class BlockOp:
 
 @dataclass(frozen=True)
 class BlockSpec:
-    grid: tuple[str, ...]  # one index label per grid axis
+    grid: tuple[str, ...]  # one index label per grid axis, or a joint axis' labels (`joint_axis`)
     loop: str | None
     ops: tuple[BlockOp, ...]
     split: bool = False
@@ -167,10 +169,37 @@ def tensor_of(ref: str) -> tuple[str, str]:
     return name, ""
 
 
+JOINT = "."  # joins the labels of a joint grid axis: index labels are identifiers (`labels.py`)
+
+
+@functools.lru_cache(maxsize=4096)
+def axis_labels(axis: str) -> tuple[str, ...]:
+    """The index labels a grid axis partitions: its own, or each of a joint axis' (``q1.k1``: one
+    axis over q's heads and k's heads, whose blocks hold a slice of each, so that what they share,
+    rotary's cos / sin rows, is loaded once for both)."""
+    return tuple(axis.split(JOINT))
+
+
+def joint_axis(labels) -> str:
+    """The grid axis that partitions each of `labels` (two or more labels that share no tensor)."""
+    return JOINT.join(labels)
+
+
+@functools.lru_cache(maxsize=4096)
+def grid_labels(grid: tuple[str, ...]) -> frozenset[str]:
+    """The index labels the grid's axes partition."""
+    return frozenset(lb for axis in grid for lb in axis_labels(axis))
+
+
+def _axis_dim(labels: tuple, axis: str) -> int | None:
+    return next((labels.index(lb) for lb in axis_labels(axis) if lb in labels), None)
+
+
 def own_maps(labels: tuple, grid: tuple[str, ...], loop: str | None) -> Maps:
     """The maps the tensor's index labels give: each grid axis partitions the dim with its label
-    (replicated where the tensor has none), the loop walks the dim with the loop label."""
-    return (tuple(labels.index(lb) if lb in labels else None for lb in grid),
+    (with one of a joint axis' labels; replicated where the tensor has none), the loop walks the
+    dim with the loop label."""
+    return (tuple(_axis_dim(labels, axis) for axis in grid),
             labels.index(loop) if loop is not None and loop in labels else None)
 
 
@@ -206,14 +235,14 @@ def iterator_ref(tensor_ref: str, maps: Maps, labels: tuple, grid: tuple[str, ..
 
 def read_labels(labels: tuple, grid: tuple[str, ...], loop: str | None, maps: Maps) -> tuple:
     """The index label at which an iterator reads each dim of a tensor: a dim that a grid axis
-    partitions is read at that axis' label, the dim the loop walks at the loop's label, any other
-    at its own. Under the tensor's own maps these are its labels; a dim read at another label is a
+    partitions is read at that axis' label (at its own where it is one of a joint axis' labels),
+    the dim the loop walks at the loop's label, any other at its own. Under the tensor's own maps these are its labels; a dim read at another label is a
     renamed (transposed, or mismatched) read."""
     imap, fmap = maps
     out = list(labels)
-    for lb, d in zip(grid, imap):
-        if d is not None:
-            out[d] = lb
+    for axis, d in zip(grid, imap):
+        if d is not None:  # a joint axis reads each of its labels' dims at that label
+            out[d] = labels[d] if labels[d] in axis_labels(axis) else axis
     if fmap is not None:
         out[fmap] = loop
     return tuple(out)

@@ -3,7 +3,7 @@
 From the Program's inputs, each step adds one kernel that reads any tensors produced so far:
 a library op (one IR op, its result a new kernel tensor) or a graph-defined kernel from
 `block.BlockGenerator` for one grid (an ordered set of index labels, in canonical label order,
-at most `max_grid` axes) and one for-loop label (None, or a label some op reduces), optionally
+or joint axes over labels that share no tensor, at most `max_grid` axes) and one for-loop label (None, or a label some op reduces), optionally
 split across one more grid axis; a graph-defined kernel has at most `max_block_ops` block ops,
 or, as the one kernel of a one-kernel design, at least as many as the Program has and one per
 matmul, for a factor applied after it (`alone_ops`). A kernel may recompute what an earlier one
@@ -53,8 +53,8 @@ from prism_serve.optimize.generate.block import (ALL, ROWS, TILES, BlockGenerato
 from prism_serve.optimize.generate.abstract import term_parts
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
-from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads,
-                                                  writes)
+from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, axis_labels, grid_labels,
+                                                  intermediate_type, joint_axis, reads, writes)
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import NUM_TOKENS
 
@@ -120,10 +120,11 @@ class KernelGenerator:
         return not self.stopped and (self._cut or any(self._cache[k][2] is not None for k in self._reached))
 
     def choices(self) -> list[tuple[tuple[str, ...], str | None]]:
-        """(grid labels, loop label) per graph-defined kernel, more grid axes first and then loops
-        over longer reductions first (an order only: what comes sooner); the choice-level shape
-        rule drops grids without the token label where tensors have tokens. Judged (and counted)
-        once per generator."""
+        """(grid axes, loop label) per graph-defined kernel: an axis is an output's label or a
+        joint axis (`_joint_axes`), no label split by two axes. Grids that split more labels
+        come first, then those of fewer axes, then loops over longer reductions first (an order
+        only: what comes sooner); the choice-level shape rule drops grids without the token label
+        where tensors have tokens. Judged (and counted) once per generator."""
         if self._choices is not None:
             return self._choices
         ctx = self.ctx
@@ -137,17 +138,34 @@ class KernelGenerator:
         has_tokens = any(NUM_TOKENS in v.labels for v in ctx.inputs.values())
         sizes = {lb: d for v in ctx.inputs.values() for lb, d in zip(v.labels, v.type.shape) if isinstance(d, int)}
         reduced.sort(key=lambda lb: -sizes.get(lb, 0))  # a loop over the longest reduction first
+        axes = out_labels + self._joint_axes(out_labels)
+        grids = [grid for r in range(min(self.max_grid, len(axes)), 0, -1) for grid in itertools.combinations(axes, r)
+                 if len(grid_labels(grid)) == sum(len(axis_labels(a)) for a in grid)]  # no label split twice
+        # more parallel grids first (more labels split); of those, fewer axes first: a joint axis'
+        # block loads what its labels' tensors share once
+        grids.sort(key=lambda g: (-len(grid_labels(g)), len(g)))
         out = []
-        for r in range(min(self.max_grid, len(out_labels)), 0, -1):  # more parallel grids first
-            for grid in itertools.combinations(out_labels, r):
-                for loop in [lb for lb in reduced if lb not in grid] + [None]:
-                    self._own.generated += 1
-                    if has_tokens and NUM_TOKENS not in grid:
-                        self._own.pruned["shape"] += 1
-                        continue
-                    out.append((grid, loop))
+        for grid in grids:
+            for loop in [lb for lb in reduced if lb not in grid] + [None]:
+                self._own.generated += 1
+                if has_tokens and NUM_TOKENS not in grid:
+                    self._own.pruned["shape"] += 1
+                    continue
+                out.append((grid, loop))
         self._choices = out
         return out
+
+    def _joint_axes(self, out_labels: list[str]) -> list[str]:
+        """The joint grid axes (`design.joint_axis`): each pair of output labels but the tokens
+        that no tensor of the Program holds both of, and that no op reduces or gathers, such as
+        rotary's q heads and k heads. A joint axis' block holds a slice of each, so it reads
+        what their tensors share (the cos / sin rows of its tokens) once for both."""
+        from prism_serve.optimize.ir.labels import index_labels
+        ctx = self.ctx
+        held = [set(lbs) for lbs in index_labels(ctx.flat).dims.values()]
+        reduced = set().union(*(set(r) for r in _reduced(ctx)))
+        free = [lb for lb in out_labels if lb != NUM_TOKENS and lb not in reduced and lb not in ctx.indexing.gathers]
+        return [joint_axis(pair) for pair in itertools.combinations(free, 2) if not any(set(pair) <= h for h in held)]
 
     def _outputs_labels(self) -> list[Value]:
         from prism_serve.optimize.ir.labels import index_labels
@@ -341,6 +359,7 @@ class KernelGenerator:
         comps, gen, walk = entry
         self._reached.add(key)
         gen.allowance = max(0.0, self._pass_limit - self.steps) / max(1, self.pending)
+        gen.deadline = self.deadline  # a later task may move it (`workers.py`)
         self.pending = max(self._floor, self.pending - 1)
         *_, alone, _ = key  # (tensors, written, grid, loop, last, alone, iterators): see `_enumeration`
         designs_per_graph = (2 if gen.loop else 1) if alone else 0

@@ -8,6 +8,7 @@ derived from the generated block graph, not enumerated operator by operator.
 
 from __future__ import annotations
 
+from prism_serve.optimize.generate.design import own_maps
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import Node, node
 from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, TensorDecl, to_expr
@@ -39,7 +40,7 @@ def split_kernel(k: BlockKernel, spec, i: int, tensors: dict, types: dict
         t, labels = types[a.name]
         part = f"{a.name}.part{i}"
         decls.append(TensorDecl(part, (to_expr(s_axis.symbol),) + tuple(to_expr(d) for d in t.shape), "float32"))
-        omap = tuple(labels.index(lb) if lb in labels else None for lb in spec.grid)
+        omap, _ = own_maps(labels, spec.grid, None)
         k1.append(node(f"st_{a.name}_part", "store", a.name, tensor=part, omap=grid_dims(omap) + (0,)))
         combine.append(node(f"{a.name}_parts", "load", tensor=part, imap=grid_dims(omap), fmap=None))
     post = [n for n in k.nodes if stage[n.name] == "post" and n.op not in ("accum", "store")]
