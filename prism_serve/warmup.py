@@ -184,25 +184,32 @@ def all_stored(registry: str | None, cached: dict, device, env) -> list[dict] | 
 
 def known_designs(session, prog) -> list:
     """Verified designs stored for this Program, or for any Program of the same family (name)
-    whose design still builds for it: rebuilt (and verified again) for the new shapes instead of
-    searching. A stored design is untrusted data: it is parsed by the typed loader."""
+    whose design builds for it, as it is or with its slices' windows moved to this Program's
+    (`design.rebased`: rotary's halves at another head dim): rebuilt (and verified again) for the
+    new shapes instead of searching. A stored design and its Program are untrusted data: both are
+    parsed by the typed loaders."""
     from sqlalchemy import select
 
-    from prism_serve.errors import SGraphError
-    from prism_serve.optimize.generate.design import Design, build
+    from prism_serve.errors import ProgramError, SGraphError
+    from prism_serve.optimize.generate.design import Design, build, rebased
+    from prism_serve.optimize.ir.schema import program_from_json
     from prism_serve.registry.models import ProgramRecord, SGraphRecord
 
-    rows = session.execute(select(SGraphRecord.proof, ProgramRecord.hash).join(
+    rows = session.execute(select(SGraphRecord.proof, ProgramRecord.hash, ProgramRecord.ir_json).join(
         ProgramRecord, SGraphRecord.program_id == ProgramRecord.id).where(ProgramRecord.name == prog.name)).all()
     rows = sorted(rows, key=lambda r: r[1] != prog.canonical_hash)  # this very Program's designs first
     designs = []
-    for proof, _ in rows:
+    for proof, _, ir_json in rows:
         if not isinstance(proof, dict) or not proof.get("ok") or "design" not in proof:
             continue
         try:
             design = Design.from_json(proof["design"])
-            build(prog, design)
-        except SGraphError:
+            try:
+                build(prog, design)
+            except SGraphError:
+                design = rebased(design, program_from_json(ir_json), prog)
+                build(prog, design)
+        except (ProgramError, SGraphError):
             continue
         if design not in designs:
             designs.append(design)

@@ -13,7 +13,7 @@ import torch
 
 from prism_serve.errors import PrismError
 from prism_serve.optimize.generate.design import build
-from prism_serve.optimize.workloads.programs import rmsnorm_linear
+from prism_serve.optimize.workloads.programs import rmsnorm_linear, rotary
 from prism_serve.registry import open_registry
 from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import MAX_TOKENS, bucket_ranges, known_designs, model_fingerprint, warmup
@@ -98,6 +98,10 @@ def test_the_registry_holds_each_kernel_with_its_proof_design_and_checks(warmed)
         other = rmsnorm_linear(256, 384, "float32")
         designs = known_designs(s, other)
         assert designs and build(other, designs[0]).program == other
+        # and the stored rotary design at twice the head dim, its halves' windows moved (`design.rebased`)
+        wide = rotary(8, 4, 64, None, 4096, DTYPE)
+        designs = known_designs(s, wide)
+        assert designs and build(wide, designs[0]).program == wide
     reg.close()
     n_regions = len([r for r in first.regions if r.status != "skipped"])
     assert len(kernels) == sum(len(r.buckets) for r in first.regions if r.status != "skipped") >= 2 * n_regions

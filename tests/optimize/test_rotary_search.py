@@ -14,7 +14,7 @@ import pytest
 from prism_serve.errors import PrismError
 from prism_serve.optimize.generate.block import BlockGenerator
 from prism_serve.optimize.generate.context import make_context
-from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build
+from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, build, rebased
 from prism_serve.optimize.generate.kernel import KernelGenerator
 from prism_serve.optimize.generate.windows import canonical
 from prism_serve.optimize.ir.program import NUM_TOKENS, Node
@@ -179,3 +179,23 @@ def test_the_search_reaches_the_oracles_design_with_one_axis_over_q_and_k_heads(
     assert verdict.ok, verdict.reasons
     assert Design.from_json(design.to_json()) == design
 
+
+def test_a_design_found_at_one_head_dim_rebuilds_at_another_with_its_windows_moved():
+    """A searched design holds its halves' windows (0:8 and 8:16 of a 16-wide head); `rebased`
+    moves them to another Program of the family's, slice by slice through the labels they take,
+    and the moved design is proven and checked there. Where the family member slices differently
+    (GPT-J's interleaved pairs), the moved design still does not build."""
+    small, wide = _rotary(), P.rotary(3, 1, 32, 32, 64, "float32", "neox")
+    design = _one_kernel(small)
+    with pytest.raises(PrismError, match="no slice"):
+        build(wide, design)
+    moved = rebased(design, small, wide)
+    assert rebased(design, small, small) == design
+    windows = {(dict(o.attrs)["start"], dict(o.attrs)["stop"]) for o in moved.kernels[0].ops if o.op == "slice"}
+    assert windows == {(0, 16), (16, 32)}
+    proof, verdict, _ = verify_design(wide, moved, H100)
+    assert proof.ok, proof.reason
+    assert verdict.ok, verdict.reasons
+    gptj = P.rotary(3, 1, 32, 32, 64, "float32", "gptj")
+    with pytest.raises(PrismError, match="no slice"):
+        build(gptj, rebased(design, small, gptj))

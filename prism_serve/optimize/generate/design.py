@@ -28,7 +28,7 @@ import functools
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prism_serve.errors import ProgramError, SGraphError
@@ -38,7 +38,7 @@ from prism_serve.optimize.ir.ops import OPS, Kind, Op, of_kind, symbols
 from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType,
                                              infer_type, is_tf32, node)
 from prism_serve.optimize.ir.reference import expand_composites
-from prism_serve.optimize.generate.windows import NO_INDEXING, Indexing, indexed_labels, indexing
+from prism_serve.optimize.generate.windows import NO_INDEXING, Indexing, canonical, indexed_labels, indexing
 from prism_serve.optimize.ir.sgraph import (ACCUM_KINDS, MAX_GRID_AXES, BlockKernel, GridAxis, Kernel, LibraryKernel,
                                             SGraph, TensorDecl, to_expr)
 
@@ -372,6 +372,42 @@ def build(prog: Program, design: Design) -> SGraph:
         raise SGraphError(f"design does not build for '{prog.name}': {type(exc).__name__}: {exc}") from None
     digest = hashlib.sha256(json.dumps(design.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:8]
     return SGraph(f"{prog.name}_{digest}", prog, tuple(decls), tuple(kernels))
+
+
+def rebased(design: Design, source: Program, target: Program) -> Design:
+    """`design`, found for `source`, with each slice's window replaced by `target`'s window for the
+    same slice: of the windows that take one label to one label (cos and sin, the halves of the
+    cache's dim, both become the label of the halves they multiply), the one in the same place in
+    order. Programs of one family name their nodes alike, so their labels agree where their dims
+    differ, and a rotary design found at head dim 128 (halves 0:64 and 64:128) rebuilds at 32
+    (0:16 and 16:32). A window that `source` does not have, or that maps to several of `target`'s,
+    is kept (the build then refuses it). The rebased design is proven and checked like any other."""
+    def slices(prog: Program) -> dict[tuple, list]:
+        flat, labels, _, _ = program_context(prog)
+        out: dict[tuple, list] = {}
+        for (lb, w), to in indexing(flat, labels).slices.items():
+            out.setdefault((lb, to), []).append(w)
+        return {k: sorted(ws) for k, ws in out.items()}
+
+    at = slices(target)
+    moves: dict[tuple, set] = {}
+    for key, ws in slices(source).items():
+        if len(at.get(key, ())) == len(ws):
+            for w, to in zip(ws, at[key]):
+                moves.setdefault(w, set()).add(to)
+    windows = {w: next(iter(ws)) for w, ws in moves.items() if len(ws) == 1}
+
+    def attrs(op: str, a: tuple) -> tuple:
+        d = dict(a)
+        if op != Op.SLICE:
+            return a
+        w = windows.get(canonical(d["start"], d["stop"], d["step"]))
+        return a if w is None else tuple(sorted((d | dict(zip(("start", "stop", "step"), w))).items()))
+
+    kernels = tuple(replace(k, attrs=attrs(k.op, k.attrs)) if isinstance(k, LibrarySpec) else
+                    replace(k, ops=tuple(replace(o, attrs=attrs(o.op, o.attrs)) for o in k.ops))
+                    for k in design.kernels)
+    return Design(kernels)
 
 
 def _block_nodes(spec: BlockSpec, i: int, tensors: dict[str, KTensor], consts: dict[str, float],
