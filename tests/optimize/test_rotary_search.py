@@ -199,3 +199,15 @@ def test_a_design_found_at_one_head_dim_rebuilds_at_another_with_its_windows_mov
     gptj = P.rotary(3, 1, 32, 32, 64, "float32", "gptj")
     with pytest.raises(PrismError, match="no slice"):
         build(gptj, rebased(design, small, gptj))
+
+
+@pytest.mark.parametrize("axis", ["q1.q1", "num_tokens.q1", "q1.nope", "q1.q2"])
+def test_a_stored_design_with_a_malformed_joint_axis_is_refused_in_one_line(axis):
+    """A design from the registry is untrusted: its joint axis must join distinct labels of the
+    Program, not the tokens, that no tensor holds together (q1 and q2 are both q's)."""
+    prog = _rotary()
+    raw = _one_kernel(prog).to_json()
+    raw["kernels"][0]["grid"] = [NUM_TOKENS, axis]
+    with pytest.raises(PrismError, match="joint grid axis") as err:
+        build(prog, Design.from_json(raw))
+    assert len(str(err.value).splitlines()) == 1

@@ -351,6 +351,7 @@ def build(prog: Program, design: Design) -> SGraph:
                     decls.append(TensorDecl(spec.out, tuple(to_expr(d) for d in t.shape), t.dtype))
                 kernels.append(LibraryKernel(n))
                 continue
+            _check_joint_axes(spec, i, labels)
             types = block_types(spec, tensors, windows)
             nodes = _block_nodes(spec, i, tensors, consts, types)
             for o in spec.ops:
@@ -372,6 +373,20 @@ def build(prog: Program, design: Design) -> SGraph:
         raise SGraphError(f"design does not build for '{prog.name}': {type(exc).__name__}: {exc}") from None
     digest = hashlib.sha256(json.dumps(design.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:8]
     return SGraph(f"{prog.name}_{digest}", prog, tuple(decls), tuple(kernels))
+
+
+def _check_joint_axes(spec: BlockSpec, i: int, labels: Labels) -> None:
+    """A joint grid axis joins distinct labels of the Program, not the tokens, no two of which one
+    tensor holds (its blocks would split that tensor twice along one axis)."""
+    for axis in spec.grid:
+        parts = axis_labels(axis)
+        if len(parts) == 1:
+            continue
+        known = {lb for dims in labels.dims.values() for lb in dims if lb}
+        if len(set(parts)) != len(parts) or NUM_TOKENS in parts or not set(parts) <= known or any(
+                len(set(parts) & set(dims)) > 1 for dims in labels.dims.values()):
+            raise SGraphError(f"design kernel {i}: joint grid axis {axis!r} must join distinct labels of the "
+                              f"Program, not {NUM_TOKENS}, that no tensor holds together")
 
 
 def rebased(design: Design, source: Program, target: Program) -> Design:
