@@ -364,7 +364,7 @@ def build(prog: Program, design: Design) -> SGraph:
             grid = tuple(GridAxis(axis_symbol(lb, i), lb == NUM_TOKENS) for lb in spec.grid)
             k = BlockKernel(f"k{i}", grid, f"F{i}" if spec.loop else None, tuple(nodes))
             if spec.split:
-                part_decls, ks = split_kernel(k, spec, i, tensors, types)
+                part_decls, ks = split_kernel(k, spec, i, tensors, types, own_maps)
                 decls += part_decls
                 kernels += ks
             else:
