@@ -1,7 +1,10 @@
 """Benchmark the superoptimizer (Prism's operator-by-operator generator, `optimize/generate/`) on
 the five Prism workloads at their default shapes, or on any other workload by name: ``rotary`` and
 ``qk_norm_rotary`` run at Llama-3-8B / Qwen3-8B dims (32 q heads, 8 kv heads, head dim and rotary
-dim 128, 8192 positions, bfloat16; `BENCH_DIMS`) over num_tokens buckets 1 to 256.
+dim 128, 8192 positions, bfloat16; `BENCH_DIMS`) over num_tokens buckets 1 to 256, and
+``moe_experts`` at Qwen3-30B-A3B's experts (128 experts, top 8, hidden 2048, intermediate 768),
+``moe_experts:mixtral`` at Mixtral-8x7B's (8 experts, top 2, hidden 4096, intermediate 14336),
+both bfloat16, over 1 to 256 tokens.
 
     python scripts/bench_search.py --json FILE [--device h100] [--budget 60] [--work STEPS] [--workers N]
         [--workload NAME ...]
@@ -14,7 +17,7 @@ processes (`--workers`, default this machine's cores), the concrete graphs (symb
 assignments) the costed symbolic designs stand for, how many designs were verified, and
 the modeled time of the best one (as the search instantiated it, and ranked exhaustively as the
 oracle is) beside the unfused program's and the hand-built oracle's, all at the workload's
-largest default num_tokens. The best design is written too (designs are shape-generic JSON:
+largest default num_tokens (no oracle for a workload without a hand-built design). The best design is written too (designs are shape-generic JSON:
 `scripts/gpu_check.py` rebuilds it for every shape and times it on a GPU beside the oracle).
 Timings on a shared, loaded machine are noisy; rerun on a quiet one before quoting them.
 """
@@ -34,19 +37,24 @@ from prism_serve.optimize.instantiate.tune import rank  # noqa: E402
 from prism_serve.optimize.ir.canonical import canonical_hash  # noqa: E402
 from prism_serve.optimize.pipeline.search import optimize  # noqa: E402
 from prism_serve.optimize.target.gpus import get_gpu  # noqa: E402
-from prism_serve.optimize.workloads.oracles import oracle  # noqa: E402
+from prism_serve.optimize.workloads.oracles import ORACLES, oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, get_workload  # noqa: E402
 
 
 # workloads benchmarked at other dims than their defaults, and over several num_tokens buckets
 _ROTARY = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "rotary_dim": 128, "max_position": 8192,
            "dtype": "bfloat16"}
-BENCH_DIMS = {"rotary": _ROTARY, "qk_norm_rotary": _ROTARY}
-BENCH_BUCKETS = {"rotary": (1, 16, 64, 256), "qk_norm_rotary": (1, 16, 64, 256)}
+_MOE = {"num_experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768, "dtype": "bfloat16"}
+_MIXTRAL = {"num_experts": 8, "top_k": 2, "hidden": 4096, "intermediate": 14336, "dtype": "bfloat16"}
+# a case is a workload, or workload:variant at the variant's dims
+BENCH_DIMS = {"rotary": _ROTARY, "qk_norm_rotary": _ROTARY, "moe_experts": _MOE, "moe_experts:mixtral": _MIXTRAL}
+BENCH_BUCKETS = {name: (1, 16, 64, 256) for name in BENCH_DIMS}
 
 
 def bench(name: str, device: str, budget: float, work: int | None, workers: int | None, max_block_ops: int) -> dict:
-    w = get_workload(name)
+    w = get_workload(name.partition(":")[0])
+    if ":" in name and name not in BENCH_DIMS:
+        raise SystemExit(f"unknown case {name!r}; the cases with variants are {', '.join(n for n in BENCH_DIMS if ':' in n)}")
     prog = w.program(**BENCH_DIMS.get(name, {}))
     num_tokens = (w.default_num_tokens or (1,))[-1]
     buckets = BENCH_BUCKETS.get(name, (num_tokens,))
@@ -79,7 +87,8 @@ def bench(name: str, device: str, budget: float, work: int | None, workers: int 
             "unfused_modeled_us_per_bucket": {str(n): result.unfused_us[n] for n in buckets},
             "best_modeled_us_per_bucket": {str(c.num_tokens): c.modeled_us for c in result.found[0].kernels}
             if result.found else None,
-            "oracle_modeled_us": rank(oracle(prog), get_gpu(device), num_tokens)[0].modeled_us}
+            "oracle_modeled_us": rank(oracle(prog), get_gpu(device), num_tokens)[0].modeled_us
+            if prog.name in ORACLES else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = args.workload or list(PRISM_WORKLOADS)
     results = {}
-    head = (f"{'workload':<18} {'tokens':>6} {'search s':>9} {'verify s':>9} {'kernels':>7} {'blocks':>7} "
+    head = (f"{'workload':<21} {'tokens':>6} {'search s':>9} {'verify s':>9} {'kernels':>7} {'blocks':>7} "
             f"{'steps':>9} {'open':>4} {'pruned':>8} {'abs %':>5} {'workers':>7} {'verified':>8} {'best us':>8} {'ranked us':>9} {'oracle us':>9} "
             f"{'unfused us':>10}  best design")
     print(head, flush=True)
@@ -103,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         r = results[name] = bench(name, args.device, args.budget, args.work, args.workers, args.max_block_ops)
         best = f"{r['best_modeled_us']:.2f}" if r["best_modeled_us"] is not None else "-"
         ranked = f"{r['best_ranked_us']:.2f}" if r["best_ranked_us"] is not None else "-"
+        hand = f"{r['oracle_modeled_us']:.2f}" if r["oracle_modeled_us"] is not None else "-"
         pruned = sum(r["pruned"].values())
         share = 100.0 * r["pruned"]["abstract_expression"] / pruned if pruned else 0.0
-        print(f"{name:<18} {r['num_tokens']:>6} {r['search_s']:>9.1f} {r['verify_s']:>9.1f} {r['kernel_graphs']:>7} "
+        print(f"{name:<21} {r['num_tokens']:>6} {r['search_s']:>9.1f} {r['verify_s']:>9.1f} {r['kernel_graphs']:>7} "
               f"{r['block_graphs']:>7} {r['steps']:>9} {r['open_subtrees']:>4} {pruned:>8} {share:>5.1f} {r['workers']:>7} {r['verified']:>8} {best:>8} {ranked:>9} "
-              f"{r['oracle_modeled_us']:>9.2f} {r['unfused_modeled_us']:>10.2f}  {r['best_design']}", flush=True)
+              f"{hand:>9} {r['unfused_modeled_us']:>10.2f}  {r['best_design']}", flush=True)
     print("pruned by rule: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in r["pruned"].items())
                                          for n, r in results.items()))
     print("input iterator maps judged (kept): " + "; ".join(f"{n}: {r['iterator_maps']} ({r['iterator_maps_kept']})"

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from prism_serve.optimize.pipeline.search import WORK_PER_S
 from scripts.bench_search import main
 
@@ -18,3 +20,8 @@ def test_bench_search_reports_every_field(tmp_path, capsys):
     assert r["work"] == 60 * WORK_PER_S and 0 < r["steps"] and r["open_subtrees"] >= 0
     assert r["best_modeled_us"] <= r["oracle_modeled_us"] + 1e-9 < r["unfused_modeled_us"]
     assert "swiglu" in capsys.readouterr().out
+
+
+def test_an_unknown_variant_is_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="unknown case 'moe_experts:nope'; the cases with variants are moe_experts:mixtral"):
+        main(["--json", str(tmp_path / "b.json"), "--workload", "moe_experts:nope", "--workers", "1"])

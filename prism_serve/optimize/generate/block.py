@@ -40,7 +40,7 @@ anywhere. Each built candidate meets the rules in this order, the first failure 
 `Counts`:
 
 - ``shape``: types agree (`infer_type`), no tile holds every token, block matmuls have batch
-  dims on the grid;
+  dims on the grid or the loop (a tile of one: MoE's loop over each token's top-k choices);
 - ``schedule``: no post-loop value inside the loop but a running max; one rescale per value;
 - ``abstract_expression``: the new tensor's abstract expression (`abstract.py`) is a
   subexpression of the target's; a partial reduction used by anything but its accumulator is not;
@@ -532,7 +532,7 @@ class BlockGenerator:
             return None, "shape"
         if NUM_TOKENS in labels and NUM_TOKENS not in self.partitioned:
             return None, "shape"
-        if op == Op.MATMUL and any(lb is not None and lb not in self.partitioned for lb in labels[:-2]):
+        if op == Op.MATMUL and any(lb is not None and lb not in self.partitioned and lb != self.loop for lb in labels[:-2]):
             return None, "shape"
         stages = {v.stage for v in ins}
         if "loop" in stages and any(v.stage == "post" and not v.running_max for v in ins):

@@ -17,7 +17,8 @@ from prism_serve.optimize.target.instance import instantiate
 
 def shape(g: SGraph) -> str | None:
     """Symbolic shapes (sympy): every tile is bounded (no num_tokens in a tile dim), and a block
-    matmul's batch dims can be 1 (each is 1 or divided by a grid symbol)."""
+    matmul's batch dims can be 1 (each is 1 or divided by a grid symbol or the loop's: a loop over
+    MoE's top-k choices, one choice per step)."""
     for k in g.kernels:
         if not isinstance(k, BlockKernel):
             continue
@@ -28,7 +29,8 @@ def shape(g: SGraph) -> str | None:
             if n.op == Op.MATMUL:
                 for s in n.inputs:
                     for d in types[s].shape[:-2]:
-                        if d != 1 and not any(str(x) in {a.symbol for a in k.grid} for x in to_expr(d).free_symbols):
+                        splits = {a.symbol for a in k.grid} | ({k.forloop} if k.forloop else set())
+                        if d != 1 and not any(str(x) in splits for x in to_expr(d).free_symbols):
                             return f"kernel '{k.name}' matmul '{n.name}': batch dim {d} cannot be 1"
     return None
 

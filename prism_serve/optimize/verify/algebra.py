@@ -202,6 +202,7 @@ def parallel(x: T, y: T, s: Sym, t: Sym, d: i64, d2: i64):
     for b in BATCH:
         yield rewrite(x.part(b, s).mm(y.part(b, s))).to(x.mm(y).part(b, s))
         yield rewrite(x.part(b, s).mm(y)).to(x.mm(y).part(b, s), indep(y, s), bcast(y, b))
+        yield rewrite(x.mm(y.part(b, s))).to(x.mm(y).part(b, s), indep(x, s), bcast(x, b))
         yield rewrite(x.part(b, s).tr()).to(x.tr().part(b, s))
     # inserting / removing a unit dim moves the slices left of it
     for e_ in DIMS:

@@ -358,6 +358,47 @@ def qk_norm_rotary(num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int =
         + _rotation("kn", head_dim, rotary_dim, style, "k_out")), ("q_out", "k_out"))
 
 
+MOE_ACTIVATIONS = {"silu": "moe_experts", "gelu_tanh": "moe_experts_gelu_tanh"}  # activation -> Program name
+
+
+def moe_experts(num_experts: int = 128, top_k: int = 8, hidden: int = 2048, intermediate: int = 768,
+                dtype: str = "float16", activation: str = "silu") -> Program:
+    """The routed experts of a mixture-of-experts layer, as vLLM's fused MoE computes them: for
+    each token t and each of its top-k choices j, expert e = topk_ids[t, j] runs its gated MLP,
+    act(x W1_e^T) * (x W3_e^T) W2_e^T, and the outputs are summed weighted by topk_weights[t, j].
+    The weights are vLLM's stacked layout: w13 (E, 2I, H), gate rows then up rows; w2 (E, H, I).
+    x (T, 1, 1, H), the weights (T, k, 1, 1) and the output (T, 1, 1, H) are vLLM's (T, H) and
+    (T, k) tensors viewed with unit dims, so each choice is a matmul batch dim."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ProgramError(f"moe_experts activation must be one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ProgramError(f"moe_experts needs 1 <= top_k <= num_experts, got top_k {top_k} of {num_experts} experts")
+    return Program(MOE_ACTIVATIONS[activation], (
+        node("x", "input", shape=(N, 1, 1, hidden), dtype=dtype),
+        node("topk_ids", "input", shape=(N, top_k), dtype="int32"),
+        node("topk_weights", "input", shape=(N, top_k, 1, 1), dtype=dtype),
+        node("w13", "input", shape=(num_experts, 2 * intermediate, hidden), dtype=dtype),
+        node("w2", "input", shape=(num_experts, hidden, intermediate), dtype=dtype),
+        node("w13_e", "gather", "w13", "topk_ids", dim=0),  # (T, k, 2I, H): each choice's expert rows
+        node("w1_e", "slice", "w13_e", dim=2, start=0, stop=intermediate, step=1),
+        node("w3_e", "slice", "w13_e", dim=2, start=intermediate, stop=2 * intermediate, step=1),
+        node("gate", "matmul", "x", "w1_e", transpose_b=True),  # (T, k, 1, I)
+        node("up", "matmul", "x", "w3_e", transpose_b=True),
+        node("act", activation, "gate"),
+        node("h", "mul", "act", "up"),
+        node("w2_e", "gather", "w2", "topk_ids", dim=0),  # (T, k, H, I)
+        node("y", "matmul", "h", "w2_e", transpose_b=True),  # (T, k, 1, H)
+        node("weighted", "mul", "y", "topk_weights"),
+        node("out", "sum", "weighted", dim=1, keepdim=True),
+    ), ("out",))
+
+
+def moe_experts_gelu_tanh(num_experts: int = 128, top_k: int = 8, hidden: int = 2048, intermediate: int = 768,
+                          dtype: str = "float16") -> Program:
+    """`moe_experts` with tanh-approximated GELU (vLLM's GELU_TANH activation)."""
+    return moe_experts(num_experts, top_k, hidden, intermediate, dtype, "gelu_tanh")
+
+
 @dataclass(frozen=True)
 class Workload:
     """A named Program family with its default dims and the shapes that define success."""
@@ -379,6 +420,9 @@ _ATTN_SHAPES = tuple(dict(zip(("batch", "heads", "q_len", "kv_len", "head_dim"),
 # Llama-3-8B's and Qwen3-8B's attention heads; full and partial (GLM-4's half) rotary dims, both styles
 _ROTARY_DIMS = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 _ROTARY_SHAPES = ({"style": "neox"}, {"style": "gptj"}, {"rotary_dim": 64})
+
+# Qwen3-30B-A3B's experts are the defaults; Mixtral-8x7B's
+_MOE_SHAPES = ({"num_experts": 8, "top_k": 2, "hidden": 4096, "intermediate": 14336},)
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("rmsnorm_linear", rmsnorm_linear, {"hidden": 4096}, shapes=_NORM_SHAPES),
@@ -404,6 +448,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("gemma_rmsnorm_geglu", gemma_rmsnorm_geglu, {"hidden": 4096}, shapes=_NORM_SHAPES),
     Workload("rotary", rotary, _ROTARY_DIMS, default_num_tokens=(1, 16, 256), shapes=_ROTARY_SHAPES),
     Workload("qk_norm_rotary", qk_norm_rotary, _ROTARY_DIMS, default_num_tokens=(1, 16, 256), shapes=_ROTARY_SHAPES),
+    Workload("moe_experts", moe_experts, {}, default_num_tokens=(1, 16, 64, 256), shapes=_MOE_SHAPES),
+    Workload("moe_experts_gelu_tanh", moe_experts_gelu_tanh, {}, default_num_tokens=(1, 16, 64, 256),
+             shapes=_MOE_SHAPES),
 )}
 PRISM_WORKLOADS = ("rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_norm_attention")
 

@@ -1,0 +1,141 @@
+"""The routed experts of a mixture-of-experts layer (#41): the `moe_experts` Program computes what
+vLLM's own CPU fused MoE computes on the same weights and routing (an expert no token chooses,
+one every token chooses, 1 token and an odd count); the search reaches its decode design (one
+kernel per token block that loops over the token's top-k choices, gathering only the chosen
+experts' rows), which the proof and the numeric check accept; and wrong designs are rejected by
+both, the test saying which."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism_serve.errors import ProgramError
+from prism_serve.optimize.generate.context import make_context
+from prism_serve.optimize.generate.design import build
+from prism_serve.optimize.generate.kernel import KernelGenerator
+from prism_serve.optimize.ir.program import NUM_TOKENS, Node
+from prism_serve.optimize.ir.reference import evaluate, random_inputs
+from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.pipeline.stages import verify_design
+from prism_serve.optimize.target.gpus import get_gpu
+from prism_serve.optimize.target.instance import instantiate
+from prism_serve.optimize.verify.check import check_numerics
+from prism_serve.optimize.verify.proof import prove_equivalent
+from prism_serve.optimize.workloads.oracles import default_assignment
+from prism_serve.optimize.workloads.programs import moe_experts
+
+H100 = get_gpu("h100")
+E, K, H, I = 4, 2, 64, 32  # vLLM's CPU kernel takes hidden and intermediate sizes in multiples of 32
+
+
+def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids where expert 0 is every token's first choice and expert E - 1 nobody's, and
+    softmax-normalised weights."""
+    gen = torch.Generator().manual_seed(seed)
+    second = torch.randint(1, E - 1, (tokens, 1), generator=gen)
+    ids = torch.cat([torch.zeros(tokens, 1, dtype=torch.int64), second], 1).to(torch.int32)
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1)
+    return ids, weights
+
+
+def _output(prog, inputs) -> torch.Tensor:
+    out = evaluate(prog, inputs)
+    return out["out"] if isinstance(out, dict) else out[0]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_program_computes_what_vllms_cpu_fused_moe_computes(dtype, tolerance, tokens):
+    vops = pytest.importorskip("vllm._custom_ops")
+    if not hasattr(torch.ops._C, "cpu_fused_moe"):
+        pytest.skip("this vLLM build has no CPU fused MoE")
+    prog = moe_experts(E, K, H, I, dtype)
+    x, _, _, w13, w2 = random_inputs(prog, tokens, seed=tokens)
+    ids, weights = _routing(tokens, tokens)
+    ref = _output(prog, [x, ids, weights.to(x.dtype).reshape(tokens, K, 1, 1), w13, w2]).reshape(tokens, H)
+    out = torch.empty(tokens, H, dtype=x.dtype)
+    vops.cpu_fused_moe(out, x.reshape(tokens, H).contiguous(), vops.cpu_prepack_moe_weight(w13, "vec"),
+                       vops.cpu_prepack_moe_weight(w2, "vec"), None, None, weights.to(x.dtype).float(), ids,
+                       "silu", "vec")
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err < tolerance, err
+
+
+def test_the_gelu_tanh_form_and_bad_dims():
+    prog = moe_experts(E, K, 16, 12, "float32", "gelu_tanh")
+    assert prog.name == "moe_experts_gelu_tanh"
+    x, ids, weights, w13, w2 = random_inputs(prog, 3, seed=0)
+    want = torch.zeros(3, 16)
+    for t in range(3):
+        for j in range(K):
+            e = ids[t, j]
+            gate, up = x[t, 0, 0] @ w13[e, :12].T, x[t, 0, 0] @ w13[e, 12:].T
+            want[t] += weights[t, j, 0, 0] * ((torch.nn.functional.gelu(gate, approximate="tanh") * up) @ w2[e].T)
+    assert torch.allclose(_output(prog, [x, ids, weights, w13, w2]).reshape(3, 16), want, atol=1e-5)
+    with pytest.raises(ProgramError, match="top_k"):
+        moe_experts(4, 5)
+    with pytest.raises(ProgramError, match="activation"):
+        moe_experts(activation="relu")
+
+
+def _small(activation: str = "silu"):
+    return moe_experts(E, K, 16, 12, "float32", activation)
+
+
+def _decode_design(prog):
+    gen = KernelGenerator(make_context(prog), max_kernels=1, max_block_ops=8, max_grid=3)
+    return next(gen.explore(1, ((NUM_TOKENS,), "topk_ids1"), gen.choices(), 100_000))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_search_reaches_the_decode_design_and_both_checks_accept_it(activation):
+    """Its first design over a token grid loops over the top-k choices: each step gathers the
+    chosen expert's gate and up rows (windows of w13) and its w2 rows, runs the gated MLP, weights
+    it and accumulates; each choice is a matmul batch dim of one."""
+    prog = _small(activation)
+    design = _decode_design(prog)
+    (kernel,) = design.kernels
+    assert kernel.loop == "topk_ids1" and [o.op for o in kernel.ops].count("gather") == 3
+    assert [o.op for o in kernel.ops].count("accum") == 1
+    proof, verdict, _ = verify_design(prog, design, H100)
+    assert proof.ok, proof.reason
+    assert verdict.ok, verdict.reasons
+
+
+def _edit(g: SGraph, edit) -> SGraph:
+    k = g.kernels[0]
+    return SGraph(g.name + "_mutant", g.program, g.intermediates,
+                  (BlockKernel(k.name, k.grid, k.forloop, tuple(edit(n) for n in k.nodes)),))
+
+
+def _swap_halves(n: Node) -> Node:
+    """The gate's window of w13 read where the up rows are, and back."""
+    if n.op == "slice" and n.inputs == ("ld_w13",):
+        a = dict(n.attrs)
+        start = 12 if a["start"] == 0 else 0
+        return Node(n.name, n.op, n.inputs, tuple(sorted((a | {"start": start, "stop": start + 12}).items())))
+    return n
+
+
+def _unweighted(n: Node) -> Node:
+    """Each choice's output times itself, not its routing weight."""
+    if n.op == "mul" and "ld_topk_weights" in n.inputs:
+        other = next(s for s in n.inputs if s != "ld_topk_weights")
+        return Node(n.name, n.op, (other, other), n.attrs)
+    return n
+
+
+def _max_of_choices(n: Node) -> Node:
+    """The choices' outputs combined by a max, not a sum."""
+    return Node(n.name, n.op, n.inputs, (("kind", "max"),)) if n.op == "accum" else n
+
+
+@pytest.mark.parametrize("mutant", ["halves_swapped", "unweighted", "max_of_choices"])
+def test_a_wrong_moe_design_is_rejected_by_the_proof_and_the_numeric_check(mutant):
+    prog = _small()
+    g = build(prog, _decode_design(prog))
+    bad = _edit(g, {"halves_swapped": _swap_halves, "unweighted": _unweighted, "max_of_choices": _max_of_choices}[mutant])
+    assert not prove_equivalent(bad).ok, "the proof accepted a wrong MoE design"
+    inst = instantiate(bad, default_assignment(bad, target_tile=16) | {"BT0": 1, "F0": K}, H100)
+    assert not check_numerics(inst, tokens=(1, 5), seed=0).ok, "the numeric check accepted a wrong MoE design"
