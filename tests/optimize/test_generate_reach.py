@@ -17,8 +17,9 @@ from prism_serve.optimize.codegen.render import compile_instance
 from prism_serve.optimize.generate.abstract import Term
 from prism_serve.optimize.generate.block import Value, input_iterators
 from prism_serve.optimize.generate.context import Context, make_context
-from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, build, iterator_maps, joint_axis,
-                                                  op_labels, program_context, tensor_of)
+from prism_serve.optimize.generate.axes import joint_axis
+from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, build, iterator_maps, op_labels,
+                                                  program_context, tensor_of)
 from prism_serve.optimize.generate.kernel import DEEP_PENDING, LIBRARY, KernelGenerator
 from prism_serve.optimize.generate.windows import canonical, concat_spec, gather_spec, slice_var
 from prism_serve.optimize.instantiate import prune

@@ -1,6 +1,6 @@
 """The block-level generator: a graph-defined kernel built one block op at a time.
 
-For a grid (an index label per axis, or a joint axis' labels: `design.axis_labels`) and an
+For a grid (an index label per axis, or a joint axis' labels: `axes.axis_labels`) and an
 optional for-loop label, `BlockGenerator` walks block graphs depth first. Each step adds one op
 over the block's tensors so far, the input iterators over the kernel tensors and the Program's
 constants: a unary or binary elementwise op, a sum / mean / max over one labelled dim, a matmul,
@@ -92,9 +92,9 @@ from typing import Iterator
 
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.abstract import Oracle, Term, op_tags, term_parts
-from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, JOINT, ROW, UNARY, WHOLE, BlockOp,
-                                                  axis_labels, grid_labels, iterator_ref, own_maps, read_labels,
-                                                  tensor_of)
+from prism_serve.optimize.generate.axes import JOINT, axis_labels, grid_labels, own_maps
+from prism_serve.optimize.generate.design import (BINARY, COMMUTATIVE, ROW, UNARY, WHOLE, BlockOp, iterator_ref,
+                                                  read_labels, tensor_of)
 from prism_serve.optimize.ir.ops import OPS, Op
 from prism_serve.optimize.generate.windows import (NO_INDEXING, Indexing, canonical, concat_spec, gather_spec,
                                                    indexed_labels, slice_var)

@@ -24,7 +24,6 @@ another one (shape-generic reuse of stored designs).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import re
@@ -38,6 +37,7 @@ from prism_serve.optimize.ir.ops import OPS, Kind, Op, of_kind, symbols
 from prism_serve.optimize.ir.program import (ELEMENTWISE_BINARY, NUM_TOKENS, REDUCTIONS, TF32, Node, Program, TensorType,
                                              infer_type, is_tf32, node)
 from prism_serve.optimize.ir.reference import expand_composites
+from prism_serve.optimize.generate.axes import axis_labels, own_maps
 from prism_serve.optimize.generate.windows import NO_INDEXING, Indexing, canonical, indexed_labels, indexing
 from prism_serve.optimize.ir.sgraph import (ACCUM_KINDS, MAX_GRID_AXES, BlockKernel, GridAxis, Kernel, LibraryKernel,
                                             SGraph, TensorDecl, to_expr)
@@ -169,40 +169,6 @@ def tensor_of(ref: str) -> tuple[str, str]:
     return name, ""
 
 
-JOINT = "."  # joins the labels of a joint grid axis: index labels are identifiers (`labels.py`)
-
-
-@functools.lru_cache(maxsize=4096)
-def axis_labels(axis: str) -> tuple[str, ...]:
-    """The index labels a grid axis partitions: its own, or each of a joint axis' (``q1.k1``: one
-    axis over q's heads and k's heads, whose blocks hold a slice of each, so that what they share,
-    rotary's cos / sin rows, is loaded once for both)."""
-    return tuple(axis.split(JOINT))
-
-
-def joint_axis(labels) -> str:
-    """The grid axis that partitions each of `labels` (two or more labels that share no tensor)."""
-    return JOINT.join(labels)
-
-
-@functools.lru_cache(maxsize=4096)
-def grid_labels(grid: tuple[str, ...]) -> frozenset[str]:
-    """The index labels the grid's axes partition."""
-    return frozenset(lb for axis in grid for lb in axis_labels(axis))
-
-
-def _axis_dim(labels: tuple, axis: str) -> int | None:
-    return next((labels.index(lb) for lb in axis_labels(axis) if lb in labels), None)
-
-
-def own_maps(labels: tuple, grid: tuple[str, ...], loop: str | None) -> Maps:
-    """The maps the tensor's index labels give: each grid axis partitions the dim with its label
-    (with one of a joint axis' labels; replicated where the tensor has none), the loop walks the
-    dim with the loop label."""
-    return (tuple(_axis_dim(labels, axis) for axis in grid),
-            labels.index(loop) if loop is not None and loop in labels else None)
-
-
 def iterator_maps(suffix: str, labels: tuple, grid: tuple[str, ...], loop: str | None) -> Maps:
     """The (imap, fmap) of the iterator `suffix` (`tensor_of`) over a tensor with `labels`.
     SGraphError where explicit maps do not fit the grid, the loop or the tensor's rank."""
@@ -236,8 +202,9 @@ def iterator_ref(tensor_ref: str, maps: Maps, labels: tuple, grid: tuple[str, ..
 def read_labels(labels: tuple, grid: tuple[str, ...], loop: str | None, maps: Maps) -> tuple:
     """The index label at which an iterator reads each dim of a tensor: a dim that a grid axis
     partitions is read at that axis' label (at its own where it is one of a joint axis' labels),
-    the dim the loop walks at the loop's label, any other at its own. Under the tensor's own maps these are its labels; a dim read at another label is a
-    renamed (transposed, or mismatched) read."""
+    the dim the loop walks at the loop's label, any other at its own. Under the tensor's own maps
+    these are its labels; a dim read at another label is a renamed (transposed, or mismatched)
+    read."""
     imap, fmap = maps
     out = list(labels)
     for axis, d in zip(grid, imap):
@@ -364,7 +331,7 @@ def build(prog: Program, design: Design) -> SGraph:
             grid = tuple(GridAxis(axis_symbol(lb, i), lb == NUM_TOKENS) for lb in spec.grid)
             k = BlockKernel(f"k{i}", grid, f"F{i}" if spec.loop else None, tuple(nodes))
             if spec.split:
-                part_decls, ks = split_kernel(k, spec, i, tensors, types, own_maps)
+                part_decls, ks = split_kernel(k, spec, i, tensors, types)
                 decls += part_decls
                 kernels += ks
             else:
@@ -378,11 +345,11 @@ def build(prog: Program, design: Design) -> SGraph:
 def _check_joint_axes(spec: BlockSpec, i: int, labels: Labels) -> None:
     """A joint grid axis joins distinct labels of the Program, not the tokens, no two of which one
     tensor holds (its blocks would split that tensor twice along one axis)."""
+    known = {lb for dims in labels.dims.values() for lb in dims if lb}
     for axis in spec.grid:
         parts = axis_labels(axis)
         if len(parts) == 1:
             continue
-        known = {lb for dims in labels.dims.values() for lb in dims if lb}
         if len(set(parts)) != len(parts) or NUM_TOKENS in parts or not set(parts) <= known or any(
                 len(set(parts) & set(dims)) > 1 for dims in labels.dims.values()):
             raise SGraphError(f"design kernel {i}: joint grid axis {axis!r} must join distinct labels of the "

@@ -53,8 +53,8 @@ from prism_serve.optimize.generate.block import (ALL, ROWS, TILES, BlockGenerato
 from prism_serve.optimize.generate.abstract import term_parts
 from prism_serve.optimize.generate.bound import DesignBound
 from prism_serve.optimize.generate.context import Context
-from prism_serve.optimize.generate.design import (BlockOp, BlockSpec, Design, LibrarySpec, axis_labels, grid_labels,
-                                                  intermediate_type, joint_axis, reads, writes)
+from prism_serve.optimize.generate.axes import axis_labels, grid_labels, joint_axis
+from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads, writes
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import NUM_TOKENS
 
@@ -156,7 +156,7 @@ class KernelGenerator:
         return out
 
     def _joint_axes(self, out_labels: list[str]) -> list[str]:
-        """The joint grid axes (`design.joint_axis`): each pair of output labels but the tokens
+        """The joint grid axes (`axes.joint_axis`): each pair of output labels but the tokens
         that no tensor of the Program holds both of, and that no op reduces or gathers, such as
         rotary's q heads and k heads. A joint axis' block holds a slice of each, so it reads
         what their tensors share (the cos / sin rows of its tokens) once for both."""

@@ -8,14 +8,14 @@ derived from the generated block graph, not enumerated operator by operator.
 
 from __future__ import annotations
 
+from prism_serve.optimize.generate.axes import own_maps
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.ir.program import Node, node
 from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, TensorDecl, to_expr
 
 
-def split_kernel(k: BlockKernel, spec, i: int, tensors: dict, types: dict, own_maps
+def split_kernel(k: BlockKernel, spec, i: int, tensors: dict, types: dict
                  ) -> tuple[list[TensorDecl], list[BlockKernel]]:
-    """`own_maps`: `design.own_maps` (passed in: design imports this module)."""
     s_axis = GridAxis(f"S{i}")
     stage = k.stages
     by = k.by_name
