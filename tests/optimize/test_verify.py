@@ -104,6 +104,26 @@ def test_a_proof_goes_on_while_its_egraph_grows_to_twice_its_rounds():
     assert not mutant.ok and mutant.iterations < 2 * ITERATIONS, mutant
 
 
+def test_an_unproven_output_is_tried_once_more_with_the_terms_in_the_reverse_order(monkeypatch):
+    """egglog's match order varies between processes, so a proof that stops unproven in one order
+    is tried in the other (here rmsnorm_linear's oracle, proven after 8 rounds, gets 2 in the forward
+    order, so only the reverse one, given 12, can prove it); a wrong design stays unproven in both."""
+    from prism_serve.optimize.verify import proof
+
+    real, orders = proof._saturated, []
+
+    def uneven(g, iterations, order=proof.ORDERS[0]):
+        orders.append(order)
+        return real(g, iterations if order == "forward" else 12, order)
+
+    monkeypatch.setattr(proof, "_saturated", uneven)
+    monkeypatch.setattr(proof, "_CACHE", {})
+    assert prove_equivalent(_oracle("rmsnorm_linear"), iterations=2).ok and orders == ["forward", "reverse"]
+    orders.clear()
+    assert not prove_equivalent(MUTANTS["qk_norm_eps_changed"](), iterations=2).ok
+    assert orders == ["forward", "reverse"]
+
+
 def test_proofs_run_egglog_on_one_thread_unless_told_otherwise():
     """egglog is deterministic on one thread only (`egglog_threads`): a fresh process that proves
     runs rayon's pool with one thread, and a RAYON_NUM_THREADS of its own is kept."""

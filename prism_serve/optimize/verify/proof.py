@@ -34,6 +34,12 @@ MAX_RANK = 6
 # on the order egglog meets matches in (qk_norm_attention's fused kernel saturates after 17 rounds
 # here, yet CI once found it unproven, the e-graph smaller, after 24).
 ITERATIONS = 24
+# That order also varies from process to process, even on one thread and with PYTHONHASHSEED fixed,
+# while one process gives the same result for the same terms in the same order: qk_norm_rotary's
+# one-kernel design (6 q / 2 k heads) stopped growing unproven in 3 of 40 processes (2026-12-07),
+# each time proven with the terms and facts entered in the reverse order. An unproven output is
+# therefore tried once more that way before the proof gives up.
+ORDERS = ("forward", "reverse")
 
 
 @dataclass(frozen=True)
@@ -233,16 +239,21 @@ def _key(g: SGraph, iterations: int) -> str:
     return json.dumps(g.to_json(), sort_keys=True, default=str) + f"#{iterations}"
 
 
-def _saturated(g: SGraph, iterations: int):
+def _saturated(g: SGraph, iterations: int, order: str = ORDERS[0]):
     """The e-graph of both sides after the bounded schedule: (egraph, ctx, want and got handles
-    per output). Raises Unsupported."""
+    per output), the terms and facts entered in `order` (one of ORDERS). Raises Unsupported."""
     ctx = _Ctx(tuple(g.symbols))
     want = program_terms(g, ctx)
     env = sgraph_terms(g, ctx)
     egraph = EGraph()
-    wants = {o: egraph.let(f"want_{o}", want[o]) for o in g.program.outputs}
-    gots = {o: egraph.let(f"got_{o}", env[o]) for o in g.program.outputs}
-    egraph.register(*ctx.facts)
+    sides = [("want", want), ("got", env)]
+    facts = list(ctx.facts)
+    if order == "reverse":
+        sides.reverse()
+        facts.reverse()
+    handles = {side: {o: egraph.let(f"{side}_{o}", terms[o]) for o in g.program.outputs} for side, terms in sides}
+    wants, gots = handles["want"], handles["got"]
+    egraph.register(*facts)
     egraph.run(A.schedule(iterations))
     return egraph, ctx, wants, gots
 
@@ -271,17 +282,21 @@ def prove_equivalent(g: SGraph, *, iterations: int = ITERATIONS) -> ProofResult:
     if key in _CACHE:
         return _CACHE[key]
     start = time.perf_counter()
-    try:
-        egraph, ctx, wants, gots = _saturated(g, iterations)
-    except Unsupported as exc:
-        return ProofResult(False, f"unsupported: {exc}", time.perf_counter() - start)
-    failed = [o for o in g.program.outputs if not _holds(egraph, eq(wants[o]).to(gots[o]))]
-    rounds = iterations
-    while failed and rounds < 2 * iterations and egraph.run(A.rounds(1)).updated:
-        rounds += 1
+    failed = list(g.program.outputs)
+    for order in ORDERS:
+        try:
+            egraph, ctx, wants, gots = _saturated(g, iterations, order)
+        except Unsupported as exc:
+            return ProofResult(False, f"unsupported: {exc}", time.perf_counter() - start)
         failed = [o for o in failed if not _holds(egraph, eq(wants[o]).to(gots[o]))]
-    size = sum(n for _, n in egraph.all_function_sizes())
-    _release(egraph)
+        rounds = iterations
+        while failed and rounds < 2 * iterations and egraph.run(A.rounds(1)).updated:
+            rounds += 1
+            failed = [o for o in failed if not _holds(egraph, eq(wants[o]).to(gots[o]))]
+        size = sum(n for _, n in egraph.all_function_sizes())
+        _release(egraph)
+        if not failed:
+            break
     seconds = time.perf_counter() - start
     reason = "proven" if not failed else f"outputs {failed} not proven equal within {rounds} iterations"
     result = ProofResult(not failed, reason, seconds, rounds, size, len(ctx.facts), tuple(g.program.outputs))
