@@ -2,11 +2,12 @@
 
 For each region kind, the region table names the vLLM kernels that run it today (`vllm_path`:
 its fused RMSNorm kernels, its GEMM, its `silu_and_mul`, its `rotary_embedding` and the QK-norm's
-RMSNorm of q and of k before it). Here that path is
+RMSNorm of q and of k before it, its fused MoE for the routed experts). Here that path is
 
 - modeled (`vllm_modeled_us`) with the same cost model that prices prism's kernels: vLLM's norm
   and activation kernels as one fused kernel with one token row per block (how vLLM launches
-  them), its GEMM as one library kernel;
+  them), its GEMM as one library kernel; its fused MoE (`_fused_moe_us`) as its two grouped GEMMs and
+  the activation between them;
 - run (`baseline`), on the Program's inputs, with vLLM's own ops where vLLM is installed, so a
   GPU can time it. Without vLLM, eager torch stands in, and the baseline is named so.
 
@@ -17,6 +18,7 @@ region whose kind has `add_beside` adds the residual in one elementwise kernel t
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,7 +31,7 @@ from prism_serve.optimize.ir.program import NUM_TOKENS, Program, node
 from prism_serve.optimize.ir.reference import as_torch_function
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import oracle
-from prism_serve.region_table import KINDS, STYLE_DIM, RegionKind
+from prism_serve.region_table import KINDS, MOE_ACTIVATIONS, STYLE_DIM, Form, RegionKind, kind_of
 
 
 def _linear(hidden: int, out: int, dtype: str) -> Program:
@@ -69,8 +71,29 @@ def _path_programs(prog: Program) -> list[tuple[str, Program, int]]:
             else (part.name, part.program(dims, dtype, eps), 1) for part in kind.parts]
 
 
+def _fused_moe_us(prog: Program, num_tokens: int, gpu: GpuSpec) -> float:
+    """vLLM's fused MoE (`fused_moe.py`: tokens sorted into per-expert blocks, one grouped GEMM for w13,
+    the activation, one grouped GEMM for w2 and the weighted sum) at `num_tokens`: each grouped GEMM
+    priced as one library GEMM that reads every expert the tokens choose once, the expected number
+    under uniform routing (fewer than the T * k choices where they repeat, so vLLM is not overpriced),
+    over the T * k rows; the activation as vLLM's row kernel on those rows."""
+    kind = KINDS[prog.name]
+    dims = kind.dims_of(prog)
+    dtype = prog.inputs[0].attr("dtype")
+    e, k, hidden, inter = (dims[n] for n in ("num_experts", "top_k", "hidden", "intermediate"))
+    rows = num_tokens * k
+    touched = max(1, min(rows, math.ceil(e * (1 - (1 - 1 / e) ** rows))))
+    per_expert = math.ceil(rows / touched)
+    act = kind_of(Form(act=kind.form.act))
+    return (unfused_us(_linear(hidden, touched * 2 * inter, dtype), per_expert, gpu)
+            + _row_kernel_us(act.program({"intermediate": inter}, dtype), rows, gpu)
+            + unfused_us(_linear(inter, touched * hidden, dtype), per_expert, gpu))
+
+
 def vllm_modeled_us(prog: Program, num_tokens: int, gpu: GpuSpec) -> float:
     """vLLM's path for `prog`'s region at `num_tokens`, modeled by prism's cost model."""
+    if KINDS[prog.name].form.experts:
+        return _fused_moe_us(prog, num_tokens, gpu)
     return sum(unfused_us(p, num_tokens, gpu) if op == "linear" else _row_kernel_us(p, num_tokens * rows, gpu)
                for op, p, rows in _path_programs(prog))
 
@@ -106,7 +129,35 @@ def baseline(prog: Program) -> Baseline:
     kind = KINDS[prog.name]
     if kind.form.rotary:
         return Baseline("vllm", _prepare(kind), functools.partial(_vllm_rotary, kind.dims_of(prog), vops, eps))
+    if kind.form.experts:
+        return Baseline("vllm", functools.partial(_prepare_experts, vops),
+                        functools.partial(_vllm_experts, vops, MOE_ACTIVATIONS[kind.form.act]))
     return Baseline("vllm", _prepare(kind), _vllm_run(kind, vops, eps))
+
+
+def _prepare_experts(vops, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The experts Program's inputs as vLLM's fused MoE takes them: x [T, H], the routing weights
+    [T, k] in float32, int32 ids, and on the CPU the stacked weights packed as its CPU experts pack
+    them (`cpu_prepack_moe_weight`, portable "vec" layout)."""
+    x, ids, weights, w13, w2 = inputs
+    tokens, (e, _, inter, hidden) = x.shape[0], w13.shape
+    w13, w2 = w13.reshape(e, 2 * inter, hidden), w2.reshape(e, hidden, inter)  # vLLM's (E, 2I, H), (E, H, I)
+    if not x.is_cuda:
+        w13, w2 = vops.cpu_prepack_moe_weight(w13, "vec"), vops.cpu_prepack_moe_weight(w2, "vec")
+    return [x.reshape(tokens, -1).contiguous(), ids.to(torch.int32), weights.reshape(tokens, -1).float(), w13, w2]
+
+
+def _vllm_experts(vops, activation: str, x, ids, weights, w13, w2) -> tuple[torch.Tensor]:
+    """vLLM's fused MoE on prepared inputs: its CPU experts' `cpu_fused_moe`, or on CUDA its Triton
+    `fused_experts`; the output [T, 1, 1, 1, H], as the Program's."""
+    if x.is_cuda:
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+        out = fused_experts(x, w13, w2, weights, ids, activation=MoEActivation(activation))
+    else:
+        out = torch.empty_like(x)
+        vops.cpu_fused_moe(out, x, w13, w2, None, None, weights, ids, activation, "vec")
+    return (out.reshape(x.shape[0], 1, 1, 1, -1),)
 
 
 def _norm(vops, eps, x, g):

@@ -31,10 +31,11 @@ from prism_serve.optimize.workloads import programs
 # vLLM's kernels, as `vllm_path` names them: its fused norm kernels, its activation kernels, its GEMM,
 # and Gemma's norm (its RMSNorm op on the float32 weight + 1) and GeluAndMul(approximate="tanh")
 VLLM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear", "gemma_rms_norm", "gemma_fused_add_rms_norm",
-            "gelu_tanh_and_mul", "rotary_embedding")
+            "gelu_tanh_and_mul", "rotary_embedding", "fused_moe")
 # how the plugin reaches vLLM for a kind (see patch.hooks): an IR provider, a CustomOp replacement,
-# a model's MLP class, a decoder layer's modules, or only the compiled-mode fusion pass (patch.fusion)
-HOOKS = ("ir", "custom_op", "mlp", "decoder_layer", "pattern")
+# a model's MLP class, a decoder layer's modules, only the compiled-mode fusion pass (patch.fusion), or
+# vLLM's fused-MoE experts class (patch.experts_hook, in both modes)
+HOOKS = ("ir", "custom_op", "mlp", "decoder_layer", "pattern", "experts")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Dim:
 NORMS = ("rms", "gemma")
 # a gated activation on the two halves of gate_up's output: SiLU (SwiGLU), tanh-GELU (Gemma's GeGLU)
 ACTS = (Op.SILU, Op.GELU_TANH)
+# vLLM's names (its MoEActivation values) for the experts kinds' activations
+MOE_ACTIVATIONS = MappingProxyType({Op.SILU: "silu", Op.GELU_TANH: "gelu_tanh"})
 # rotary embedding's styles (the Programs' `style`) by vLLM's `is_neox_style`: NeoX rotates the two halves
 # of the rotated part of each head, GPT-J its interleaved (even, odd) pairs
 STYLES = MappingProxyType(dict(zip((True, False), programs.ROTARY_STYLES)))
@@ -71,6 +74,9 @@ class Form:
     # rotary embedding of q and k by position (vLLM's `rotary_embedding`), after a per-head RMSNorm of
     # each (QK-norm) where `norm` is set; its style is a dim of the region (`STYLE_DIM`)
     rotary: bool = False
+    # the routed experts of a mixture-of-experts layer (vLLM's fused MoE): each token's top-k experts'
+    # gated MLPs with activation `act`, gathered by expert id, summed weighted by the routing weights
+    experts: bool = False
 
     def __post_init__(self) -> None:
         assert self.norm in (None, *NORMS) and self.act in (None, *ACTS), self
@@ -78,6 +84,7 @@ class Form:
         assert not self.bias or self.projection, self
         assert not self.rotary or (self.norm in (None, "rms")
                                    and not (self.residual or self.projection or self.act)), self
+        assert not self.experts or (self.act and not (self.norm or self.projection or self.rotary)), self
 
     @property
     def size(self) -> int:
@@ -89,7 +96,8 @@ class Form:
         """The structure in words, for a region prism has no kind for (capture reports it unsupported)."""
         parts = (f"{'residual add + ' if self.residual else ''}{self.norm} norm" if self.norm else "",
                  ("biased " if self.bias else "") + "projection" if self.projection else "",
-                 f"{self.act}*mul" if self.act else "", "rotary" if self.rotary else "")
+                 f"{self.act}*mul" if self.act and not self.experts else "", "rotary" if self.rotary else "",
+                 f"routed {self.act} experts" if self.experts else "")
         return " -> ".join(p for p in parts if p)
 
 
@@ -155,6 +163,8 @@ class RegionKind:
         weights, the bias, epsilon; a projection's op also takes the eager hook's `site` and
         `out_features` (the weight may be vLLM's packed handle, which has no shape)."""
         f = self.form
+        if f.experts:  # vLLM's experts' apply: the routed tokens, their top-k routing, the stacked weights
+            return ("x", "topk_weights", "topk_ids", "w13", "w2")
         if f.rotary:  # vLLM's rotary_embedding's arguments, the QK-norm's weights and epsilon before the cache
             return ("positions", "q", "k", *(("q_weight", "k_weight") if f.norm else ()), "cos_sin_cache",
                     *(("epsilon",) if f.norm else ()), "head_size", "is_neox")
@@ -221,6 +231,8 @@ class RegionKind:
 
 
 _H, _I, _O = Dim("hidden", "x", -1), Dim("intermediate", "w_gate", 0), Dim("out", "w", 0)
+# the routed experts: w13 [experts, 2 * intermediate, hidden], topk_ids [tokens, top_k], w2 [experts, hidden, intermediate]
+_MOE = (Dim("num_experts", "w13", 0), Dim("top_k", "topk_ids", 1), _H, Dim("intermediate", "w2", -1))
 _GATE = (Dim("intermediate", "gate", -1),)
 # the vLLM classes eager mode patches (`patch.hooks` imports them from here), by class name -> its module
 MODEL_CLASSES: Mapping[str, str] = MappingProxyType({
@@ -310,12 +322,21 @@ KINDS: Mapping[str, RegionKind] = MappingProxyType({k.name: k for k in (
                eager_classes=frozenset(ROTARY_CLASSES), vllm_op="rotary_embedding"),
     RegionKind("qk_norm_rotary", _qk_norm_rotary, _ROT, Form(_RMS, rotary=True), "pattern",
                doc="the per-head RMSNorm of q and of k (QK-norm), then rotary embedding"),
+    # a mixture-of-experts layer's routed experts (vLLM's FusedMoE after its router), served where vLLM's
+    # CPU experts class computes them, eagerly in both modes (the CPU build runs FusedMoE outside the graph)
+    RegionKind("moe_experts", programs.moe_experts, _MOE, Form(act=Op.SILU, experts=True), "experts",
+               doc="the routed experts' SiLU-gated MLPs, each token's top-k summed by its routing weights",
+               vllm_op="fused_moe"),
+    RegionKind("moe_experts_gelu_tanh", programs.moe_experts_gelu_tanh, _MOE, Form(act=Op.GELU_TANH, experts=True),
+               "experts", doc="the routed experts' tanh-GELU-gated MLPs, summed by the routing weights",
+               vllm_op="fused_moe"),
 )})
 _BY_FORM: Mapping[Form, RegionKind] = MappingProxyType({k.form: k for k in KINDS.values()})
 assert len(_BY_FORM) == len(KINDS), "two kinds of one form"
 # the op-level kinds (one of vLLM's norm or activation ops), the regions holding a projection, largest first,
-# and the rotary kinds (which the fusion pass matches on their own, `patch.rotary_match`)
-OP_KINDS = tuple(k for k in KINDS.values() if not (k.form.projection or k.form.rotary))
+# the rotary kinds (which the fusion pass matches on their own, `patch.rotary_match`) and the MoE experts
+OP_KINDS = tuple(k for k in KINDS.values() if not (k.form.projection or k.form.rotary or k.form.experts))
+EXPERT_KINDS = tuple(k for k in KINDS.values() if k.form.experts)
 ROTARY_KINDS = tuple(k for k in KINDS.values() if k.form.rotary)
 REGION_KINDS = tuple(sorted((k for k in KINDS.values() if k.form.projection), key=lambda k: k.rank))
 
@@ -367,11 +388,12 @@ def eager_served(site: Site, classes: Mapping[str, str]) -> bool:
     kind wherever vLLM runs the op, a region of the "mlp" or "decoder_layer" hooks only where its
     owner's class (`classes`: module path -> class name, as capture records them) is one its hook
     patches, a "pattern" kind (Gemma's, the biased projections, QK-norm + rotary) never; rotary only in
-    the rotary classes its replacement covers (`ROTARY_CLASSES`)."""
+    the rotary classes its replacement covers (`ROTARY_CLASSES`); the MoE experts wherever vLLM's CPU
+    experts compute them."""
     k = KINDS.get(site.kind)
     if k is None or k.hook == "pattern":
         return False
-    if k.hook in ("ir", "custom_op") and not k.eager_classes:
+    if k.hook in ("ir", "custom_op", "experts") and not k.eager_classes:
         return True
     return classes.get(owner(site)) in k.eager_classes
 

@@ -33,12 +33,15 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the numeric check runs through the interpreter on CPUs
 
+from prism_serve.baseline import vllm_modeled_us  # noqa: E402
+from prism_serve.errors import SGraphError  # noqa: E402
 from prism_serve.optimize.instantiate.tune import rank  # noqa: E402
 from prism_serve.optimize.ir.canonical import canonical_hash  # noqa: E402
 from prism_serve.optimize.pipeline.search import optimize  # noqa: E402
 from prism_serve.optimize.target.gpus import get_gpu  # noqa: E402
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle  # noqa: E402
 from prism_serve.optimize.workloads.programs import PRISM_WORKLOADS, get_workload  # noqa: E402
+from prism_serve.region_table import KINDS  # noqa: E402
 
 
 # workloads benchmarked at other dims than their defaults, and over several num_tokens buckets
@@ -87,8 +90,27 @@ def bench(name: str, device: str, budget: float, work: int | None, workers: int 
             "unfused_modeled_us_per_bucket": {str(n): result.unfused_us[n] for n in buckets},
             "best_modeled_us_per_bucket": {str(c.num_tokens): c.modeled_us for c in result.found[0].kernels}
             if result.found else None,
-            "oracle_modeled_us": rank(oracle(prog), get_gpu(device), num_tokens)[0].modeled_us
-            if prog.name in ORACLES else None}
+            "oracle_modeled_us": _oracle_us(prog, device, num_tokens),
+            "oracle_modeled_us_per_bucket": {str(n): _oracle_us(prog, device, n) for n in buckets},
+            # what vLLM runs for the region today, priced by the same cost model (the yardstick)
+            "vllm_modeled_us_per_bucket": {str(n): vllm_modeled_us(prog, n, get_gpu(device)) for n in buckets}
+            if prog.name in KINDS else None}
+
+
+def _oracle_us(prog, device: str, num_tokens: int) -> float | None:
+    """The hand-built design's best modeled time, or None: no hand-built design, or none of its
+    instances fits the device (Mixtral's 14336-wide experts rows in the MoE oracle's w2 tile)."""
+    if prog.name not in ORACLES:
+        return None
+    try:
+        return rank(oracle(prog), get_gpu(device), num_tokens)[0].modeled_us
+    except SGraphError:
+        return None
+
+
+def _us(per_bucket: dict | None, n: int) -> str:
+    value = (per_bucket or {}).get(str(n))
+    return f"{value:.2f}" if value is not None else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<21} {r['num_tokens']:>6} {r['search_s']:>9.1f} {r['verify_s']:>9.1f} {r['kernel_graphs']:>7} "
               f"{r['block_graphs']:>7} {r['steps']:>9} {r['open_subtrees']:>4} {pruned:>8} {share:>5.1f} {r['workers']:>7} {r['verified']:>8} {best:>8} {ranked:>9} "
               f"{hand:>9} {r['unfused_modeled_us']:>10.2f}  {r['best_design']}", flush=True)
+    for name, r in results.items():
+        if len(r["buckets"]) > 1:
+            print(f"{name} per bucket (modeled us): " + "; ".join(
+                f"T {n}: best {_us(r['best_modeled_us_per_bucket'], n)}, oracle {_us(r['oracle_modeled_us_per_bucket'], n)}, "
+                f"vLLM {_us(r['vllm_modeled_us_per_bucket'], n)}" for n in r["buckets"]))
     print("pruned by rule: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in r["pruned"].items())
                                          for n, r in results.items()))
     print("input iterator maps judged (kept): " + "; ".join(f"{n}: {r['iterator_maps']} ({r['iterator_maps_kept']})"

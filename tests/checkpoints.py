@@ -63,6 +63,10 @@ ARCH_CONFIGS: dict[str, dict] = {
                   "attention_bias": False, "pad_token_id": 0},
     "tiny-mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
                      "num_local_experts": 4, "num_experts_per_tok": 2},
+    # Qwen3-MoE: QK-norm, every layer sparse, a router renormalising its top-k, experts narrower than hidden
+    "tiny-qwen3-moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+                       "num_experts_per_tok": 2, "moe_intermediate_size": 96, "norm_topk_prob": True,
+                       "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 10000.0},
 }
 # an encoder for the pooling runner (not a prism target): BERT layout, its own tokenizer
 BERT_CONFIG = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 128, "intermediate_size": 256,
@@ -139,7 +143,13 @@ def _layer_tensors(cfg: dict, rand, norm) -> dict[str, torch.Tensor]:
     else:
         t = {"self_attn.q_proj.weight": rand(q, h), "self_attn.k_proj.weight": rand(kv, h),
              "self_attn.v_proj.weight": rand(kv, h), "self_attn.o_proj.weight": rand(h, q)}
-    if kind == "mixtral":  # a router and experts (w1 gate, w3 up, w2 down) in place of one MLP
+    if kind == "qwen3_moe":  # a router and experts (gate, up, down) in place of one MLP
+        moe = cfg["moe_intermediate_size"]
+        t["mlp.gate.weight"] = rand(cfg["num_experts"], h)
+        for e in range(cfg["num_experts"]):
+            t |= {f"mlp.experts.{e}.gate_proj.weight": rand(moe, h), f"mlp.experts.{e}.up_proj.weight": rand(moe, h),
+                  f"mlp.experts.{e}.down_proj.weight": rand(h, moe)}
+    elif kind == "mixtral":  # a router and experts (w1 gate, w3 up, w2 down) in place of one MLP
         t["block_sparse_moe.gate.weight"] = rand(cfg["num_local_experts"], h)
         for e in range(cfg["num_local_experts"]):
             t |= {f"block_sparse_moe.experts.{e}.w1.weight": rand(inter, h),
@@ -155,7 +165,7 @@ def _layer_tensors(cfg: dict, rand, norm) -> dict[str, torch.Tensor]:
     if kind == "qwen2":  # qkv bias
         t |= {"self_attn.q_proj.bias": rand(q, scale=0.5), "self_attn.k_proj.bias": rand(kv, scale=0.5),
               "self_attn.v_proj.bias": rand(kv, scale=0.5)}
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         t |= {"self_attn.q_norm.weight": norm(hd), "self_attn.k_norm.weight": norm(hd)}
     if kind == "olmo2":  # q/k norm over all heads at once
         t |= {"self_attn.q_norm.weight": norm(q), "self_attn.k_norm.weight": norm(kv),

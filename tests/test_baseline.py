@@ -32,6 +32,9 @@ PROGRAMS = {
     # vLLM's rotary_embedding kernel in place (GPT-J, half the head), QK-norm's RMSNorms before it (NeoX)
     "rotary": programs.rotary(3, 1, 16, 8, 40, "float32", "gptj"),
     "qk_norm_rotary": programs.qk_norm_rotary(4, 2, 16, 16, 40, 1e-6, "float32"),
+    # vLLM's CPU fused MoE on its packed weights (hidden and intermediate in multiples of 32)
+    "moe_experts": programs.moe_experts(4, 2, 64, 32, "float32"),
+    "moe_experts_gelu_tanh": programs.moe_experts_gelu_tanh(4, 2, 64, 32, "float32"),
 }
 
 
@@ -51,6 +54,20 @@ def test_vllms_own_ops_compute_the_program(kind):
         assert len(got) == len(ref)
         for g, r in zip(got, ref):
             assert max_rel_error(g, r) < 1e-5
+
+
+def test_vllms_fused_moe_is_priced_as_two_grouped_gemms_over_the_experts_chosen():
+    """One token reads its k experts' weights; many tokens read every expert once, so the time per
+    token falls as tokens share experts; the GELU form costs what the SiLU form does, give or take
+    its activation kernel."""
+    gpu = get_gpu("h100")
+    prog = programs.moe_experts(128, 8, 2048, 768, "bfloat16")
+    one, many = vllm_modeled_us(prog, 1, gpu), vllm_modeled_us(prog, 256, gpu)
+    weights = 2 * 3 * 2048 * 768  # bytes of one expert's w13 and w2 in bf16
+    assert one > 8 * weights / (gpu.mem_bandwidth_gbs * 1e3) and many > 128 * weights / (gpu.mem_bandwidth_gbs * 1e3)
+    assert many / 256 < one
+    gelu = vllm_modeled_us(programs.moe_experts_gelu_tanh(128, 8, 2048, 768, "bfloat16"), 16, gpu)
+    assert gelu == pytest.approx(vllm_modeled_us(prog, 16, gpu), rel=0.2)
 
 
 def test_the_modeled_path_is_vllms_kernels_priced_by_the_cost_model():

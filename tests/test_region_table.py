@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from prism_serve.optimize.workloads import programs
-from prism_serve.region_table import KINDS, VLLM_OPS, HOOKS, Site, eager_served, served_sites, servable
+from prism_serve.region_table import HOOKS, KINDS, OP_KINDS, VLLM_OPS, Site, eager_served, served_sites, servable
 
 # rotary's: odd head counts, a partial rotary_dim, GPT-J style (neox 0)
 DIMS = {"hidden": 96, "intermediate": 40, "out": 72, "heads": 3, "kv_heads": 1, "head_dim": 16, "rotary_dim": 8,
-        "max_position": 40, "neox": 0}
+        "max_position": 40, "neox": 0, "num_experts": 5, "top_k": 2}
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
@@ -22,6 +22,20 @@ def test_each_kind_builds_its_program_and_keys_it(name):
     assert key[1] == kind.key_dim(kind.dims_of(prog))
     if kind.has_eps:  # another epsilon is another program
         assert kind.key_of(kind.program(DIMS, "float16", 1e-6)) != key
+
+
+def test_the_moe_experts_kinds_key_their_experts_routing_and_sizes():
+    """An experts kind is keyed by (experts, top-k, hidden, intermediate), takes vLLM's experts' apply
+    arguments, and is vLLM's fused MoE today; its activation is its kind, not a key dim."""
+    keys = {}
+    for name in ("moe_experts", "moe_experts_gelu_tanh"):
+        kind = KINDS[name]
+        keys[name] = kind.key_of(kind.program(DIMS, "bfloat16"))
+        assert kind.args == ("x", "topk_weights", "topk_ids", "w13", "w2") and kind.outputs == ("y",)
+        assert kind.vllm_path == ("fused_moe",) and kind.hook == "experts" and kind not in OP_KINDS
+        assert eager_served(Site(name, frozenset({"layers.0.block_sparse_moe.experts"})), {})
+    assert keys["moe_experts"] == keys["moe_experts_gelu_tanh"] == ("bfloat16", (5, 2, 96, 40), None)
+    assert KINDS["moe_experts"].key_of(KINDS["moe_experts_gelu_tanh"].program(DIMS, "bfloat16")) is None
 
 
 @pytest.mark.parametrize("name", ["rotary", "qk_norm_rotary"])

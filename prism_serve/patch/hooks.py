@@ -12,6 +12,8 @@
   where the table has a kernel, whatever the architecture. On the CPU build vLLM packs projection
   weights for oneDNN and drops them; `packed.install` records the plain weight of each projection
   whose shape a region kernel serves, under vLLM's oneDNN handle, which is what the graph holds.
+- vLLM's CPU experts class (`experts_hook`), in both modes: the routed experts of each MoE layer the
+  table has a kernel for run `prism::moe_experts` (or its GELU form) on the plain stacked weights.
 - In eager mode (`enforce_eager`, where no pass runs) only: whole regions, by class, patched in
   place on instances of exactly the classes named (the region table's `eager_classes`). The
   decoder MLPs of Llama and Qwen2/3 (`LlamaMLP`, `Qwen2MLP`, whatever model builds them) run
@@ -38,7 +40,7 @@ import torch
 from torch import Tensor
 
 from prism_serve.optimize.ir.ops import Op
-from prism_serve.patch import fusion, ops, packed, rotary_hook
+from prism_serve.patch import experts_hook, fusion, ops, packed, rotary_hook
 from prism_serve.patch.runtime import Runtime
 from prism_serve.patch.table import Table
 from prism_serve.region_table import MODEL_CLASSES, Form, hooked, kind_of
@@ -552,7 +554,7 @@ def _install_decoder_layers(rt: Runtime, done: Installed) -> None:
 
 
 HOOKS = (_install_fallbacks, _install_ir, _install_silu, _install_gelu, rotary_hook.install, _install_regions,
-         _install_decoder_layers, packed.install, fusion.install)
+         _install_decoder_layers, packed.install, experts_hook.install, fusion.install)
 
 
 def install(table: Table) -> Installed:

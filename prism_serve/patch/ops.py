@@ -39,7 +39,8 @@ ARG_TYPES = MappingProxyType({"x": "Tensor", "residual": "Tensor", "weight": "Te
                               "w_gate_up": "Tensor", "bias": "Tensor", "epsilon": "float", "site": "int",
                               "out_features": "int", "positions": "Tensor", "q": "Tensor", "k": "Tensor",
                               "q_weight": "Tensor", "k_weight": "Tensor", "cos_sin_cache": "Tensor",
-                              "head_size": "int", "is_neox": "bool"})
+                              "head_size": "int", "is_neox": "bool", "topk_weights": "Tensor", "topk_ids": "Tensor",
+                              "w13": "Tensor", "w2": "Tensor"})
 DEFAULTS = MappingProxyType({"out_features": -1})  # where the hooks' calls leave an argument out
 
 
@@ -91,6 +92,23 @@ def ref_rotary(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, h
     return _rotate(q, cos, sin, head_size, is_neox), _rotate(k, cos, sin, head_size, is_neox)
 
 
+def ref_moe_experts(act: str):
+    """vLLM's routed experts in torch, for activation `act` (one of ACT_REFS): per choice j of each
+    token, expert topk_ids[t, j]'s act(x W1^T) * (x W3^T) W2^T, summed weighted by topk_weights[t, j]
+    (x [T, H], the routing [T, k], w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I])."""
+    gated = ACT_REFS[act]
+
+    def ref(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+        xf = x.float()
+        out = torch.zeros_like(xf)
+        for j in range(topk_ids.shape[1]):
+            e = topk_ids[:, j].long()
+            h = gated(torch.einsum("th,tnh->tn", xf, w13[e].float()))
+            out += topk_weights[:, j:j + 1].float() * torch.einsum("ti,thi->th", h, w2[e].float())
+        return out.to(x.dtype)
+    return ref
+
+
 # vLLM's RMSNorm ops by whether they add the residual, and its activations by gate function
 NORM_REFS = MappingProxyType({False: ref_rms_norm, True: ref_fused_add_rms_norm})
 ROTARY = kind_of(Form(rotary=True))  # vLLM's rotary op, the last part of every rotary kind
@@ -110,7 +128,9 @@ def references(rt: Runtime) -> dict:
     out = {ROTARY.name: ref_rotary}
     for kind in KINDS.values():
         f = kind.form
-        if f.projection or f.rotary:
+        if f.experts:
+            out[kind.name] = ref_moe_experts(f.act)
+        if f.projection or f.rotary or f.experts:
             continue
         if f.act:
             out[kind.name] = ACT_REFS[f.act]
@@ -128,7 +148,7 @@ def vllm_path(rt: Runtime, kind: RegionKind, a: dict):
     f = kind.form
     if f.rotary:
         return _vllm_rotary(rt, kind, a)
-    if not f.projection:
+    if not f.projection:  # an op-level kind, rotary's own op, or the experts (on the weights as vLLM holds them)
         return rt.fallbacks[kind.name](*(a[n] for n in kind.args))
     if a["site"] >= 0 and kind.name in rt.fallbacks:
         return rt.fallbacks[kind.name](*(a[n] for n in kind.args if n != "out_features"))
@@ -182,6 +202,8 @@ def run(rt: Runtime, kind: RegionKind, *args, **kwargs):
     a = _named(kind, args, kwargs)
     if kind.form.rotary:
         return _run_rotary(rt, kind, a)
+    if kind.form.experts:
+        return _run_experts(rt, kind, a)
     f, x = kind.form, a["x"]
     hidden = x.shape[-1]
     weight = a.get("w_gate_up" if f.act else "weight") if f.projection else None
@@ -197,21 +219,35 @@ def run(rt: Runtime, kind: RegionKind, *args, **kwargs):
     if launcher is not None and f.projection and w is None:
         rt.counts[kind.name] -= 1  # no plain weight was recorded for this handle
         launcher = None
-    if launcher is not None:
-        try:
-            outs = launcher.run(*_kernel_inputs(kind, a, w, hidden, last))
-            y = outs[0] if x.dim() == 2 else outs[0].view(*x.shape[:-1], last)
-            if not f.residual:
-                return y
-            return y, (outs[1] if x.dim() == 2 else outs[1].view(x.shape))
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            rt.failed_kernel(kind.name, launcher, exc)
-    rt.misses[kind.name] += 1
-    if kind.name not in rt.explained:
-        _explain(rt, kind, x, dim, a.get("epsilon"))
+    outs = _launched(rt, kind, launcher, lambda: _kernel_inputs(kind, a, w, hidden, last))
+    if outs is not None:
+        y = outs[0] if x.dim() == 2 else outs[0].view(*x.shape[:-1], last)
+        if not f.residual:
+            return y
+        return y, (outs[1] if x.dim() == 2 else outs[1].view(x.shape))
+    _missed(rt, kind, x, dim, a.get("epsilon"))
     return vllm_path(rt, kind, a)
+
+
+def _launched(rt: Runtime, kind: RegionKind, launcher, inputs) -> tuple | None:
+    """The kernel's outputs on `inputs()`, or None: no launcher, or the kernel raised (then marked
+    failed, and vLLM's path serves its calls from now on)."""
+    if launcher is None:
+        return None
+    try:
+        return launcher.run(*inputs())
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
+        rt.failed_kernel(kind.name, launcher, exc)
+        return None
+
+
+def _missed(rt: Runtime, kind: RegionKind, x: Tensor, dim, eps: float | None) -> None:
+    """Count a call vLLM's path serves; at the kind's first such miss, say why where no kernel could."""
+    rt.misses[kind.name] += 1
+    if kind.name not in rt.explained and dim is not None:
+        _explain(rt, kind, x, dim, eps)
 
 
 def rotary_key(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, head_size: int,
@@ -236,22 +272,38 @@ def _run_rotary(rt: Runtime, kind: RegionKind, a: dict) -> tuple[Tensor, Tensor]
     key = rotary_key(a["positions"], q, k, a["cos_sin_cache"], d, a["is_neox"])
     rows = q.reshape(q.shape[0], -1) if key is not None else q
     launcher = rt.pick(kind.name, rows, key, a.get("epsilon")) if key is not None else None
-    if launcher is not None:
-        tokens = q.shape[0]
-        inputs = [q.reshape(tokens, -1, d).contiguous(), k.reshape(tokens, -1, d).contiguous(),
-                  *((a["q_weight"], a["k_weight"]) if kind.form.norm else ()),
-                  a["positions"].reshape(tokens, 1).to(torch.int64), a["cos_sin_cache"].contiguous()]
-        try:
-            q_out, k_out = launcher.run(*inputs)
-            return q_out.view(q.shape), k_out.view(k.shape)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - never break serving, not even for SystemExit
-            rt.failed_kernel(kind.name, launcher, exc)
-    rt.misses[kind.name] += 1
-    if kind.name not in rt.explained and key is not None:
-        _explain(rt, kind, q, key, a.get("epsilon"))
+    tokens = q.shape[0]
+    outs = _launched(rt, kind, launcher, lambda: [
+        q.reshape(tokens, -1, d).contiguous(), k.reshape(tokens, -1, d).contiguous(),
+        *((a["q_weight"], a["k_weight"]) if kind.form.norm else ()),
+        a["positions"].reshape(tokens, 1).to(torch.int64), a["cos_sin_cache"].contiguous()])
+    if outs is not None:
+        return outs[0].view(q.shape), outs[1].view(k.shape)
+    _missed(rt, kind, q, key, a.get("epsilon"))
     return _vllm_rotary(rt, kind, a)
+
+
+def _run_experts(rt: Runtime, kind: RegionKind, a: dict) -> Tensor:
+    """Dispatch of an experts kind: x [T, H] and the routing [T, k] as vLLM's experts take them, viewed
+    as its Program's x [T, 1, 1, 1, H] and weights [T, k, 1, 1, 1] (in x's dtype); the kernel multiplies
+    the plain stacked weights recorded where vLLM's CPU experts packed them (`Runtime.experts`), or the
+    given ones where nothing was packed, viewed as w13 [E, 2, I, H] and w2 [E, 1, H, I]. The output is
+    [T, H]."""
+    x, ids, weights = a["x"], a["topk_ids"], a["topk_weights"]
+    packed = rt.experts.get(a["w13"].data_ptr())
+    w13, w2 = (packed.w13, packed.w2) if packed is not None else (a["w13"], a["w2"])
+    tokens, top_k = ids.shape
+    dims = (w13.shape[0], top_k, x.shape[-1], w2.shape[-1])
+    shaped = x.dim() == 2 and tokens == x.shape[0] and w13.dim() == 3 and w13.shape[1] == 2 * dims[3]
+    launcher = rt.pick(kind.name, x, dims, None) if shaped else None
+    outs = _launched(rt, kind, launcher, lambda: [
+        x.reshape(tokens, 1, 1, 1, -1).contiguous(), ids.to(torch.int32).contiguous(),
+        weights.to(x.dtype).reshape(tokens, top_k, 1, 1, 1).contiguous(),
+        w13.view(dims[0], 2, dims[3], dims[2]), w2.unsqueeze(1)])
+    if outs is not None:
+        return outs[0].view(tokens, -1)
+    _missed(rt, kind, x, dims, None)
+    return vllm_path(rt, kind, a)
 
 
 def _explain(rt: Runtime, kind: RegionKind, x: Tensor, dim, eps: float | None) -> None:
@@ -295,6 +347,8 @@ def _fake(kind: RegionKind):
         if kind.form.rotary:
             return torch.empty_like(a["q"]), torch.empty_like(a["k"])
         f, x = kind.form, a["x"]
+        if f.experts:
+            return torch.empty_like(x)
         if f.projection:
             n = out_features(a["w_gate_up" if f.act else "weight"], a["out_features"])
             y = x.new_empty((*x.shape[:-1], n // 2 if f.act else n))

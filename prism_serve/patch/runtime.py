@@ -25,6 +25,7 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -47,6 +48,16 @@ def out_features(weight: Tensor, given: int) -> int:
     return given if is_handle(weight) else weight.shape[0]
 
 
+@dataclass(frozen=True)
+class PackedExperts:
+    """One MoE layer's stacked weights as vLLM's checkpoint holds them (w13 [E, 2I, H], w2 [E, H, I],
+    recorded before its CPU experts padded and packed them), and the instruction set it packed them for."""
+
+    w13: Tensor
+    w2: Tensor
+    isa: str
+
+
 class Runtime:
     """What the serving path reads and writes in this process (see the module docstring)."""
 
@@ -66,6 +77,9 @@ class Runtime:
         # [out, in] weight, or None where no region kernel serves its shape. A packed weight has the plain
         # one's dtype and shape, so only this tells the two apart.
         self.packed_amx: dict[int, Tensor | None] = {}
+        # data pointer of the w13 weight vLLM's CPU experts packed -> the plain stacked weights and what
+        # vLLM's kernel needs to run on the packed ones, for the MoE layers a kernel serves (`experts_hook`)
+        self.experts: dict[int, PackedExperts] = {}
         self.sites: list[weakref.ref] = []  # the MLPs eager mode patched, by their `site`
         self.layer_sites: list[weakref.ref] = []  # the decoder layers eager mode patched, by their `site`
         self.matchers: tuple | None = None  # the fusion pass's pattern matcher passes, built once

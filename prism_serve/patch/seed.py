@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import MappingProxyType
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
-from prism_serve.region_table import KINDS, STYLE_DIM, Form, kind_of
+from prism_serve.region_table import KINDS, MOE_ACTIVATIONS, STYLE_DIM, Form, kind_of
 from prism_serve.registry.gate import admit
 from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, current_versions
 
@@ -30,6 +31,8 @@ REGION_KINDS = tuple(kind_of(f).name for f in (Form("rms", projection=True), For
 # its rotary embedding, and QK-norm + rotary where the model norms q and k per head (Qwen3)
 ROTARY, QK_NORM_ROTARY = (kind_of(f).name for f in (Form(rotary=True), Form("rms", rotary=True)))
 ROTARY_KINDS = (ROTARY, QK_NORM_ROTARY)
+# the routed experts of a mixture-of-experts model (Mixtral, Qwen3-MoE), by its activation
+MOE_KINDS = tuple(kind_of(Form(act=a, experts=True)).name for a in (Op.SILU, Op.GELU_TANH))
 # model types whose q and k are normed per head before rotary, and those that rotate GPT-J's interleaved pairs
 _QK_NORMED, _GPTJ = ("qwen3",), ("glm4",)
 
@@ -44,12 +47,29 @@ def model_programs(config_path, dtype: str = "float32", kinds=OP_KINDS) -> list:
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     dims = {"hidden": hidden, "intermediate": inter, "out": (heads + 2 * kv_heads) * head_dim}
-    progs = [KINDS[k].program(dims, dtype, eps) for k in kinds if k not in ROTARY_KINDS]
+    progs = [KINDS[k].program(dims, dtype, eps) for k in kinds if k not in ROTARY_KINDS + MOE_KINDS]
     if _NORM.name in kinds and qk_normed(cfg):
         progs.append(_NORM.program({"hidden": head_dim}, dtype, eps))
     progs += [KINDS[k].program(rotary_dims(cfg), dtype, eps) for k in kinds
               if k == ROTARY or (k == QK_NORM_ROTARY and qk_normed(cfg))]
+    moe = moe_dims(cfg)
+    progs += [KINDS[k].program(moe, dtype) for k in kinds if k in MOE_KINDS and moe is not None
+              and KINDS[k].form.act == _MOE_ACTS.get(cfg.get("hidden_act", MOE_ACTIVATIONS[Op.SILU]))]
     return progs
+
+
+# a config's hidden_act -> the experts' activation (Hugging Face names SiLU as vLLM does)
+_MOE_ACTS = MappingProxyType({MOE_ACTIVATIONS[Op.SILU]: Op.SILU, "gelu_pytorch_tanh": Op.GELU_TANH})
+
+
+def moe_dims(cfg: dict) -> dict[str, int] | None:
+    """A mixture-of-experts config's experts dims (Mixtral's num_local_experts and intermediate_size,
+    Qwen3-MoE's num_experts and moe_intermediate_size), or None for a dense model."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not experts or not cfg.get("num_experts_per_tok"):
+        return None
+    return {"num_experts": experts, "top_k": cfg["num_experts_per_tok"], "hidden": cfg["hidden_size"],
+            "intermediate": cfg.get("moe_intermediate_size") or cfg["intermediate_size"]}
 
 
 def qk_normed(cfg: dict) -> bool:
@@ -92,15 +112,17 @@ def results(progs, device: DeviceInfo, *, status: str = "verified", versions: Ve
 
 
 def _fitting(g, block_tokens: int, spec) -> dict[str, int]:
-    """The default assignment with the largest token block <= `block_tokens` that fits `spec`."""
+    """The default assignment with the largest token block <= `block_tokens`, then the largest target
+    tile (64 down to 8: the experts' windows hold a whole intermediate dim), that fits `spec`."""
     error = None
     bt = block_tokens
     while bt >= 1:
-        params = default_assignment(g, block_tokens=bt)
-        try:
-            instantiate(g, params, spec)
-            return params
-        except SGraphError as exc:
-            error = exc
+        for tile in (64, 32, 16, 8):
+            params = default_assignment(g, block_tokens=bt, target_tile=tile)
+            try:
+                instantiate(g, params, spec)
+                return params
+            except SGraphError as exc:
+                error = exc
         bt //= 2
     raise error

@@ -2,8 +2,9 @@
 vLLM's own CPU fused MoE computes on the same weights and routing (an expert no token chooses,
 one every token chooses, 1 token and an odd count); the search reaches its decode design (one
 kernel per token block that loops over the token's top-k choices, gathering only the chosen
-experts' rows), which the proof and the numeric check accept; and wrong designs are rejected by
-both, the test saying which."""
+experts' rows), which the proof and the numeric check accept; and wrong designs, of that one and
+of the two-kernel design the plugin serves (`oracles._moe_experts`, proven and checked where
+`seed` stores it and in `test_oracles`), are rejected by both, the test saying which."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.verify.check import check_numerics
 from prism_serve.optimize.verify.proof import prove_equivalent
-from prism_serve.optimize.workloads.oracles import default_assignment
+from prism_serve.optimize.workloads.oracles import default_assignment, oracle
 from prism_serve.optimize.workloads.programs import moe_experts
 
 H100 = get_gpu("h100")
@@ -53,10 +54,11 @@ def test_the_program_computes_what_vllms_cpu_fused_moe_computes(dtype, tolerance
     prog = moe_experts(E, K, H, I, dtype)
     x, _, _, w13, w2 = random_inputs(prog, tokens, seed=tokens)
     ids, weights = _routing(tokens, tokens)
-    ref = _output(prog, [x, ids, weights.to(x.dtype).reshape(tokens, K, 1, 1), w13, w2]).reshape(tokens, H)
+    ref = _output(prog, [x, ids, weights.to(x.dtype).reshape(tokens, K, 1, 1, 1), w13, w2]).reshape(tokens, H)
     out = torch.empty(tokens, H, dtype=x.dtype)
-    vops.cpu_fused_moe(out, x.reshape(tokens, H).contiguous(), vops.cpu_prepack_moe_weight(w13, "vec"),
-                       vops.cpu_prepack_moe_weight(w2, "vec"), None, None, weights.to(x.dtype).float(), ids,
+    stacked13, stacked2 = w13.reshape(E, 2 * I, H), w2.reshape(E, H, I)  # vLLM's layout, the same memory
+    vops.cpu_fused_moe(out, x.reshape(tokens, H).contiguous(), vops.cpu_prepack_moe_weight(stacked13, "vec"),
+                       vops.cpu_prepack_moe_weight(stacked2, "vec"), None, None, weights.to(x.dtype).float(), ids,
                        "silu", "vec")
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     assert err < tolerance, err
@@ -70,8 +72,8 @@ def test_the_gelu_tanh_form_and_bad_dims():
     for t in range(3):
         for j in range(K):
             e = ids[t, j]
-            gate, up = x[t, 0, 0] @ w13[e, :12].T, x[t, 0, 0] @ w13[e, 12:].T
-            want[t] += weights[t, j, 0, 0] * ((torch.nn.functional.gelu(gate, approximate="tanh") * up) @ w2[e].T)
+            gate, up = x[t, 0, 0, 0] @ w13[e, 0].T, x[t, 0, 0, 0] @ w13[e, 1].T
+            want[t] += weights[t, j, 0, 0, 0] * ((torch.nn.functional.gelu(gate, approximate="tanh") * up) @ w2[e, 0].T)
     assert torch.allclose(_output(prog, [x, ids, weights, w13, w2]).reshape(3, 16), want, atol=1e-5)
     with pytest.raises(ProgramError, match="top_k"):
         moe_experts(4, 5)
@@ -113,8 +115,8 @@ def _swap_halves(n: Node) -> Node:
     """The gate's window of w13 read where the up rows are, and back."""
     if n.op == "slice" and n.inputs == ("ld_w13",):
         a = dict(n.attrs)
-        start = 12 if a["start"] == 0 else 0
-        return Node(n.name, n.op, n.inputs, tuple(sorted((a | {"start": start, "stop": start + 12}).items())))
+        start = 1 - a["start"]
+        return Node(n.name, n.op, n.inputs, tuple(sorted((a | {"start": start, "stop": start + 1}).items())))
     return n
 
 
@@ -138,4 +140,40 @@ def test_a_wrong_moe_design_is_rejected_by_the_proof_and_the_numeric_check(mutan
     bad = _edit(g, {"halves_swapped": _swap_halves, "unweighted": _unweighted, "max_of_choices": _max_of_choices}[mutant])
     assert not prove_equivalent(bad).ok, "the proof accepted a wrong MoE design"
     inst = instantiate(bad, default_assignment(bad, target_tile=16) | {"BT0": 1, "F0": K}, H100)
+    assert not check_numerics(inst, tokens=(1, 5), seed=0).ok, "the numeric check accepted a wrong MoE design"
+
+
+def _edit_kernel(g: SGraph, index: int, edit) -> SGraph:
+    kernels = list(g.kernels)
+    k = kernels[index]
+    kernels[index] = BlockKernel(k.name, k.grid, k.forloop, tuple(edit(n) for n in k.nodes))
+    return SGraph(g.name + "_mutant", g.program, g.intermediates, tuple(kernels))
+
+
+def _act_on_up(n: Node) -> Node:
+    """The activation applied to the up product, the gate left linear."""
+    if n.name == "a":
+        return Node(n.name, n.op, ("upv",), n.attrs)
+    if n.name == "hv":
+        return Node(n.name, n.op, ("a", "gate"), n.attrs)
+    return n
+
+
+# the served two-kernel design's mutants: which kernel each edits, and how
+TWO_KERNEL_MUTANTS = {"halves_swapped": (0, lambda n: _with_start(n, 1 - n.attr("start")) if n.op == "slice" else n),
+                      "act_on_up": (0, _act_on_up),
+                      "unweighted": (1, lambda n: Node(n.name, n.op, ("y", "y"), n.attrs) if n.name == "yw" else n)}
+
+
+def _with_start(n: Node, start: int) -> Node:
+    return Node(n.name, n.op, n.inputs, tuple(sorted((dict(n.attrs) | {"start": start, "stop": start + 1}).items())))
+
+
+@pytest.mark.parametrize("mutant", sorted(TWO_KERNEL_MUTANTS))
+def test_a_wrong_two_kernel_design_is_rejected_by_the_proof_and_the_numeric_check(mutant):
+    index, edit = TWO_KERNEL_MUTANTS[mutant]
+    good = oracle(_small())
+    bad = _edit_kernel(good, index, edit)
+    assert not prove_equivalent(bad).ok, "the proof accepted a wrong MoE design"
+    inst = instantiate(bad, default_assignment(bad, block_tokens=1, target_tile=4), H100)
     assert not check_numerics(inst, tokens=(1, 5), seed=0).ok, "the numeric check accepted a wrong MoE design"

@@ -69,6 +69,19 @@ def test_bf16_within_rounding(name):
     check_instance(_instance(name, dims, "bfloat16"), 5, "bfloat16")
 
 
+@pytest.mark.parametrize("dims", [{"num_experts": 5, "top_k": 2, "hidden": 48, "intermediate": 40},
+                                  {"num_experts": 3, "top_k": 3, "hidden": 32, "intermediate": 24}], ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["moe_experts", "moe_experts_gelu_tanh"])
+def test_the_experts_two_kernel_oracle_matches_reference(name, dims, dtype):
+    """h per (token, choice) over a loop of hidden, then the weighted w2 products per (token, hidden
+    block) over a loop of the choices (a token choosing every expert in the second case)."""
+    inst = _instance(name, dims, dtype, block_tokens=1)
+    assert [k.forloop for k in inst.sgraph.kernels] == ["F", "FK"]
+    for n in (1, 7):
+        check_instance(inst, n, dtype)
+
+
 @pytest.mark.parametrize("case,splits", ATTENTION_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", ["attention", "qk_norm_attention"])

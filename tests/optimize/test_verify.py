@@ -48,7 +48,9 @@ DIMS = {"rms_norm": {"hidden": 64}, "fused_add_rms_norm": {"hidden": 64}, "silu_
         "attention": {"batch": 1, "heads": 2, "q_len": 1, "kv_len": 64, "head_dim": 16, "kv_heads": 1},
         "qk_norm_attention": {"batch": 1, "heads": 2, "q_len": 1, "kv_len": 64, "head_dim": 16, "kv_heads": 1},
         "rotary": {"num_q_heads": 3, "num_kv_heads": 1, "head_dim": 16, "max_position": 32},
-        "qk_norm_rotary": {"num_q_heads": 3, "num_kv_heads": 1, "head_dim": 16, "max_position": 32}}
+        "qk_norm_rotary": {"num_q_heads": 3, "num_kv_heads": 1, "head_dim": 16, "max_position": 32},
+        "moe_experts": {"num_experts": 4, "top_k": 2, "hidden": 64, "intermediate": 48},
+        "moe_experts_gelu_tanh": {"num_experts": 4, "top_k": 2, "hidden": 64, "intermediate": 48}}
 PROVEN = tuple(sorted(ORACLES))
 
 

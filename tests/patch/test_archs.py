@@ -8,10 +8,10 @@ list shrinks when serving closes a gap).
 
 CI runs `CI_ARCHS` only (each architecture costs a capture, a warmup and a vLLM process: 3 to
 10 minutes on two shared cores); PRISM_SERVE_TEST_ARCHS=all (or a comma-separated list) runs
-the others. Mixtral (in CI) is the mixture of experts: its router and experts are vLLM's
-FusedMoE, which no region kind spans, so they stay vLLM's; the input norm + qkv and the residual
-add + norm before the experts are served (in compiled mode; in eager mode only the norm, as an
-op). Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds Phi-3 as a
+the others. Mixtral (in CI) is the mixture of experts: its router stays vLLM's, its routed experts run
+`prism::moe_experts` (seeded, since capture does not report them yet) in both modes, and the input
+norm + qkv and the residual add + norm before the experts are served (in compiled mode; in eager
+mode only the norm, as an op). Qwen3-MoE (tiny-qwen3-moe) is the other. Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds Phi-3 as a
 Llama) serve every stored kind; since the compiled-mode pattern pass (fusion.py) Qwen2 and
 Granite serve every stored kind too (Granite's rmsnorm_linear and rmsnorm_swiglu checked on
 2026-12-03; Qwen2's input norm + biased qkv as the `_bias` kinds since 2026-12-04). OLMo 2 runs
@@ -58,6 +58,7 @@ from prism_serve.registry.store import list_kernels
 from prism_serve.warmup import model_fingerprint, warmup
 
 from ..checkpoints import ARCH_CONFIGS, WARMUP_BUDGET_S, WARMUP_WORK, config_of, dtype_of, write_checkpoint
+from .vllm_child import MAX_TOKENS
 from .vllm_run import config, run_vllm
 
 ARCHS = tuple(ARCH_CONFIGS)
@@ -102,20 +103,21 @@ def arch(request, arch_registry, tmp_path_factory):
             os.environ.pop("PRISM_SERVE_CACHE", None)
         else:
             os.environ["PRISM_SERVE_CACHE"] = old
-    _seed_rotary(path, arch_registry, report, name)
+    _seed_unwarmed(path, arch_registry, report, name)
     runs = run_vllm(path, tmp, [config("stock", arch_registry, *MODES, dtype=dtype_of(name), PRISM_SERVE_DISABLE="1"),
                                 config("prism", arch_registry, *MODES, dtype=dtype_of(name))])
     return {"name": name, "path": path, "registry": arch_registry, "biases": biases, "report": report,
             "capture": capture, "runs": runs}
 
 
-def _seed_rotary(path, url: str, report, name: str) -> None:
-    """The rotary kinds warmup's search did not store within the tests' budget, from their proven,
-    numerically checked oracles (as `seed` fills the other tests' registries), so the vLLM runs serve
-    rotary whatever the search reached."""
+def _seed_unwarmed(path, url: str, report, name: str) -> None:
+    """The rotary kinds warmup's search did not store within the tests' budget, and a mixture of
+    experts' routed experts (which capture does not report yet, so warmup never searches them), from
+    their proven, numerically checked oracles (as `seed` fills the other tests' registries), so the
+    vLLM runs serve rotary whatever the search reached, and the experts."""
     stored = {r.kind for r in report.regions if r.status in ("verified", "enabled")}
     progs = seed.model_programs(path / "config.json", dtype=dtype_of(name),
-                                kinds=tuple(k for k in seed.ROTARY_KINDS if k not in stored))
+                                kinds=tuple(k for k in seed.ROTARY_KINDS + seed.MOE_KINDS if k not in stored))
     reg = open_registry(url)
     try:
         with reg.write() as s:
@@ -202,15 +204,23 @@ def test_a_projection_bias_gives_the_bias_kinds_and_nothing_else_does(arch):
         assert not kinds
 
 
-def test_a_mixture_of_experts_keeps_its_experts_on_vllms_path_and_serves_the_rest(arch):
-    if "num_local_experts" not in config_of(arch["name"]):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mixture_of_experts_runs_its_experts_as_prism_kernels_in_every_layer(arch, mode):
+    """The routed experts (seeded: capture does not report them yet) run `prism::moe_experts` in every
+    MoE layer of every forward, in eager and compiled mode alike (vLLM's CPU experts class is patched;
+    the tokens and the absence of any fallback are checked above); no dense-MLP region spans the
+    router and the experts, and the regions around them are served in compiled mode."""
+    if seed.moe_dims(config_of(arch["name"])) is None:
         pytest.skip("not a mixture of experts")
+    layers = config_of(arch["name"])["num_hidden_layers"]
+    ran = arch["runs"]["prism"]["runs"][mode]["kernel"]
+    assert ran["moe_experts"] >= layers * MAX_TOKENS and ran["moe_experts"] % layers == 0, ran
     stored = _stored(arch)
-    assert not stored & MLP_KINDS  # no region spans the router and the experts
-    around = {"rmsnorm_linear", "fused_add_rmsnorm_linear", "fused_add_rms_norm"}
-    assert around <= stored
-    ran = arch["runs"]["prism"]["runs"]["compiled"]["kernel"]
-    assert all(ran[k] > 0 for k in around) and not any(ran.get(k, 0) for k in MLP_KINDS), ran
+    assert not stored & MLP_KINDS
+    if mode == "compiled":
+        around = {"rmsnorm_linear", "fused_add_rmsnorm_linear", "fused_add_rms_norm"}
+        assert around <= stored
+        assert all(ran[k] > 0 for k in around) and not any(ran.get(k, 0) for k in MLP_KINDS), ran
 
 
 def test_the_doctor_names_the_layers_each_stored_kind_serves(arch):

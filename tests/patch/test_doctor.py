@@ -105,7 +105,7 @@ def test_dtype_comes_from_the_weights_when_config_json_has_none(kernels_registry
 def test_json_names_each_rows_pattern_its_kernels_or_why_not(regions_registry, monkeypatch):
     """`prism-serve doctor tiny-llama --json`: tiny-llama has a site of every region kind but Gemma's
     (RMSNorm with 1 + w and the GeGLU regions, which only the compiled-mode pass serves, hook
-    "pattern", and tanh-GELU*mul) and the biased projections; each row names the vLLM op chain it
+    "pattern", and tanh-GELU*mul), the biased projections and the MoE experts (it is dense); each row names the vLLM op chain it
     matches, a served row the registry's kernels for it."""
     import json
 
@@ -121,7 +121,8 @@ def test_json_names_each_rows_pattern_its_kernels_or_why_not(regions_registry, m
     res = CliRunner().invoke(app, ["doctor", "tiny-llama", "--json", "--dtype", DTYPE])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["patch"]["layers"]
-    assert {r["op"] for r in rows} == {k for k, kind in KINDS.items() if kind.hook != "pattern"} - {"gelu_tanh_and_mul"}
+    assert {r["op"] for r in rows} == {k for k, kind in KINDS.items()
+                                       if kind.hook != "pattern" and not kind.form.experts} - {"gelu_tanh_and_mul"}
     assert all(r["pattern"] == " -> ".join(KINDS[r["op"]].vllm_path) for r in rows)
     reg = open_registry(regions_registry, readonly=True)
     with reg.read() as s:

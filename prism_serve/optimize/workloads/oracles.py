@@ -11,12 +11,12 @@ from typing import Callable
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.ir.program import Node, Program, node
-from prism_serve.optimize.ir.sgraph import BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
+from prism_serve.optimize.ir.sgraph import TOKENS, BlockKernel, GridAxis, SGraph, TensorDecl, to_expr
 from prism_serve.optimize.target.gpus import GpuSpec
 from prism_serve.optimize.target.instance import Instance, instantiate
 
 TOKEN_BLOCK = "BT"
-ONE_PER_BLOCK = ("B", "H")  # grid axes over batch and heads: one batch entry / head per block
+ONE_PER_BLOCK = ("B", "H", "K")  # grid axes over batch, heads, top-k choices: one entry per block
 
 
 def load(name: str, tensor: str, imap: tuple, fmap: int | None = None) -> Node:
@@ -364,6 +364,40 @@ def qk_norm_rotary(prog: Program) -> SGraph:
     return SGraph("qk_norm_rotary_oracle", prog, (), (k,))
 
 
+CHOICE_AXIS = "K"  # grid axis over a token's top-k choices: one choice per block
+ONE_PER_STEP = ("FK",)  # loops over a token's top-k choices: one choice per step
+
+
+def _moe_experts(prog: Program) -> SGraph:
+    """Two kernels for the routed experts, each token's chosen experts' rows gathered by id:
+    `moe_up` per (token, choice, intermediate block) loops over hidden, accumulating the products
+    with the gate and up rows of that block (the two halves of w13's window), and writes
+    act(gate) * up as h (T, k, 1, 1, I); `moe_down` per (token, hidden block) loops over the
+    choices, each step h times its expert's w2 rows, weighted by its routing weight and
+    accumulated. No tile holds a whole expert: the w13 window is 2 x (I / GI) x (H / F), the w2 rows
+    (H / G) x I (a whole intermediate row, which Mixtral's 14336 is too long for)."""
+    act = next(n.op for n in prog.nodes if n.name == "act")
+    inter = prog.by_name["w13"].attr("shape")[2]
+    top_k = prog.by_name["topk_ids"].attr("shape")[1]
+    h = TensorDecl("h", tuple(to_expr(d) for d in (TOKENS, top_k, 1, 1, inter)), "float32")
+    up = [load("ids", "topk_ids", (0, 1, None)), load("x", "x", (0, None, None), fmap=4),
+          load("w13", "w13", (None, None, 2), fmap=3),
+          node("w1_t", "slice", "w13", dim=1, start=0, stop=1, step=1),
+          node("w3_t", "slice", "w13", dim=1, start=1, stop=2, step=1),
+          node("w1_e", "gather", "w1_t", "ids", dim=0), node("w3_e", "gather", "w3_t", "ids", dim=0),
+          node("g", "matmul", "x", "w1_e", transpose_b=True), node("u", "matmul", "x", "w3_e", transpose_b=True),
+          accum("gate", "g", "sum"), accum("upv", "u", "sum"),
+          node("a", act, "gate"), node("hv", "mul", "a", "upv"), store("st_h", "hv", "h", (0, 1, 4))]
+    down = [load("ids", "topk_ids", (0, None), fmap=1), load("hk", "h", (0, None), fmap=1),
+            load("wk", "topk_weights", (0, None), fmap=1), load("w2", "w2", (None, 2)),
+            node("w2_e", "gather", "w2", "ids", dim=0), node("y", "matmul", "hk", "w2_e", transpose_b=True),
+            node("yw", "mul", "y", "wk"), node("ys", "sum", "yw", dim=1, keepdim=True), accum("o", "ys", "sum"),
+            store("st", "o", "out", (0, 4))]
+    k1 = BlockKernel("moe_up", (GridAxis(TOKEN_BLOCK, True), GridAxis(CHOICE_AXIS), GridAxis("GI")), "F", tuple(up))
+    k2 = BlockKernel("moe_down", (GridAxis(TOKEN_BLOCK, True), GridAxis("G")), ONE_PER_STEP[0], tuple(down))
+    return SGraph(f"{prog.name}_oracle", prog, (h,), (k1, k2))
+
+
 ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul,
     "rmsnorm_linear": rmsnorm_linear, "fused_add_rmsnorm_linear": fused_add_rmsnorm_linear, "swiglu": swiglu,
@@ -376,6 +410,7 @@ ORACLES: dict[str, Callable[[Program], SGraph]] = {
     "attention": attention,
     "qk_norm_attention": qk_norm_attention,
     "rotary": rotary, "qk_norm_rotary": qk_norm_rotary,
+    "moe_experts": _moe_experts, "moe_experts_gelu_tanh": _moe_experts,
 }
 
 
@@ -404,7 +439,7 @@ def default_assignment(g: SGraph, *, block_tokens: int = 16, target_tile: int = 
                 out[axis.symbol] = _split(dim_size, target_tile)
         if k.forloop:
             size = _loop_size(g, k) // _grid_share(g, k, out)
-            out[k.forloop] = _split(size, target_tile)
+            out[k.forloop] = size if k.forloop in ONE_PER_STEP else _split(size, target_tile)
     return {s: v for s, v in out.items() if s in g.symbols}
 
 

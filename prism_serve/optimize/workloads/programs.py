@@ -366,28 +366,29 @@ def moe_experts(num_experts: int = 128, top_k: int = 8, hidden: int = 2048, inte
     """The routed experts of a mixture-of-experts layer, as vLLM's fused MoE computes them: for
     each token t and each of its top-k choices j, expert e = topk_ids[t, j] runs its gated MLP,
     act(x W1_e^T) * (x W3_e^T) W2_e^T, and the outputs are summed weighted by topk_weights[t, j].
-    The weights are vLLM's stacked layout: w13 (E, 2I, H), gate rows then up rows; w2 (E, H, I).
-    x (T, 1, 1, H), the weights (T, k, 1, 1) and the output (T, 1, 1, H) are vLLM's (T, H) and
-    (T, k) tensors viewed with unit dims, so each choice is a matmul batch dim."""
+    Every tensor is a view of vLLM's, with unit dims so that each choice is a matmul batch dim:
+    w13 (E, 2, I, H) is its stacked (E, 2I, H), gate rows then up rows, so that a window of the
+    intermediate dim reads both halves; w2 (E, 1, H, I) its (E, H, I); x (T, 1, 1, 1, H), the
+    weights (T, k, 1, 1, 1) and the output (T, 1, 1, 1, H) its (T, H) and (T, k) tensors."""
     if activation not in MOE_ACTIVATIONS:
         raise ProgramError(f"moe_experts activation must be one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
     if not 1 <= top_k <= num_experts:
         raise ProgramError(f"moe_experts needs 1 <= top_k <= num_experts, got top_k {top_k} of {num_experts} experts")
     return Program(MOE_ACTIVATIONS[activation], (
-        node("x", "input", shape=(N, 1, 1, hidden), dtype=dtype),
+        node("x", "input", shape=(N, 1, 1, 1, hidden), dtype=dtype),
         node("topk_ids", "input", shape=(N, top_k), dtype="int32"),
-        node("topk_weights", "input", shape=(N, top_k, 1, 1), dtype=dtype),
-        node("w13", "input", shape=(num_experts, 2 * intermediate, hidden), dtype=dtype),
-        node("w2", "input", shape=(num_experts, hidden, intermediate), dtype=dtype),
-        node("w13_e", "gather", "w13", "topk_ids", dim=0),  # (T, k, 2I, H): each choice's expert rows
-        node("w1_e", "slice", "w13_e", dim=2, start=0, stop=intermediate, step=1),
-        node("w3_e", "slice", "w13_e", dim=2, start=intermediate, stop=2 * intermediate, step=1),
-        node("gate", "matmul", "x", "w1_e", transpose_b=True),  # (T, k, 1, I)
+        node("topk_weights", "input", shape=(N, top_k, 1, 1, 1), dtype=dtype),
+        node("w13", "input", shape=(num_experts, 2, intermediate, hidden), dtype=dtype),
+        node("w2", "input", shape=(num_experts, 1, hidden, intermediate), dtype=dtype),
+        node("w13_e", "gather", "w13", "topk_ids", dim=0),  # (T, k, 2, I, H): each choice's expert rows
+        node("w1_e", "slice", "w13_e", dim=2, start=0, stop=1, step=1),
+        node("w3_e", "slice", "w13_e", dim=2, start=1, stop=2, step=1),
+        node("gate", "matmul", "x", "w1_e", transpose_b=True),  # (T, k, 1, 1, I)
         node("up", "matmul", "x", "w3_e", transpose_b=True),
         node("act", activation, "gate"),
         node("h", "mul", "act", "up"),
-        node("w2_e", "gather", "w2", "topk_ids", dim=0),  # (T, k, H, I)
-        node("y", "matmul", "h", "w2_e", transpose_b=True),  # (T, k, 1, H)
+        node("w2_e", "gather", "w2", "topk_ids", dim=0),  # (T, k, 1, H, I)
+        node("y", "matmul", "h", "w2_e", transpose_b=True),  # (T, k, 1, 1, H)
         node("weighted", "mul", "y", "topk_weights"),
         node("out", "sum", "weighted", dim=1, keepdim=True),
     ), ("out",))
