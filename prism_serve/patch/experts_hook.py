@@ -24,6 +24,7 @@ served layers' expert weights, as for the projections vLLM packs (`packed`).
 
 from __future__ import annotations
 
+import weakref
 from types import MappingProxyType
 
 import torch
@@ -92,9 +93,10 @@ def install(rt: Runtime, done) -> None:
         if not getattr(self, "_use_zentorch", False) and getattr(layer, "w13_bias", None) is None:
             kind = served_kind(rt, self.moe_config, w13, w2)
         self._prism_kind = kind
-        if kind is not None:
+        if kind is not None:  # the record goes with the packed weight it is keyed by
             key = layer.w13_weight.data_ptr()
             rt.experts[key] = PackedExperts(w13, w2, self.isa)
+            weakref.finalize(layer.w13_weight, rt.experts.pop, key, None)
 
     def apply(self, *args, **kwargs):
         a = dict(zip(APPLY_ARGS, args)) | kwargs  # vLLM's modular kernel passes them by name
