@@ -58,9 +58,10 @@ def vllm_cpu_experts(rt: Runtime, kind: RegionKind):
     def run(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
         if w13.data_ptr() not in rt.experts:
             return reference(x, topk_weights, topk_ids, w13, w2)
+        from vllm import _custom_ops as vops
+
         out = torch.empty_like(x)
-        torch.ops._C.cpu_fused_moe(out, x, w13, w2, None, None, topk_weights, topk_ids, activation,
-                                   rt.experts[w13.data_ptr()].isa, False)
+        vops.cpu_fused_moe(out, x, w13, w2, None, None, topk_weights, topk_ids, activation, rt.experts[w13.data_ptr()].isa)
         return out
     return run
 

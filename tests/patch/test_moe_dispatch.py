@@ -72,3 +72,23 @@ def test_the_fake_keeps_the_tokens_shape():
         out = torch.ops.prism.moe_experts(x, torch.empty(5, K), torch.empty(5, K, dtype=torch.int32),
                                           torch.empty(E, 2 * I, H), torch.empty(E, H, I))
         assert out.shape == (5, H)
+
+
+def test_a_miss_on_packed_weights_runs_vllms_cpu_fused_moe(live):
+    """Where vLLM's CPU experts packed the weights, a miss runs its own kernel on them (`experts_hook`)."""
+    vops = pytest.importorskip("vllm._custom_ops")
+    if not hasattr(torch.ops._C, "cpu_fused_moe"):
+        pytest.skip("this vLLM build has no CPU fused MoE")
+    from prism_serve.patch import experts_hook
+    from prism_serve.patch.runtime import PackedExperts
+
+    gen = torch.Generator().manual_seed(3)
+    inter = 64  # vLLM's CPU kernel takes intermediate sizes in multiples of 32 (it pads the layer's)
+    x, w13, w2 = (torch.randn(3, H, generator=gen), torch.randn(E, 2 * inter, H, generator=gen) / 8,
+                  torch.randn(E, H, inter, generator=gen) / 8)
+    weights, ids = _routing(3)
+    p13, p2 = vops.cpu_prepack_moe_weight(w13, "vec"), vops.cpu_prepack_moe_weight(w2, "vec")
+    live.experts[p13.data_ptr()] = PackedExperts(w13, w2, "vec")
+    got = experts_hook.vllm_cpu_experts(live, ops.KINDS["moe_experts"])(x, weights, ids, p13, p2)
+    want = ops.ref_moe_experts(ops.KINDS["moe_experts"].form.act)(x, weights, ids, w13, w2)
+    assert torch.allclose(got, want, atol=1e-3, rtol=1e-3), (got - want).abs().max()
