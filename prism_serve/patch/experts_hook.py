@@ -69,10 +69,9 @@ def vllm_cpu_experts(rt: Runtime, kind: RegionKind):
 def served_kind(rt: Runtime, moe_config, w13: Tensor, w2: Tensor):
     """The experts kind whose table entry serves a layer with these plain weights, or None."""
     kind = KIND_OF_ACTIVATION.get(getattr(moe_config.activation, "value", None))
-    table = rt.table
-    if kind is None or table is None or w13.device.type != table.device or w13.dim() != 3:
+    table, dims = rt.table, ops.experts_dims(w13, w2, moe_config.experts_per_token)
+    if kind is None or table is None or dims is None or w13.device.type != table.device:
         return None
-    dims = (w13.shape[0], int(moe_config.experts_per_token), w13.shape[2], w2.shape[2])
     return kind if table.entry(kind.name, w13.dtype, dims, None) is not None else None
 
 

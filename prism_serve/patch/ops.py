@@ -283,6 +283,14 @@ def _run_rotary(rt: Runtime, kind: RegionKind, a: dict) -> tuple[Tensor, Tensor]
     return _vllm_rotary(rt, kind, a)
 
 
+def experts_dims(w13: Tensor, w2: Tensor, top_k: int) -> tuple[int, int, int, int] | None:
+    """An experts kind's key dims (experts, top-k, hidden, intermediate) for plain stacked weights
+    w13 [E, 2I, H] and w2 [E, H, I], or None where they are not such a pair."""
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != w2.shape[1]:
+        return None
+    return w13.shape[0], int(top_k), w13.shape[2], w2.shape[2]
+
+
 def _run_experts(rt: Runtime, kind: RegionKind, a: dict) -> Tensor:
     """Dispatch of an experts kind: x [T, H] and the routing [T, k] as vLLM's experts take them, viewed
     as its Program's x [T, 1, 1, 1, H] and weights [T, k, 1, 1, 1] (in x's dtype); the kernel multiplies
@@ -293,8 +301,8 @@ def _run_experts(rt: Runtime, kind: RegionKind, a: dict) -> Tensor:
     packed = rt.experts.get(a["w13"].data_ptr())
     w13, w2 = (packed.w13, packed.w2) if packed is not None else (a["w13"], a["w2"])
     tokens, top_k = ids.shape
-    dims = (w13.shape[0], top_k, x.shape[-1], w2.shape[-1])
-    shaped = x.dim() == 2 and tokens == x.shape[0] and w13.dim() == 3 and w13.shape[1] == 2 * dims[3]
+    dims = experts_dims(w13, w2, top_k)
+    shaped = dims is not None and x.dim() == 2 and x.shape == (tokens, dims[2])
     launcher = rt.pick(kind.name, x, dims, None) if shaped else None
     outs = _launched(rt, kind, launcher, lambda: [
         x.reshape(tokens, 1, 1, 1, -1).contiguous(), ids.to(torch.int32).contiguous(),

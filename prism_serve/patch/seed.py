@@ -14,7 +14,7 @@ from prism_serve.optimize.ir.ops import Op
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
-from prism_serve.region_table import KINDS, MOE_ACTIVATIONS, STYLE_DIM, Form, kind_of
+from prism_serve.region_table import EXPERT_KINDS, KINDS, MOE_ACTIVATIONS, STYLE_DIM, Form, kind_of
 from prism_serve.registry.gate import admit
 from prism_serve.registry.store import DeviceInfo, KernelResult, Versions, current_versions
 
@@ -32,7 +32,7 @@ REGION_KINDS = tuple(kind_of(f).name for f in (Form("rms", projection=True), For
 ROTARY, QK_NORM_ROTARY = (kind_of(f).name for f in (Form(rotary=True), Form("rms", rotary=True)))
 ROTARY_KINDS = (ROTARY, QK_NORM_ROTARY)
 # the routed experts of a mixture-of-experts model (Mixtral, Qwen3-MoE), by its activation
-MOE_KINDS = tuple(kind_of(Form(act=a, experts=True)).name for a in (Op.SILU, Op.GELU_TANH))
+MOE_KINDS = tuple(k.name for k in EXPERT_KINDS)
 # model types whose q and k are normed per head before rotary, and those that rotate GPT-J's interleaved pairs
 _QK_NORMED, _GPTJ = ("qwen3",), ("glm4",)
 
