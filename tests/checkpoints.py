@@ -67,6 +67,12 @@ ARCH_CONFIGS: dict[str, dict] = {
     "tiny-qwen3-moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
                        "num_experts_per_tok": 2, "moe_intermediate_size": 96, "norm_topk_prob": True,
                        "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 10000.0},
+    # Qwen2-MoE without its shared expert: Qwen2's qkv bias and a mixture of experts in one model (CI's
+    # one architecture), every layer sparse, a router that does not renormalise its top-k
+    "tiny-qwen2-moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4,
+                       "num_experts_per_tok": 2, "moe_intermediate_size": 96, "shared_expert_intermediate_size": 0,
+                       "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                       "use_sliding_window": False},
 }
 # an encoder for the pooling runner (not a prism target): BERT layout, its own tokenizer
 BERT_CONFIG = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 128, "intermediate_size": 256,
@@ -143,9 +149,11 @@ def _layer_tensors(cfg: dict, rand, norm) -> dict[str, torch.Tensor]:
     else:
         t = {"self_attn.q_proj.weight": rand(q, h), "self_attn.k_proj.weight": rand(kv, h),
              "self_attn.v_proj.weight": rand(kv, h), "self_attn.o_proj.weight": rand(h, q)}
-    if kind == "qwen3_moe":  # a router and experts (gate, up, down) in place of one MLP
+    if kind in ("qwen3_moe", "qwen2_moe"):  # a router and experts (gate, up, down) in place of one MLP
         moe = cfg["moe_intermediate_size"]
         t["mlp.gate.weight"] = rand(cfg["num_experts"], h)
+        if kind == "qwen2_moe":  # the shared expert's gate, built (and loaded) with no shared expert to gate
+            t["mlp.shared_expert_gate.weight"] = rand(1, h)
         for e in range(cfg["num_experts"]):
             t |= {f"mlp.experts.{e}.gate_proj.weight": rand(moe, h), f"mlp.experts.{e}.up_proj.weight": rand(moe, h),
                   f"mlp.experts.{e}.down_proj.weight": rand(h, moe)}
@@ -162,7 +170,7 @@ def _layer_tensors(cfg: dict, rand, norm) -> dict[str, torch.Tensor]:
     if kind != "olmo2":  # OLMo 2 normalises after attention and MLP, not before
         t["input_layernorm.weight"] = norm(h)
     t["post_attention_layernorm.weight"] = norm(h)
-    if kind == "qwen2":  # qkv bias
+    if kind in ("qwen2", "qwen2_moe"):  # qkv bias
         t |= {"self_attn.q_proj.bias": rand(q, scale=0.5), "self_attn.k_proj.bias": rand(kv, scale=0.5),
               "self_attn.v_proj.bias": rand(kv, scale=0.5)}
     if kind in ("qwen3", "qwen3_moe"):
