@@ -358,7 +358,7 @@ def qk_norm_rotary(num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int =
         + _rotation("kn", head_dim, rotary_dim, style, "k_out")), ("q_out", "k_out"))
 
 
-MOE_ACTIVATIONS = {"silu": "moe_experts", "gelu_tanh": "moe_experts_gelu_tanh"}  # activation -> Program name
+EXPERTS_PROGRAMS = {"silu": "moe_experts", "gelu_tanh": "moe_experts_gelu_tanh"}  # activation -> Program name
 
 
 def moe_experts(num_experts: int = 128, top_k: int = 8, hidden: int = 2048, intermediate: int = 768,
@@ -370,11 +370,11 @@ def moe_experts(num_experts: int = 128, top_k: int = 8, hidden: int = 2048, inte
     w13 (E, 2, I, H) is its stacked (E, 2I, H), gate rows then up rows, so that a window of the
     intermediate dim reads both halves; w2 (E, 1, H, I) its (E, H, I); x (T, 1, 1, 1, H), the
     weights (T, k, 1, 1, 1) and the output (T, 1, 1, 1, H) its (T, H) and (T, k) tensors."""
-    if activation not in MOE_ACTIVATIONS:
-        raise ProgramError(f"moe_experts activation must be one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
+    if activation not in EXPERTS_PROGRAMS:
+        raise ProgramError(f"moe_experts activation must be one of {sorted(EXPERTS_PROGRAMS)}, got {activation!r}")
     if not 1 <= top_k <= num_experts:
         raise ProgramError(f"moe_experts needs 1 <= top_k <= num_experts, got top_k {top_k} of {num_experts} experts")
-    return Program(MOE_ACTIVATIONS[activation], (
+    return Program(EXPERTS_PROGRAMS[activation], (
         node("x", "input", shape=(N, 1, 1, 1, hidden), dtype=dtype),
         node("topk_ids", "input", shape=(N, top_k), dtype="int32"),
         node("topk_weights", "input", shape=(N, top_k, 1, 1, 1), dtype=dtype),
