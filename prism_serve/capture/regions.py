@@ -17,7 +17,8 @@ per-rank dims), and *refs*: where to read its inputs and outputs at run time, in
 optimizer's Program builder. Rotary embedding is found as vLLM's own op (``rotary``, and
 ``qk_norm_rotary`` where q and k are per-head RMSNorms before it); attention is found as vLLM's
 own op and reported unsupported (the IR has no mask), with its dims and refs to the op's own
-tensor arguments, so what is reported can be checked.
+tensor arguments, so what is reported can be checked; a mixture of experts' routed experts are found
+as vLLM's CPU fused MoE op and reported unsupported, with their dims (`EXPERTS_REASON`).
 
 A ref is a dict: ``{"node", "at", "when"}`` reads the value of FX node ``node``
 just before or after node ``at`` runs (several ops mutate in place, so the moment
@@ -37,7 +38,7 @@ import torch.fx as fx
 
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch import dataflow, patterns
-from prism_serve.region_table import KINDS, STYLE_DIM, Form, kind_of
+from prism_serve.region_table import KINDS, MOE_ACTIVATIONS, STYLE_DIM, Form, kind_of
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -183,6 +184,8 @@ def find_regions(graph: fx.Graph) -> tuple[list[dict], dict[str, Group]]:
             regions += _rotary_regions(g, groups)
         elif g.cls == "Attention":
             regions.append(_attention_region(g))
+        elif any(EXPERTS_OP in str(n.target) for n in g.nodes):
+            regions.append(_experts_region(g))
     return regions + projection_regions(graph), groups
 
 
@@ -349,6 +352,34 @@ def _unview(n):
     while isinstance(n, fx.Node) and dataflow._is_view(n):
         n = n.args[0]
     return n
+
+
+EXPERTS_OP = "cpu_fused_moe"  # vLLM's CPU build's fused MoE: (out, x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, ...)
+EXPERTS_REASON = ("the routed experts are reported, not captured: vLLM's CPU build packs their stacked weights at "
+                  "load and capture records no plain copy to check a kernel against, so warmup does not search them "
+                  "yet (the plugin serves a registry seeded with their proven design)")
+
+
+def _experts_region(g: Group) -> dict:
+    """vLLM's CPU fused MoE of a layer's routed experts (after its router), as an experts kind by its
+    activation, with its dims where the weights are traced as [experts, 2 * intermediate, hidden]
+    and [experts, hidden, intermediate]; reported unsupported (`EXPERTS_REASON`)."""
+    op = next(n for n in g.nodes if EXPERTS_OP in str(n.target))
+    x, w13, w2, topk_ids = (op.args[i] if len(op.args) > i else None for i in (1, 2, 3, 7))
+    act = next((a for a in op.args[8:] if isinstance(a, str)), None)
+    kind = next((k.name for k in KINDS.values() if k.form.experts and MOE_ACTIVATIONS[k.form.act] == act), None)
+    if kind is None:
+        return _region("moe_experts", [g], {}, "float32", [], [], supported=False,
+                       reason=f"routed experts with the {act!r} activation: the experts kinds take "
+                              f"{', '.join(sorted(MOE_ACTIVATIONS.values()))}")
+    dims: dict[str, int] = {}
+    shapes = [_shape(n) if isinstance(n, fx.Node) else () for n in (x, w13, w2, topk_ids)]
+    if all(len(s) == r for s, r in zip(shapes, (2, 3, 3, 2))):
+        (_, hidden), (experts, rows, cols), (experts2, h2, inter), (_, top_k) = shapes
+        if isinstance(hidden, int) and (rows, cols, experts2, h2) == (2 * inter, hidden, experts, hidden):
+            dims = {"num_experts": int(experts), "top_k": int(top_k), "hidden": int(hidden), "intermediate": int(inter)}
+    return _region(kind, [g], dims, _dtype(x) if isinstance(x, fx.Node) else "float32", [], [], supported=False,
+                   reason=EXPERTS_REASON)
 
 
 def _attention_region(g: Group) -> dict:

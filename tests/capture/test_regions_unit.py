@@ -556,3 +556,39 @@ def test_a_half_precision_gemma_norm_gives_the_gemma_kinds_on_the_stored_weight(
     weight = handler.handler_tensor if handler else g.find_nodes(op="placeholder")[3].meta["example_value"]
     rec = _recorded(monkeypatch, g, "gemma_fused_add_rmsnorm_linear", x, res, w, weight)
     torch.testing.assert_close(rec["inputs"][:3], [x, res, w])  # the stored weight, in its own dtype
+
+
+class MoERunner:  # vLLM's FusedMoE runner, whose forward runs the CPU fused MoE op
+    pass
+
+
+def _experts_graph(act: str, w13_shape=(4, 2 * 24, 16)):
+    """A layer's routed experts as vLLM's CPU build traces them: `_C.cpu_fused_moe(out, x, w13, w2,
+    w13_bias, w2_bias, topk_weights, topk_ids, skip_weighted, act, isa)`."""
+    import vllm._custom_ops  # noqa: F401 - registers the _C ops
+
+    g = fx.Graph()
+    vals = {"out": torch.empty(5, 16), "x": torch.randn(5, 16), "w13": torch.randn(*w13_shape),
+            "w2": torch.randn(4, 16, 24), "topk_weights": torch.rand(5, 2), "topk_ids": torch.zeros(5, 2, dtype=torch.int32)}
+    ph = {}
+    for name, v in vals.items():
+        ph[name] = g.placeholder(name)
+        ph[name].meta["example_value"] = v
+    node = g.call_function(torch.ops._C.cpu_fused_moe.default, (ph["out"], ph["x"], ph["w13"], ph["w2"], None, None,
+                                                                 ph["topk_weights"], ph["topk_ids"], False, act, "vec"))
+    node.meta["nn_module_stack"] = {"layers.2.mlp.experts": ("L['self'].layers.2.mlp.experts", MoERunner)}
+    g.output(ph["out"])
+    return g
+
+
+def test_a_layers_routed_experts_are_reported_by_activation_with_their_dims_unsupported():
+    (r,) = find_regions(_experts_graph("silu"))[0]
+    assert (r["kind"], r["layer"], r["modules"]) == ("moe_experts", 2, ["layers.2.mlp.experts"])
+    assert r["dims"] == {"num_experts": 4, "top_k": 2, "hidden": 16, "intermediate": 24}
+    assert not r["supported"] and "not captured" in r["reason"]
+    (g,) = find_regions(_experts_graph("gelu_tanh"))[0]
+    assert g["kind"] == "moe_experts_gelu_tanh"
+    # weights packed into another shape: no dims are read from them
+    assert find_regions(_experts_graph("silu", w13_shape=(4, 16, 48)))[0][0]["dims"] == {}
+    (other,) = find_regions(_experts_graph("swigluoai"))[0]
+    assert not other["supported"] and "'swigluoai' activation" in other["reason"]
