@@ -282,30 +282,15 @@ def with_neighbours(g: SGraph, gpu: GpuSpec, best: Candidate, open_: bool = Fals
 
 def enumerate_instances(g: SGraph, gpu: GpuSpec) -> list[Instance]:
     """Every valid power-of-two instance of `g` on `gpu` (those that divide and fit). Each kernel's
-    checks (`check_kernel`) are run once per value of the symbols it reads (`kernel_symbols`), not
-    once per assignment: a two-kernel design's product of choices is mostly the other kernel's."""
+    checks run once per value of the symbols it reads (`KernelTimes`' memo), not once per
+    assignment: a two-kernel design's product of choices is mostly the other kernel's."""
     choices = symbol_choices(g)
     names = list(choices)
-    kernels = [(k, kernel_symbols(g, k)) for k in g.kernels if isinstance(k, BlockKernel)]
-    fits: dict[tuple, bool] = {}
-
-    def fits_all(values: dict[str, int]) -> bool:
-        for i, (k, syms) in enumerate(kernels):
-            key = (i, tuple(values[s] for s in syms))
-            if key not in fits:
-                try:
-                    check_kernel(g, k, values, gpu)
-                    fits[key] = True
-                except SGraphError:
-                    fits[key] = False
-            if not fits[key]:
-                return False
-        return True
-
+    times = KernelTimes(g, gpu, 1)  # None where a kernel's check fails; the time itself is not used
     out = []
     for combo in itertools.product(*(choices[s] for s in names)):
         values = dict(zip(names, combo))
-        if fits_all(values):
+        if times(values) is not None:
             try:  # the rest of `instantiate`'s checks (an intermediate only a library kernel touches)
                 out.append(instantiate(g, values, gpu))
             except SGraphError:
