@@ -337,6 +337,8 @@ assert len(_BY_FORM) == len(KINDS), "two kinds of one form"
 # the rotary kinds (which the fusion pass matches on their own, `patch.rotary_match`) and the MoE experts
 OP_KINDS = tuple(k for k in KINDS.values() if not (k.form.projection or k.form.rotary or k.form.experts))
 EXPERT_KINDS = tuple(k for k in KINDS.values() if k.form.experts)
+# the experts kind of each of vLLM's MoE activations (MoEActivation values) prism serves
+EXPERTS_KIND_OF = MappingProxyType({MOE_ACTIVATIONS[k.form.act]: k for k in EXPERT_KINDS})
 ROTARY_KINDS = tuple(k for k in KINDS.values() if k.form.rotary)
 REGION_KINDS = tuple(sorted((k for k in KINDS.values() if k.form.projection), key=lambda k: k.rank))
 

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from prism_serve.optimize.ir.ops import Op
 from prism_serve.patch import dataflow, patterns
-from prism_serve.region_table import EXPERT_KINDS, KINDS, MOE_ACTIVATIONS, STYLE_DIM, Form, kind_of
+from prism_serve.region_table import EXPERTS_KIND_OF, KINDS, STYLE_DIM, Form, kind_of
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -367,11 +367,11 @@ def _experts_region(g: Group) -> dict:
     op = next(n for n in g.nodes if EXPERTS_OP in str(n.target))
     x, w13, w2, topk_ids = (op.args[i] if len(op.args) > i else None for i in (1, 2, 3, 7))
     act = next((a for a in op.args[8:] if isinstance(a, str)), None)
-    kind = next((k.name for k in EXPERT_KINDS if MOE_ACTIVATIONS[k.form.act] == act), None)
-    if kind is None:
+    if act not in EXPERTS_KIND_OF:
         return _region(kind_of(Form(act=Op.SILU, experts=True)).name, [g], {}, "float32", [], [], supported=False,
                        reason=f"routed experts with the {act!r} activation: the experts kinds take "
-                              f"{', '.join(sorted(MOE_ACTIVATIONS.values()))}")
+                              f"{', '.join(sorted(EXPERTS_KIND_OF))}")
+    kind = EXPERTS_KIND_OF[act].name
     dims: dict[str, int] = {}
     shapes = [_shape(n) if isinstance(n, fx.Node) else () for n in (x, w13, w2, topk_ids)]
     if all(len(s) == r for s, r in zip(shapes, (2, 3, 3, 2))):

@@ -25,17 +25,14 @@ served layers' expert weights, as for the projections vLLM packs (`packed`).
 from __future__ import annotations
 
 import weakref
-from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
 from prism_serve.patch import ops
 from prism_serve.patch.runtime import PackedExperts, Runtime
-from prism_serve.region_table import EXPERT_KINDS, MOE_ACTIVATIONS, RegionKind
+from prism_serve.region_table import EXPERT_KINDS, EXPERTS_KIND_OF, MOE_ACTIVATIONS, RegionKind
 
-# the experts kind of each of vLLM's MoE activations (MoEActivation values) prism serves
-KIND_OF_ACTIVATION = MappingProxyType({MOE_ACTIVATIONS[k.form.act]: k for k in EXPERT_KINDS})
 # `FusedMoEExpertsModular.apply`'s arguments after self, in order
 APPLY_ARGS = ("output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation", "global_num_experts",
               "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2", "expert_tokens_meta",
@@ -68,7 +65,7 @@ def vllm_cpu_experts(rt: Runtime, kind: RegionKind):
 
 def served_kind(rt: Runtime, moe_config, w13: Tensor, w2: Tensor):
     """The experts kind whose table entry serves a layer with these plain weights, or None."""
-    kind = KIND_OF_ACTIVATION.get(getattr(moe_config.activation, "value", None))
+    kind = EXPERTS_KIND_OF.get(getattr(moe_config.activation, "value", None))
     table, dims = rt.table, ops.experts_dims(w13, w2, moe_config.experts_per_token)
     if kind is None or table is None or dims is None or w13.device.type != table.device:
         return None
