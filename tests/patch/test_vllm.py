@@ -1,7 +1,8 @@
 """The plugin inside real vLLM (CPU build, Triton interpreter), each run in a fresh process.
 
 One vLLM process per model runs every config one after the other, each as a fresh process would
-(see vllm_child): stock vLLM, the plugin's op kernels and the region kernels, eager and compiled;
+(see vllm_child): stock vLLM, the plugin's op and rotary kernels, and its region kernels, eager and
+compiled;
 for tiny-llama also each registry fault and the registry attacks. Greedy tokens must equal stock
 vLLM's, the counters must show each patched op ran, and exactly one log line must say what
 happened. A fault that leaves nothing patched is served by an engine once (`corrupt`); the others
@@ -27,7 +28,9 @@ from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.workloads import programs
 from prism_serve.patch import seed
 from prism_serve.patch.device import current_device
-from prism_serve.registry.store import DeviceInfo, Versions, current_versions
+from prism_serve.region_table import ROTARY_CLASSES
+from prism_serve.registry import open_registry
+from prism_serve.registry.store import DeviceInfo, Versions, current_versions, list_kernels
 
 from ..checkpoints import write_checkpoint
 from .conftest import MODELS, fill, model_results
@@ -51,16 +54,15 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(checkpoints, kernels_registry, regions_registry, rotary_registry, tmp_path_factory):
     """One vLLM process per model runs every check of this module on it: stock vLLM, vLLM with the
-    plugin's op kernels, with every region kind too, and with the op and rotary kernels, each in eager
+    plugin's op and rotary kernels ("prism"), and with every region kind ("regions"), each in eager
     and compiled mode; for tiny-llama also each fault and the registry attacks (eager).
     (model, config name) -> result."""
     tmp = tmp_path_factory.mktemp("runs")
     out = {}
     for m, path in checkpoints.items():
         configs = [config("stock", kernels_registry, "eager", "compiled", PRISM_SERVE_DISABLE="1"),
-                   config("prism", kernels_registry, "eager", "compiled"),
-                   config("regions", regions_registry, "eager", "compiled"),
-                   config("rotary", rotary_registry, "eager", "compiled")]
+                   config("prism", rotary_registry, "eager", "compiled"),
+                   config("regions", regions_registry, "eager", "compiled")]
         if m == "tiny-llama":
             faults = _faults(tmp)
             configs += [config(name, url, *(("eager",) if name in ENGINE_FAULTS else ()))
@@ -112,10 +114,9 @@ def test_same_tokens_as_stock_and_every_op_ran(runs, model, mode):
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_a_decoder_layers_two_sides_run_as_region_kernels_with_stock_tokens(runs, model, mode):
     stock, prism = runs[model, "stock"]["runs"][mode], runs[model, "regions"]["runs"][mode]
-    ops_only = runs[model, "prism"]["runs"][mode]["kernel"]
     assert prism["tokens"] == stock["tokens"]
     layers = 2
-    forwards = ops_only["silu_and_mul"] // layers
+    forwards = runs[model, "prism"]["runs"][mode]["kernel"]["silu_and_mul"] // layers  # SiLU*mul: once a layer
     assert forwards > 0
     ran = prism["kernel"]
     # input side: layer 0's norm has no residual (rmsnorm_linear), later layers add it in the kernel
@@ -124,7 +125,7 @@ def test_a_decoder_layers_two_sides_run_as_region_kernels_with_stock_tokens(runs
     assert ran["rmsnorm_swiglu"] == layers * forwards
     assert ran["swiglu"] == ran["silu_and_mul"] == 0  # stored too, but the larger region takes them in
     assert ran["fused_add_rms_norm"] == forwards  # the final norm only
-    assert ran["rms_norm"] == ops_only["rms_norm"] - forwards  # q/k norms (Qwen3) stay ops
+    assert ran["rms_norm"] == (2 * layers * forwards if model == "tiny-qwen3" else 0)  # q/k norms (Qwen3) stay ops
     assert not any(prism["fallback"].values()), prism["fallback"]
     line = runs[model, "regions"]["log_lines"]
     assert len(line) == 1
@@ -157,13 +158,18 @@ def test_compiled_mode_serves_the_regions_through_the_fusion_pass_alone(runs, mo
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_one_log_line_says_what_was_patched(runs, model):
+def test_one_log_line_says_what_was_patched(runs, model, rotary_registry):
     prism, stock = runs[model, "prism"], runs[model, "stock"]
     assert prism["plugin"]["state"] == "patched"
+    # each of vLLM's rotary classes the plugin replaces, whichever one the model builds
     assert prism["plugin"]["patched"] == ["vllm.ir.rms_norm", "vllm.ir.fused_add_rms_norm", "SiluAndMul",
-                                          "fusion pass (compiled mode)"]
+                                          *ROTARY_CLASSES, "fusion pass (compiled mode)"]
     assert len(prism["log_lines"]) == 1 and "patched vllm.ir.rms_norm" in prism["log_lines"][0]
-    assert "8 enabled or verified (forced) kernels" in prism["log_lines"][0]
+    reg = open_registry(rotary_registry, readonly=True)
+    with reg.read() as s:
+        stored = len(list_kernels(s))  # every one is for this device and forced
+    reg.close()
+    assert f"{stored} enabled or verified (forced) kernels" in prism["log_lines"][0]
     assert len(stock["log_lines"]) == 1 and "disabled by PRISM_SERVE_DISABLE=1" in stock["log_lines"][0]
     assert prism["again"] == {"state": "patched", "message": prism["plugin"]["message"]}  # idempotent
     undone = prism["after_unpatch"]
@@ -178,21 +184,21 @@ def test_rotary_runs_as_a_prism_kernel_in_every_layer_with_stock_tokens(runs, mo
     before it as `prism::rms_norm`); compiled mode: the fusion pass replaces each layer's rotary chain
     (vLLM's native form: custom ops are off on the CPU build) by `prism::rotary`, and in Qwen3 the QK-norm
     and rotary together by `prism::qk_norm_rotary`."""
-    stock, run = runs[model, "stock"]["runs"][mode], runs[model, "rotary"]["runs"][mode]
+    stock, run = runs[model, "stock"]["runs"][mode], runs[model, "prism"]["runs"][mode]
     layers = 2
-    ops_only = runs[model, "prism"]["runs"][mode]["kernel"]
-    forwards = ops_only["silu_and_mul"] // layers
+    forwards = run["kernel"]["silu_and_mul"] // layers  # SiLU*mul: once a layer
     assert run["tokens"] == stock["tokens"]
     fused = mode == "compiled" and model == "tiny-qwen3"
     served = "qk_norm_rotary" if fused else "rotary"
     assert run["kernel"][served] == layers * forwards > 0, run["kernel"]
     assert run["kernel"]["rotary" if fused else "qk_norm_rotary"] == 0
-    # Qwen3's q and k norms (2 per layer) run inside qk_norm_rotary where it is served
-    assert run["kernel"]["rms_norm"] == ops_only["rms_norm"] - (2 * layers * forwards if fused else 0)
+    # layer 0's input norm, and Qwen3's q and k norms (2 per layer) but where qk_norm_rotary takes them in
+    qk_norms = 2 * layers * forwards if model == "tiny-qwen3" and not fused else 0
+    assert run["kernel"]["rms_norm"] == forwards + qk_norms
     assert all(run["kernel"][op] > 0 for op in OPS) and not any(run["fallback"].values()), run["fallback"]
     if mode == "compiled":
         assert run["compile"]["replaced"] == {served: layers} and run["compile"]["class_hooked"] == 0
-    line = runs[model, "rotary"]["log_lines"]
+    line = runs[model, "prism"]["log_lines"]
     assert len(line) == 1 and "RotaryEmbedding" in line[0]
 
 
