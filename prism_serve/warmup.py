@@ -467,42 +467,48 @@ def _warm_region(run: RegionRun, progress: Progress | None = None, done: int = 0
 
 def _check_against_vllm(prog, kernels: dict, captured, device_type: str
                         ) -> tuple[dict[tuple[int, int], tuple[float, float]], list[int]]:
-    """Per bucket range, the relative error of its kernel's outputs against vLLM's over every
-    recorded forward of every layer running this Program, and the limit it is held to
+    """Per bucket range, the relative error of its kernel's outputs against vLLM's over the recorded
+    forwards of the layers running this Program, and the limit it is held to
     (`reference.agreement_limit` of the exact result on the same inputs): of the forward nearest its
     limit, or past it furthest; and the token counts of those forwards. Every range's kernel runs
-    on every forward (a kernel serves any num_tokens; its range only chose its tiles), so a range
-    that no recorded forward falls in is checked too, at the recorded sizes (ranges tuned to the same
-    instantiation share one check)."""
+    on every forward of its range in every layer, and on the forwards of other sizes in the first
+    layer (a kernel serves any num_tokens, its range only chose its tiles: a decode kernel on the
+    prefill runs many more of its tiles than a decode does, and a range that no recorded forward
+    falls in is checked too). Ranges tuned to the same instantiation, checked on the same forwards,
+    share one check."""
     import torch
 
     from prism_serve.errors import CodegenError
     from prism_serve.optimize.codegen.render import compile_instance
     from prism_serve.optimize.ir.reference import agreement_limit, evaluate, max_rel_error
 
-    forwards = [(inputs, outputs) for inst in captured.instances
-                if inst.program is not None and inst.program.canonical_hash == prog.canonical_hash
-                for _, inputs, outputs in inst.recordings]
+    layers = [inst for inst in captured.instances
+              if inst.program is not None and inst.program.canonical_hash == prog.canonical_hash]
+    # (first layer?, inputs, outputs) per recorded forward
+    forwards = [(i == 0, inputs, outputs) for i, inst in enumerate(layers) for _, inputs, outputs in inst.recordings]
     if not forwards:
         raise CodegenError(f"capture recorded no forward of {prog.name} to check against")
     dev = "cuda" if device_type == "cuda" else "cpu"
-    exact = [evaluate(prog, [t.cpu() for t in inputs], precision=torch.float64) for inputs, _ in forwards]
-    checks, by_values = {}, {}  # ranges whose kernels have one instantiation are checked once
+    exact = [evaluate(prog, [t.cpu() for t in inputs], precision=torch.float64) for _, inputs, _ in forwards]
+    checks, shared = {}, {}
     for rng, kernel in kernels.items():
-        values = tuple(sorted(kernel.instance.values.items()))
-        if values in by_values:
-            checks[rng] = by_values[values]
+        on = tuple(j for j, (first, inputs, _) in enumerate(forwards)
+                   if first or rng[0] <= inputs[0].shape[0] <= rng[1])
+        key = (tuple(sorted(kernel.instance.values.items())), on)
+        if key in shared:
+            checks[rng] = shared[key]
             continue
         run = compile_instance(kernel.instance)
         worst = (0.0, 1.0)
-        for (inputs, outputs), want_exact in zip(forwards, exact):
+        for j in on:
+            (_, inputs, outputs), want_exact = forwards[j], exact[j]
             got = run(*(t.to(dev).contiguous() for t in inputs))
             for o, g, want, x in zip(prog.outputs, got, outputs, want_exact):
                 case = (max_rel_error(g.to(torch.float32).cpu(), want.to(torch.float32)),
                         agreement_limit(x, prog.types[o].dtype))
                 worst = max(worst, case, key=lambda c: c[0] / c[1])
-        checks[rng] = by_values[values] = worst
-    return checks, sorted({inputs[0].shape[0] for inputs, _ in forwards})
+        checks[rng] = shared[key] = worst
+    return checks, sorted({inputs[0].shape[0] for _, inputs, _ in forwards})
 
 
 def _time_against_vllm(prog, kernels: dict) -> tuple[str, dict]:
