@@ -40,7 +40,7 @@ def run(model: str, mode: str, dtype: str = "float32") -> dict:
     has_weights = any(f.endswith(".safetensors") for f in os.listdir(model))
     t0 = time.time()
     llm = LLM(model=model, load_format="auto" if has_weights else "dummy", skip_tokenizer_init=True,
-              max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8, dtype=dtype, seed=0,
+              max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, dtype=dtype, seed=0,
               **MODES[mode])
     cc = llm.llm_engine.vllm_config.compilation_config
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
