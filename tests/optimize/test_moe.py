@@ -133,11 +133,25 @@ def _max_of_choices(n: Node) -> Node:
     return Node(n.name, n.op, n.inputs, (("kind", "max"),)) if n.op == "accum" else n
 
 
-@pytest.mark.parametrize("mutant", ["halves_swapped", "unweighted", "max_of_choices"])
+def _first_experts(tensor: str):
+    """Every choice routed to expert 0's rows of `tensor`, not to the chosen expert's: its gather by
+    the top-k ids replaced by the first window of its experts dim."""
+    def edit(n: Node) -> Node:
+        if n.op == "gather" and n.inputs[0] == tensor:
+            return Node(n.name, "slice", (tensor,), (("dim", 0), ("start", 0), ("step", 1), ("stop", 1)))
+        return n
+    return edit
+
+
+DECODE_MUTANTS = {"halves_swapped": _swap_halves, "unweighted": _unweighted, "max_of_choices": _max_of_choices,
+                  "down_of_expert_0": _first_experts("ld_w2")}
+
+
+@pytest.mark.parametrize("mutant", sorted(DECODE_MUTANTS))
 def test_a_wrong_moe_design_is_rejected_by_the_proof_and_the_numeric_check(mutant):
     prog = _small()
     g = build(prog, _decode_design(prog))
-    bad = _edit(g, {"halves_swapped": _swap_halves, "unweighted": _unweighted, "max_of_choices": _max_of_choices}[mutant])
+    bad = _edit(g, DECODE_MUTANTS[mutant])
     assert not prove_equivalent(bad).ok, "the proof accepted a wrong MoE design"
     inst = instantiate(bad, default_assignment(bad, target_tile=16) | {"BT0": 1, "F0": K}, H100)
     assert not check_numerics(inst, tokens=(1, 5), seed=0).ok, "the numeric check accepted a wrong MoE design"
@@ -162,7 +176,8 @@ def _act_on_up(n: Node) -> Node:
 # the served two-kernel design's mutants: which kernel each edits, and how
 TWO_KERNEL_MUTANTS = {"halves_swapped": (0, lambda n: _with_start(n, 1 - n.attr("start")) if n.op == "slice" else n),
                       "act_on_up": (0, _act_on_up),
-                      "unweighted": (1, lambda n: Node(n.name, n.op, ("y", "y"), n.attrs) if n.name == "yw" else n)}
+                      "unweighted": (1, lambda n: Node(n.name, n.op, ("y", "y"), n.attrs) if n.name == "yw" else n),
+                      "down_of_expert_0": (1, _first_experts("w2"))}
 
 
 def _with_start(n: Node, start: int) -> Node:
