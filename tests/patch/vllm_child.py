@@ -22,7 +22,7 @@ import time
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
        "VLLM_USE_AOT_COMPILE": "0", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = ([1, 5, 9, 13, 17, 21, 25], [3, 4], list(range(2, 40)))  # 7, 2 and 38 tokens: both buckets
-MAX_TOKENS = 6
+MAX_TOKENS = 4  # the prefill and three decode steps of each prompt
 MODES = {"eager": {"enforce_eager": True},
          "compiled": {"enforce_eager": False, "compilation_config": {"mode": 3, "cudagraph_mode": "NONE"}}}
 MARK = "prism-test: config "
