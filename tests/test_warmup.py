@@ -2,7 +2,7 @@
 dtype vLLM serves the model in by default): real vLLM capture, search, checks against vLLM's own
 outputs, the registry, the no-op second run, the rerun that reuses the stored designs, and vLLM
 serving with the plugin on the kernels warmup stored (through the Triton interpreter, forced:
-nothing is measured on a CPU). The float32 warmups, held to float32's tolerance, are test_archs'."""
+nothing is measured on a CPU). test_archs holds its float32 warmups to float32's precision."""
 
 from __future__ import annotations
 

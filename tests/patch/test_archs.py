@@ -148,6 +148,11 @@ def test_warmup_stores_what_capture_reports_and_fails_no_region(arch):
     # every region capture found is in the report: stored, or skipped with its reason
     assert {r["kind"] for r in capture["regions"]} == {r.kind for r in report.regions}
     assert all(r.reason for r in report.regions if r.status == "skipped")
+    # a float32 model's stored kernels agree with vLLM's outputs to float32's precision (test_warmup's
+    # warmups are bfloat16's, vLLM's default)
+    if dtype_of(arch["name"]) == "float32":
+        stored = [r for r in report.regions if r.status in ("verified", "enabled")]
+        assert stored and all(r.vllm_max_rel_error < 1e-4 for r in stored), [(r.kind, r.vllm_max_rel_error) for r in stored]
 
 
 @pytest.mark.parametrize("mode", MODES)
