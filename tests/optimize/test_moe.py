@@ -105,6 +105,31 @@ def test_the_search_reaches_the_decode_design_and_both_checks_accept_it(activati
     assert verdict.ok, verdict.reasons
 
 
+CHOICE = "topk_ids1"  # the label of each token's top-k choices
+
+
+def test_a_feeding_kernel_may_split_the_choices_and_the_two_kernel_design_is_reached():
+    """The top-k choices are a grid axis of a kernel that feeds another (its gate and up products, one
+    row per (token, choice)), never of the last (whose output has no choice dim); from that first
+    kernel the walk reaches the two-kernel design: per (token, choice) a loop over hidden gathers the
+    chosen expert's gate and up rows, then per (token, hidden block) a loop over the choices applies
+    the activation, gathers the w2 rows and sums the weighted products. The proof and the numeric
+    check accept it. (The search's default work does not reach it yet: #41.)"""
+    prog = _small()
+    gen = KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=8, max_grid=4)
+    choices = gen.choices()
+    feeding = [c for c in choices if CHOICE in c[0]]
+    assert feeding and all(CHOICE not in c[0] for c in gen.groups(choices, True)[1:])
+    assert gen.groups(choices, False)[:len(feeding)] == sorted(feeding, key=lambda c: (len(c[0]), c[1] is not None))
+    design = next(gen.explore(2, ((NUM_TOKENS, CHOICE), "x4"), choices, 6_000_000))
+    up, down = design.kernels
+    assert (up.grid, up.loop, down.loop) == ((NUM_TOKENS, CHOICE), "x4", CHOICE)
+    assert [o.op for o in up.ops].count("gather") == 2 and [o.op for o in down.ops].count("gather") == 1
+    proof, verdict, _ = verify_design(prog, design, H100)
+    assert proof.ok, proof.reason
+    assert verdict.ok, verdict.reasons
+
+
 def _edit(g: SGraph, edit) -> SGraph:
     k = g.kernels[0]
     return SGraph(g.name + "_mutant", g.program, g.intermediates,

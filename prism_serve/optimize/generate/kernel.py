@@ -56,7 +56,7 @@ from prism_serve.optimize.generate.context import Context
 from prism_serve.optimize.generate.axes import axis_labels, grid_labels, joint_axis
 from prism_serve.optimize.generate.design import BlockOp, BlockSpec, Design, LibrarySpec, intermediate_type, reads, writes
 from prism_serve.optimize.ir.ops import Op
-from prism_serve.optimize.ir.program import NUM_TOKENS
+from prism_serve.optimize.ir.program import INDEX_DTYPES, NUM_TOKENS
 
 LIBRARY = "library"  # the first-kernel group of library ops (see `KernelGenerator.groups`)
 # Steps charged per design handed out, against one per block-walk state: costing a design (a
@@ -99,6 +99,7 @@ class KernelGenerator:
         self._yielded: set[Design] = set()
         self._started = False
         self._choices: list | None = None
+        self._feeding_axes: frozenset = frozenset()  # grid labels for kernels that feed others (`choices`)
 
     @property
     def counts(self) -> Counts:
@@ -138,7 +139,14 @@ class KernelGenerator:
         has_tokens = any(NUM_TOKENS in v.labels for v in ctx.inputs.values())
         sizes = {lb: d for v in ctx.inputs.values() for lb, d in zip(v.labels, v.type.shape) if isinstance(d, int)}
         reduced.sort(key=lambda lb: -sizes.get(lb, 0))  # a loop over the longest reduction first
-        axes = out_labels + self._joint_axes(out_labels)
+        # a kernel that feeds later ones may also split the choices an index input holds for each
+        # token and the Program reduces (MoE's top-k): it writes one row per (token, choice), which
+        # the last kernel weights and sums (the last kernel's grid splits output labels only)
+        index_in = [v for v in ctx.inputs.values() if v.type.dtype in INDEX_DTYPES]
+        all_reduced = set().union(*(set(r) for r in _reduced(ctx)))
+        self._feeding_axes = frozenset(lb for v in index_in for lb in v.labels
+                                       if lb != NUM_TOKENS and lb in all_reduced and lb not in out_labels)
+        axes = out_labels + self._joint_axes(out_labels) + sorted(self._feeding_axes)
         grids = [grid for r in range(min(self.max_grid, len(axes)), 0, -1) for grid in itertools.combinations(axes, r)
                  if len(grid_labels(grid)) == sum(len(axis_labels(a)) for a in grid)]  # no label split twice
         # more parallel grids first (more labels split); of those, fewer axes first: a joint axis'
@@ -251,19 +259,22 @@ class KernelGenerator:
             if self._out_of_steps():
                 return
 
-    @staticmethod
-    def groups(choices, last: bool) -> list:
+    def groups(self, choices, last: bool) -> list:
         """The order in which a kernel's kinds are tried: for a design's last kernel, library ops,
-        then the (grid, loop) choices in order; for a kernel that feeds later ones, the choices
+        then the (grid, loop) choices in order, but those splitting a feeding kernel's axis (the
+        choices of an index input, `choices`); for a kernel that feeds later ones, the choices
         with fewer grid axes first and, among those, without a loop first (what a later kernel
         reads is an intermediate, cheapest as a reduction such as the 1/rms of a row, which
         carries fewer labels; a block walk without a loop is the smaller: rmsnorm_linear's 1/rms
         kernel is its 4th block graph of grid (tokens), its 11,604th of 15,201 with a loop over
-        hidden), library ops last (each writes a whole tensor). An order only: what comes sooner
+        hidden), library ops last (each writes a whole tensor); but before all of them those that
+        split a feeding axis, which only a feeding kernel can. An order only: what comes sooner
         within the budget."""
+        self.choices()  # which axes only a feeding kernel's grid splits
         if last:
-            return [LIBRARY, *choices]
-        return [*sorted(choices, key=lambda c: (len(c[0]), c[1] is not None)), LIBRARY]
+            return [LIBRARY, *(c for c in choices if not self._feeding_axes & set(c[0]))]
+        return [*sorted(choices, key=lambda c: (not self._feeding_axes & set(c[0]), len(c[0]), c[1] is not None)),
+                LIBRARY]
 
     def _library_children(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int):
         last = len(kernels) == depth - 1
