@@ -85,6 +85,8 @@ def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[st
     def grab(model):
         import torch
 
+        from prism_serve.capture.regions import EXPERTS_WEIGHTS, PLAIN_EXPERTS
+
         dtype = next(model.parameters()).dtype
         mods = dict(model.named_modules())
         found, biased = {}, {}
@@ -92,6 +94,17 @@ def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[st
             # Dynamo names a module reached through a bound method (vLLM's Transformers backend)
             # `mlp.forward.__self__.gate_up_proj`; named_modules() calls it `mlp.gate_up_proj`
             plain = path.replace(".forward.__self__", "")
+            owner, _, attr = plain.rpartition(".")
+            if attr in EXPERTS_WEIGHTS:  # a MoE layer's stacked weight, as `_keep_plain_experts` kept it
+                # on the layer that loads them: the traced module's own (FusedMoE) or one inside it
+                # (vLLM's MoERunner holds the RoutedExperts that do)
+                name = next((k for k in mods if k == owner or k.endswith(f".{owner}")), None)
+                held = [getattr(m, PLAIN_EXPERTS) for m in mods[name].modules()
+                        if hasattr(m, PLAIN_EXPERTS)] if name is not None else []
+                kept = held[0] if len(held) == 1 else {}
+                if attr in kept:
+                    found[path] = kept[attr]
+                continue
             name = next((k for k in mods if k == plain or k.endswith(f".{plain}")), None)
             if name is None:
                 continue
@@ -112,6 +125,26 @@ def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[st
 
     res = llm.apply_model(grab)
     return res[0] if isinstance(res, list) else res
+
+
+def _keep_plain_experts() -> None:
+    """Make each MoE layer vLLM's CPU experts load keep a plain copy of its stacked weights (w13
+    [E, 2I, H], w2 [E, H, I], on the CPU), taken before vLLM pads and packs them for its kernel:
+    what warmup checks an experts kernel on (the plugin's `experts_hook` keeps the same copy to serve
+    one). A copy of the experts' weights for the capture's short run."""
+    from prism_serve.capture.regions import EXPERTS_WEIGHTS, PLAIN_EXPERTS
+    from prism_serve.patch.experts_hook import cpu_experts_class
+
+    cls = cpu_experts_class()
+    if cls is None:  # not vLLM's CPU build: no fused MoE op is traced that capture would find
+        return
+    inner = cls.process_weights_after_loading
+
+    def process_weights_after_loading(self, layer) -> None:
+        kept = {a: getattr(layer, a).detach().clone().cpu() for a in EXPERTS_WEIGHTS}
+        inner(self, layer)
+        setattr(layer, PLAIN_EXPERTS, kept)
+    cls.process_weights_after_loading = process_weights_after_loading
 
 
 def _unsupported(regions: list[dict], weights: dict, biased: dict[str, str]) -> None:
@@ -197,6 +230,8 @@ def main(argv: list[str]) -> int:
         from vllm.inputs import TokensPrompt
 
         from prism_serve.capture import backend
+
+        _keep_plain_experts()
 
         bad = _check_architecture(config)
         if bad:

@@ -18,13 +18,15 @@ optimizer's Program builder. Rotary embedding is found as vLLM's own op (``rotar
 ``qk_norm_rotary`` where q and k are per-head RMSNorms before it); attention is found as vLLM's
 own op and reported unsupported (the IR has no mask), with its dims and refs to the op's own
 tensor arguments, so what is reported can be checked; a mixture of experts' routed experts are found
-as vLLM's CPU fused MoE op and reported unsupported, with their dims (`EXPERTS_REASON`).
+as vLLM's CPU fused MoE op, their stacked weights read from the plain copy the capture child keeps
+(`PLAIN_EXPERTS`).
 
 A ref is a dict: ``{"node", "at", "when"}`` reads the value of FX node ``node``
 just before or after node ``at`` runs (several ops mutate in place, so the moment
 matters), optionally sliced along the last dim (``"span": [lo, hi]``) and
-flattened to 2-D (``"rows": true``) or reshaped (``"shape": [-1, ...]``); ``{"param": path, "span": [lo, hi]}`` reads a
-module's weight, sliced along dim 0.
+flattened to 2-D (``"rows": true``) or reshaped (``"shape": [-1, ...]``), or cast (``"dtype"``);
+``{"param": path, "span": [lo, hi]}`` reads a module's weight, sliced along dim 0 (or, for the
+experts, ``"<module>.<weight>"`` reads a stacked weight, reshaped by ``"shape"``).
 """
 
 from __future__ import annotations
@@ -355,31 +357,44 @@ def _unview(n):
 
 
 EXPERTS_OP = "cpu_fused_moe"  # vLLM's CPU build's fused MoE: (out, x, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, ...)
-EXPERTS_REASON = ("the routed experts are reported, not captured: vLLM's CPU build packs their stacked weights at "
-                  "load and capture records no plain copy to check a kernel against, so warmup does not search them "
-                  "yet (the plugin serves a registry seeded with their proven design)")
+# where the capture child keeps each MoE layer's plain stacked weights, before vLLM's CPU experts pack them
+# (`child._keep_plain_experts`): a param ref "<experts module>.<weight>" reads them
+PLAIN_EXPERTS = "_prism_plain_experts"
+EXPERTS_WEIGHTS = ("w13_weight", "w2_weight")
 
 
 def _experts_region(g: Group) -> dict:
     """vLLM's CPU fused MoE of a layer's routed experts (after its router), as an experts kind by its
-    activation, with its dims where the weights are traced as [experts, 2 * intermediate, hidden]
-    and [experts, hidden, intermediate]; reported unsupported (`EXPERTS_REASON`)."""
+    activation, where the weights are traced as [experts, 2 * intermediate, hidden] and
+    [experts, hidden, intermediate]. Its refs, in the Program's order and shapes: the op's x, top-k
+    ids (as int32) and weights (in x's dtype, as the plugin hands them to the kernel) before it runs,
+    the layer's plain stacked weights (param refs to what the capture child kept before vLLM packed
+    them), and the output the op writes in place."""
     op = next(n for n in g.nodes if EXPERTS_OP in str(n.target))
-    x, w13, w2, topk_ids = (op.args[i] if len(op.args) > i else None for i in (1, 2, 3, 7))
+    out, x, w13, w2 = (op.args[i] if len(op.args) > i else None for i in (0, 1, 2, 3))
+    topk_weights, topk_ids = (op.args[i] if len(op.args) > i else None for i in (6, 7))
     act = next((a for a in op.args[8:] if isinstance(a, str)), None)
     if act not in EXPERTS_KIND_OF:
         return _region(kind_of(Form(act=Op.SILU, experts=True)).name, [g], {}, "float32", [], [], supported=False,
                        reason=f"routed experts with the {act!r} activation: the experts kinds take "
                               f"{', '.join(sorted(EXPERTS_KIND_OF))}")
     kind = EXPERTS_KIND_OF[act].name
-    dims: dict[str, int] = {}
-    shapes = [_shape(n) if isinstance(n, fx.Node) else () for n in (x, w13, w2, topk_ids)]
-    if all(len(s) == r for s, r in zip(shapes, (2, 3, 3, 2))):
-        (_, hidden), (experts, rows, cols), (experts2, h2, inter), (_, top_k) = shapes
+    nodes = (out, x, w13, w2, topk_weights, topk_ids)
+    shapes = [_shape(n) if isinstance(n, fx.Node) else () for n in nodes]
+    dtype = _dtype(x) if isinstance(x, fx.Node) else "float32"
+    if [len(s) for s in shapes] == [2, 2, 3, 3, 2, 2]:
+        _, (_, hidden), (experts, rows, cols), (experts2, h2, inter), _, (_, top_k) = shapes
         if isinstance(hidden, int) and (rows, cols, experts2, h2) == (2 * inter, hidden, experts, hidden):
-            dims = {"num_experts": int(experts), "top_k": int(top_k), "hidden": int(hidden), "intermediate": int(inter)}
-    return _region(kind, [g], dims, _dtype(x) if isinstance(x, fx.Node) else "float32", [], [], supported=False,
-                   reason=EXPERTS_REASON)
+            e, k, h, i = (int(d) for d in (experts, top_k, hidden, inter))
+            dims = {"num_experts": e, "top_k": k, "hidden": h, "intermediate": i}
+            inputs = [_before(x, op, shape=[-1, 1, 1, 1, h]), _before(topk_ids, op, dtype="int32"),
+                      _before(topk_weights, op, shape=[-1, k, 1, 1, 1], dtype=dtype),
+                      {"param": f"{g.path}.{EXPERTS_WEIGHTS[0]}", "shape": [e, 2, i, h]},
+                      {"param": f"{g.path}.{EXPERTS_WEIGHTS[1]}", "shape": [e, 1, h, i]}]
+            return _region(kind, [g], dims, dtype, inputs, [_after(out, op, shape=[-1, 1, 1, 1, h])])
+    return _region(kind, [g], {}, dtype, [], [], supported=False,
+                   reason=f"routed experts whose stacked weights are traced as {shapes[2]} and {shapes[3]}, not "
+                          f"[experts, 2 * intermediate, hidden] and [experts, hidden, intermediate]")
 
 
 def _attention_region(g: Group) -> dict:

@@ -188,6 +188,8 @@ def _instances(result: dict, record: dict) -> list[Instance]:
                     value = weights.get(ref["param"])
                     if value is not None and "span" in ref:
                         value = value[ref["span"][0]:ref["span"][1]].contiguous()
+                    if value is not None and "shape" in ref:  # the experts' stacked weights, as the Program takes them
+                        value = value.reshape(ref["shape"])
                 inputs.append(_rows(value) if inst.supported and not {"param", "shape"} & set(ref) else value)
             outputs = [_rows(v) if inst.supported and "shape" not in ref else v
                        for ref, v in zip(r["outputs"], forward[i]["outputs"])]

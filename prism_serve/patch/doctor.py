@@ -332,7 +332,7 @@ def _explain(s: Site, dtype: str, p, url: str, device, never: str | None, model:
                                                                                   entry.launchers)]
         row["why"] = "kernels for every num_tokens in these buckets; other sizes run vLLM's own path"
         own = KINDS[s.op].form
-        if KINDS[kernel].form == replace(own, norm="rms") != own:  # a plain norm kernel on Gemma's computed weight
+        if own.norm == "gemma" and KINDS[kernel].form == replace(own, norm="rms"):  # a plain norm kernel on Gemma's computed weight
             row["why"] += (f"; vLLM's RMSNorm op on the float32 w + 1 goes to prism's IR provider, whose {kernel} "
                            "kernel runs it")
         elif kernel != s.op:

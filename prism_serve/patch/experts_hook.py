@@ -39,7 +39,7 @@ APPLY_ARGS = ("output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
               "apply_router_weight_on_input")
 
 
-def _cpu_experts_class():
+def cpu_experts_class():
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # not vLLM's CPU build, or a vLLM without it
@@ -74,7 +74,7 @@ def served_kind(rt: Runtime, moe_config, w13: Tensor, w2: Tensor):
 
 def install(rt: Runtime, done) -> None:
     """Patch vLLM's CPU experts class (and so its subclasses) where the table holds an experts kernel."""
-    cls = _cpu_experts_class()
+    cls = cpu_experts_class()
     if cls is None or rt.table is None or not any(rt.table.ops.get(k.name) for k in EXPERT_KINDS):
         return
     if getattr(cls.apply, "_prism", False):

@@ -28,3 +28,11 @@ def real_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_capture(real_checkpoint):
     return capture(real_checkpoint[0], DTYPE)
+
+
+@pytest.fixture(scope="session")
+def moe_capture(tmp_path_factory):
+    """A mixture of experts (Qwen2-MoE's layout, 4 experts, top-2), captured in float32."""
+    path = tmp_path_factory.mktemp("moe") / "tiny-qwen2-moe"
+    write_checkpoint("tiny-qwen2-moe", path)
+    return capture(path, DTYPE)

@@ -112,3 +112,29 @@ def test_attention_regions_match_torch_sdpa(which, request):
         assert k0.shape[1:] == v0.shape[1:] == (d["kv_heads"], d["head_dim"])
         assert max_rel_error(_sdpa(q0, k0, v0, causal=True), o0) < TOL
         assert max_rel_error(_sdpa(q1, torch.cat([k0, k1]), torch.cat([v0, v1]), causal=False), o1) < TOL
+
+
+def test_a_mixture_of_experts_fidelity(moe_capture):
+    """Every region of an MoE model, its routed experts among them: the experts Program on the
+    recorded routing, hidden states and the plain stacked weights the capture child kept gives what
+    vLLM's CPU fused MoE wrote (on the weights it packed), in every layer, prefill and decode."""
+    experts = [i for i in moe_capture.instances if i.program is not None and i.program.name.startswith("moe_experts")]
+    assert experts and all(i.supported for i in experts)
+    # per layer: its two norms (as ops), the input norm + qkv, rotary and the experts; the final norm
+    assert _check_all(moe_capture) == 11
+    for inst in experts:
+        for _, (x, ids, weights, w13, w2), _ in inst.recordings:
+            assert ids.dtype == torch.int32 and ids.shape == (x.shape[0], inst.dims["top_k"])
+            # the top-2 of 4 softmax weights, not renormalized (the config's norm_topk_prob is false)
+            assert ((weights.sum(1) > 0.5) & (weights.sum(1) < 1 - 1e-6)).all()
+
+
+def test_the_experts_comparison_is_sharp(moe_capture):
+    """Negative controls on vLLM's own output: a token routed to expert e + 1, and the gate and up
+    halves of w13 swapped, are each caught."""
+    inst = next(i for i in moe_capture.instances if i.program is not None and i.program.name.startswith("moe_experts"))
+    x, ids, weights, w13, w2 = inst.inputs
+    (want,) = inst.outputs
+    shifted = (ids + 1) % inst.dims["num_experts"]
+    assert max_rel_error(evaluate(inst.program, [x, shifted, weights, w13, w2])[0], want) > 1e-2
+    assert max_rel_error(evaluate(inst.program, [x, ids, weights, w13.flip(1), w2])[0], want) > 1e-2

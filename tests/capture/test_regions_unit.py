@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from prism_serve.capture import backend
 from prism_serve.capture.regions import find_regions, module_groups
+from prism_serve.region_table import KINDS
 
 from ..cpu_gemm import onednn_handles
 
@@ -581,14 +582,29 @@ def _experts_graph(act: str, w13_shape=(4, 2 * 24, 16)):
     return g
 
 
-def test_a_layers_routed_experts_are_reported_by_activation_with_their_dims_unsupported():
+def test_a_layers_routed_experts_are_found_by_activation_with_their_dims_and_refs():
+    """The op's x, routing and output as the Program takes them (x [T, 1, 1, 1, H], int32 ids, the
+    weights [T, k, 1, 1, 1] in x's dtype), and the stacked weights read from the plain copy the
+    capture child keeps (vLLM packs the ones the op is traced with), in the Program's order."""
     (r,) = find_regions(_experts_graph("silu"))[0]
     assert (r["kind"], r["layer"], r["modules"]) == ("moe_experts", 2, ["layers.2.mlp.experts"])
     assert r["dims"] == {"num_experts": 4, "top_k": 2, "hidden": 16, "intermediate": 24}
-    assert not r["supported"] and "not captured" in r["reason"]
+    assert r["supported"] and r["reason"] is None
+    op = "cpu_fused_moe_default"
+    assert r["inputs"] == [
+        {"node": "x", "at": op, "when": "before", "shape": [-1, 1, 1, 1, 16]},
+        {"node": "topk_ids", "at": op, "when": "before", "dtype": "int32"},
+        {"node": "topk_weights", "at": op, "when": "before", "shape": [-1, 2, 1, 1, 1], "dtype": "float32"},
+        {"param": "layers.2.mlp.experts.w13_weight", "shape": [4, 2, 24, 16]},
+        {"param": "layers.2.mlp.experts.w2_weight", "shape": [4, 1, 16, 24]}]
+    assert r["outputs"] == [{"node": "out", "at": op, "when": "after", "shape": [-1, 1, 1, 1, 16]}]
+    assert [n.name for n in KINDS["moe_experts"].program(r["dims"], "float32").inputs] == [
+        "x", "topk_ids", "topk_weights", "w13", "w2"]
     (g,) = find_regions(_experts_graph("gelu_tanh"))[0]
-    assert g["kind"] == "moe_experts_gelu_tanh"
-    # weights packed into another shape: no dims are read from them
-    assert find_regions(_experts_graph("silu", w13_shape=(4, 16, 48)))[0][0]["dims"] == {}
+    assert g["kind"] == "moe_experts_gelu_tanh" and g["supported"]
+    # weights packed into another shape: no dims are read from them, and nothing is recorded
+    (packed,) = find_regions(_experts_graph("silu", w13_shape=(4, 16, 48)))[0]
+    assert packed["dims"] == {} and not packed["supported"] and not packed["inputs"]
+    assert "(4, 16, 48)" in packed["reason"]
     (other,) = find_regions(_experts_graph("swigluoai"))[0]
     assert not other["supported"] and "'swigluoai' activation" in other["reason"]

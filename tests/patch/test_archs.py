@@ -11,8 +11,8 @@ CI runs `CI_ARCHS` only (each architecture costs a capture, a warmup and a vLLM 
 a mixture of experts in one model (it replaced tiny-qwen2 and tiny-mixtral in CI on 2026-12-07, to
 keep CI under its time limit). PRISM_SERVE_TEST_ARCHS=all (or a comma-separated list) runs the
 others. In a mixture of experts (tiny-qwen2-moe, tiny-mixtral, tiny-qwen3-moe) the router stays
-vLLM's, the routed experts run `prism::moe_experts` (seeded, since capture reports them but does not capture them yet)
-in both modes, and the input norm + qkv and the residual add + norm before the experts are served
+vLLM's, the routed experts run `prism::moe_experts` (seeded: capture records them and warmup searches them,
+but the search does not reach a design that fits within the tests' work, `NOT_REACHED`) in both modes, and the input norm + qkv and the residual add + norm before the experts are served
 (in compiled mode; in eager mode only the norm, as an op). Seen on 2026-12-03 (tokens identical everywhere): Mistral and Phi-3 (vLLM builds Phi-3 as a
 Llama) serve every stored kind; since the compiled-mode pattern pass (fusion.py) Qwen2 and
 Granite serve every stored kind too (Granite's rmsnorm_linear and rmsnorm_swiglu checked on
@@ -68,6 +68,11 @@ CI_ARCHS = ("tiny-qwen2-moe",)
 MODES = ("eager", "compiled")
 # region kinds warmup stores for an architecture that the plugin does not serve yet, and why
 NOT_SERVED: dict[tuple[str, str], str] = {}
+# region kinds whose search warmup fails within the tests' work (`WARMUP_WORK`), and why: checked to
+# still fail so (the list shrinks when the search reaches them)
+NOT_REACHED: dict[str, str] = dict.fromkeys(seed.MOE_KINDS, (
+    "its one-kernel decode design holds whole experts (over the register budget), and the two-kernel "
+    "design, reachable through the choices' grid axis (test_moe), takes millions of steps"))
 # the token buckets the experts are seeded for: decode steps (the vLLM runs decode 1 to 3 sequences)
 DECODE = (((1, 8), 1),)
 # the kinds of an MLP's activation, with or without its projection and norm
@@ -116,7 +121,7 @@ def arch(request, arch_registry, tmp_path_factory):
 
 def _seed_unwarmed(path, url: str, report, name: str) -> None:
     """The rotary kinds warmup's search did not store within the tests' budget, and a mixture of
-    experts' routed experts (which capture reports unsupported, so warmup never searches them), from
+    experts' routed experts (which the search does not reach: `NOT_REACHED`), from
     their proven, numerically checked oracles (as `seed` fills the other tests' registries), so the
     vLLM runs serve rotary whatever the search reached, and the experts at decode sizes (`DECODE`: the
     design is modeled slower than vLLM's fused MoE from 16 tokens on, and interpreted prefills and
@@ -142,7 +147,8 @@ def _stored(arch) -> set[str]:
 
 def test_warmup_stores_what_capture_reports_and_fails_no_region(arch):
     report, capture = arch["report"], arch["capture"]
-    assert not [(r.kind, r.reason) for r in report.regions if r.status == "failed"]
+    failed = [(r.kind, r.reason) for r in report.regions if r.status == "failed"]
+    assert all(k in NOT_REACHED and reason.startswith("no verified kernel") for k, reason in failed), failed
     supported = {r["kind"] for r in capture["regions"] if r["supported"]}
     assert _stored(arch) <= supported
     # every region capture found is in the report: stored, or skipped with its reason
@@ -220,17 +226,19 @@ def test_a_projection_bias_gives_the_bias_kinds_and_nothing_else_does(arch):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_mixture_of_experts_runs_its_experts_as_prism_kernels_in_every_layer(arch, mode):
-    """The routed experts (reported by capture, not captured, so seeded for decode) run
+    """The routed experts (captured, searched by warmup but not reached: seeded for decode) run
     `prism::moe_experts` in every MoE layer of every decode step, in eager and compiled mode alike (vLLM's CPU experts class is patched;
     the tokens and the absence of any fallback are checked above); no dense-MLP region spans the
     router and the experts, and the regions around them are served in compiled mode."""
     if seed.moe_dims(config_of(arch["name"])) is None:
         pytest.skip("not a mixture of experts")
     layers = config_of(arch["name"])["num_hidden_layers"]
-    # capture reports every layer's experts, with the config's dims, unsupported (not captured yet)
+    # capture records every layer's experts, with the config's dims; warmup searched them (`NOT_REACHED`)
     (experts,) = [r for r in arch["capture"]["regions"] if r["kind"] in seed.MOE_KINDS]
     assert len(experts["modules"]) == layers and experts["dims"] == seed.moe_dims(config_of(arch["name"]))
-    assert not experts["supported"] and "not captured" in experts["reason"]
+    assert experts["supported"] and experts["program_hash"]
+    (searched,) = [r for r in arch["report"].regions if r.kind == experts["kind"]]
+    assert searched.status == "failed" and searched.reason.startswith("no verified kernel"), searched
     ran, missed = arch["runs"]["prism"]["runs"][mode]["kernel"], arch["runs"]["prism"]["runs"][mode]["fallback"]
     # every decode step after the prefill, in every layer; the prefills (and vLLM's profile pass) missed
     assert ran["moe_experts"] >= layers * (MAX_TOKENS - 1) and ran["moe_experts"] % layers == 0, ran
