@@ -121,8 +121,9 @@ class KernelGenerator:
         return not self.stopped and (self._cut or any(self._cache[k][2] is not None for k in self._reached))
 
     def choices(self) -> list[tuple[tuple[str, ...], str | None]]:
-        """(grid axes, loop label) per graph-defined kernel: an axis is an output's label or a
-        joint axis (`_joint_axes`), no label split by two axes. Grids that split more labels
+        """(grid axes, loop label) per graph-defined kernel: an axis is an output's label, a
+        joint axis (`_joint_axes`) or, for a kernel that feeds later ones only (`groups`), a
+        feeding axis (MoE's top-k choices, below), no label split by two axes. Grids that split more labels
         come first, then those of fewer axes, then loops over longer reductions first (an order
         only: what comes sooner); the choice-level shape rule drops grids without the token label
         where tensors have tokens. Judged (and counted) once per generator."""
