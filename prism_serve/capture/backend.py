@@ -19,11 +19,11 @@ import torch
 import torch.fx as fx
 
 from prism_serve.capture.regions import Group, find_regions, module_classes
+from prism_serve.optimize.ir.reference import TORCH_DTYPES, TORCH_INDEX_DTYPES
 
 log = logging.getLogger(__name__)
 RANGE_PREFIX = "prism_capture:"
 FORWARD_RANGE = RANGE_PREFIX + "__forward__"
-DTYPES = {"int32": torch.int32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -101,7 +101,7 @@ class _Recorder(fx.Interpreter):
                 lo, hi = ref["span"]
                 t = t[..., lo:hi].contiguous()
             if "dtype" in ref:  # as the plugin hands it to the kernel (the experts' int32 ids, weights in x's dtype)
-                t = t.to(DTYPES[ref["dtype"]])
+                t = t.to((TORCH_DTYPES | TORCH_INDEX_DTYPES)[ref["dtype"]])
             self.out[i][side][j] = t
 
     def run_node(self, n: fx.Node) -> Any:

@@ -89,26 +89,29 @@ def _weights(llm, regions: list[dict]) -> tuple[dict[str, torch.Tensor], dict[st
 
         dtype = next(model.parameters()).dtype
         mods = dict(model.named_modules())
-        found, biased = {}, {}
-        for path in paths:
+
+        def module(traced: str):
             # Dynamo names a module reached through a bound method (vLLM's Transformers backend)
             # `mlp.forward.__self__.gate_up_proj`; named_modules() calls it `mlp.gate_up_proj`
-            plain = path.replace(".forward.__self__", "")
-            owner, _, attr = plain.rpartition(".")
+            plain = traced.replace(".forward.__self__", "")
+            return next((m for k, m in mods.items() if k == plain or k.endswith(f".{plain}")), None)
+
+        found, biased = {}, {}
+        for path in paths:
+            owner, _, attr = path.rpartition(".")
             if attr in EXPERTS_WEIGHTS:  # a MoE layer's stacked weight, as `_keep_plain_experts` kept it
                 # on the layer that loads them: the traced module's own (FusedMoE) or one inside it
                 # (vLLM's MoERunner holds the RoutedExperts that do)
-                name = next((k for k in mods if k == owner or k.endswith(f".{owner}")), None)
-                held = [getattr(m, PLAIN_EXPERTS) for m in mods[name].modules()
-                        if hasattr(m, PLAIN_EXPERTS)] if name is not None else []
+                traced = module(owner)
+                held = [getattr(m, PLAIN_EXPERTS) for m in traced.modules()
+                        if hasattr(m, PLAIN_EXPERTS)] if traced is not None else []
                 kept = held[0] if len(held) == 1 else {}
                 if attr in kept:
                     found[path] = kept[attr]
                 continue
-            name = next((k for k in mods if k == plain or k.endswith(f".{plain}")), None)
-            if name is None:
+            mod = module(path)
+            if mod is None:
                 continue
-            mod = mods[name]
             b = getattr(mod, "bias", None)
             w = getattr(mod, "weight", None)
             if w is not None and w.dim() == 2 and w.numel() > 0:
