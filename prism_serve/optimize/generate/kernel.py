@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from functools import cached_property
 from typing import Iterator
 
 from prism_serve.optimize.generate.block import (ALL, ROWS, TILES, BlockGenerator, Counts, Value, base_label,
@@ -99,7 +100,6 @@ class KernelGenerator:
         self._yielded: set[Design] = set()
         self._started = False
         self._choices: list | None = None
-        self._feeding_axes: frozenset = frozenset()  # grid labels for kernels that feed others (`choices`)
 
     @property
     def counts(self) -> Counts:
@@ -140,13 +140,6 @@ class KernelGenerator:
         has_tokens = any(NUM_TOKENS in v.labels for v in ctx.inputs.values())
         sizes = {lb: d for v in ctx.inputs.values() for lb, d in zip(v.labels, v.type.shape) if isinstance(d, int)}
         reduced.sort(key=lambda lb: -sizes.get(lb, 0))  # a loop over the longest reduction first
-        # a kernel that feeds later ones may also split the choices an index input holds for each
-        # token and the Program reduces (MoE's top-k): it writes one row per (token, choice), which
-        # the last kernel weights and sums (the last kernel's grid splits output labels only)
-        index_in = [v for v in ctx.inputs.values() if v.type.dtype in INDEX_DTYPES]
-        all_reduced = set().union(*(set(r) for r in _reduced(ctx)))
-        self._feeding_axes = frozenset(lb for v in index_in for lb in v.labels
-                                       if lb != NUM_TOKENS and lb in all_reduced and lb not in out_labels)
         axes = out_labels + self._joint_axes(out_labels) + sorted(self._feeding_axes)
         grids = [grid for r in range(min(self.max_grid, len(axes)), 0, -1) for grid in itertools.combinations(axes, r)
                  if len(grid_labels(grid)) == sum(len(axis_labels(a)) for a in grid)]  # no label split twice
@@ -163,6 +156,17 @@ class KernelGenerator:
                 out.append((grid, loop))
         self._choices = out
         return out
+
+    @cached_property
+    def _feeding_axes(self) -> frozenset[str]:
+        """The grid axes of a kernel that feeds later ones only: the choices an index input holds
+        for each token and the Program reduces (MoE's top-k). Such a kernel writes one row per
+        (token, choice), which the last kernel weights and sums; the last kernel's grid splits
+        output labels only."""
+        outputs = {lb for v in self._outputs_labels() for lb in v.labels}
+        reduced = set().union(*(set(r) for r in _reduced(self.ctx)))
+        return frozenset(lb for v in self.ctx.inputs.values() if v.type.dtype in INDEX_DTYPES for lb in v.labels
+                         if lb != NUM_TOKENS and lb in reduced and lb not in outputs)
 
     def _joint_axes(self, out_labels: list[str]) -> list[str]:
         """The joint grid axes (`axes.joint_axis`): each pair of output labels but the tokens
@@ -271,7 +275,6 @@ class KernelGenerator:
         hidden), library ops last (each writes a whole tensor); but before all of them those that
         split a feeding axis, which only a feeding kernel can. An order only: what comes sooner
         within the budget."""
-        self.choices()  # which axes only a feeding kernel's grid splits
         if last:
             return [LIBRARY, *(c for c in choices if not self._feeding_axes & set(c[0]))]
         return [*sorted(choices, key=lambda c: (not self._feeding_axes & set(c[0]), len(c[0]), c[1] is not None)),
