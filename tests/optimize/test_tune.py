@@ -4,7 +4,8 @@ import pytest
 
 from prism_serve.errors import SGraphError
 from prism_serve.optimize.instantiate.cost import instance_cost, modeled_us, unfused_us
-from prism_serve.optimize.instantiate.tune import best_modeled, enumerate_instances, measure, order, rank
+from prism_serve.optimize.instantiate.tune import (balanced_assignment, best_modeled, enumerate_instances, finest_assignment,
+                                                   measure, order, rank, symbol_choices)
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.workloads.oracles import ORACLES, oracle
@@ -23,6 +24,19 @@ def test_enumeration_yields_only_valid_power_of_two_instances():
         values = inst.values
         assert all(v & (v - 1) == 0 for v in values.values())
         assert 96 % (values["F"]) == 0 and 48 % values["G"] == 0
+
+
+@pytest.mark.parametrize("hidden", [128, 384, 1024])
+def test_the_finest_assignment_tiles_a_dim_of_any_size_finest(hidden):
+    """A dim of 128 (or 384: 128 times an odd number) has the token blocks' choices, 1 to 128: the
+    finest assignment still gives its symbol the most splits (the smallest tile), and the token
+    axis one token per block; the balanced one splits it into tiles of 64 or just above, not into
+    the token blocks' 16."""
+    g = oracle(WORKLOADS["rmsnorm_linear"].program(hidden=hidden, out=hidden, dtype="float32"))
+    choices, finest, balanced = symbol_choices(g), finest_assignment(g), balanced_assignment(g)
+    assert finest["BT"] == 1 and balanced["BT"] == 16
+    assert finest["G"] == max(choices["G"])
+    assert hidden // balanced["G"] >= 64 > hidden // (2 * balanced["G"])
 
 
 @pytest.mark.parametrize("name,dims", [("rms_norm", {"hidden": 100}), ("rmsnorm_linear", {"hidden": 96, "out": 48}),

@@ -64,11 +64,15 @@ def split_sizes(g: SGraph) -> dict[str, int]:
 def symbol_choices(g: SGraph) -> dict[str, tuple[int, ...]]:
     """Candidate values per symbol: token blocks for token axes, else the powers of two (up to
     MAX_SPLIT) that divide the dim the symbol splits. `instantiate` checks the rest."""
-    sizes = split_sizes(g)
-    tokens = {a.symbol for k in g.kernels if isinstance(k, BlockKernel) for a in k.grid if a.over_tokens}
+    sizes, tokens = split_sizes(g), _token_symbols(g)
     return {s: TOKEN_BLOCKS if s in tokens else
             tuple(v for v in _pow2_upto(min(sizes.get(s, MAX_SPLIT), MAX_SPLIT)) if sizes.get(s, v) % v == 0)
             for s in g.symbols}
+
+
+def _token_symbols(g: SGraph) -> set[str]:
+    """The grid symbols of token axes (known by the axis: a dim of 128 has TOKEN_BLOCKS' choices too)."""
+    return {a.symbol for k in g.kernels if isinstance(k, BlockKernel) for a in k.grid if a.over_tokens}
 
 
 def _pow2_upto(n: int) -> tuple[int, ...]:
@@ -89,16 +93,16 @@ def finest_assignment(g: SGraph) -> dict[str, int]:
     """The assignment with the smallest tiles: no split of a loop across the grid, every other
     symbol at its largest choice, one token per block. Tile resources only grow from here, so
     if this does not fit a GPU, no assignment does."""
-    splits = _loop_splits(g)
-    return {s: 1 if s in splits else c[0] if c == TOKEN_BLOCKS else c[-1] for s, c in symbol_choices(g).items()}
+    splits, tokens = _loop_splits(g), _token_symbols(g)
+    return {s: 1 if s in splits else c[0] if s in tokens else c[-1] for s, c in symbol_choices(g).items()}
 
 
 def balanced_assignment(g: SGraph, tile: int = 64, block_tokens: int = 16) -> dict[str, int]:
     """Tiles of about `tile` along every split dim, `block_tokens` tokens per block, no loop split."""
-    sizes, splits, choices = split_sizes(g), _loop_splits(g), symbol_choices(g)
+    sizes, splits, choices, tokens = split_sizes(g), _loop_splits(g), symbol_choices(g), _token_symbols(g)
     out = {}
     for s, c in choices.items():
-        if c == TOKEN_BLOCKS:
+        if s in tokens:
             out[s] = block_tokens
         elif s in splits:
             out[s] = 1
