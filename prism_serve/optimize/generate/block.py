@@ -221,9 +221,12 @@ class BlockGenerator:
         rows = [v for v in others if tensor_of(v.ref)[1] in (WHOLE, ROW) and NUM_TOKENS in v.labels]
         self.sources = rows + own + list(consts.values()) + [v for v in others if v not in rows]
         # what the kernel tensors written by earlier kernels hold, term by term (as `_key` spells a
-        # term): an op that rebuilds a part of one comes after those that use it (see `_candidates`)
+        # term): an op that rebuilds a part of one comes after those that use it (see `_candidates`).
+        # The tensors' own leaves are no such part, but a window of one is: MoE's gate rows of w13
+        # (a slice) come after the ops that read the silu(gate) * up an earlier kernel stored.
+        leaves = {v.expr for v in tensors.values()}
         self._stored_parts = frozenset(repr(t) for v in tensors.values() if v.expr[0] != "var"
-                                       for t in term_parts(v.expr) if t[0] not in ("var", "const"))
+                                       for t in term_parts(v.expr) if t[0] != "const" and t not in leaves)
         self.seen: set = set()
         self._keys: dict = {}  # see `_key`
         self.memo: dict = {}
