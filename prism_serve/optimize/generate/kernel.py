@@ -266,8 +266,9 @@ class KernelGenerator:
 
     def groups(self, choices, last: bool) -> list:
         """The order in which a kernel's kinds are tried: for a design's last kernel, library ops,
-        then the (grid, loop) choices in order, but those splitting a feeding kernel's axis (the
-        choices of an index input, `choices`); for a kernel that feeds later ones, the choices
+        then the (grid, loop) choices in order, those looping over a feeding axis first (the
+        choices of an index input, `choices`: what a feeding kernel left per choice, the last one
+        sums) and those splitting one left out; for a kernel that feeds later ones, the choices
         with fewer grid axes first and, among those, without a loop first (what a later kernel
         reads is an intermediate, cheapest as a reduction such as the 1/rms of a row, which
         carries fewer labels; a block walk without a loop is the smaller: rmsnorm_linear's 1/rms
@@ -276,7 +277,8 @@ class KernelGenerator:
         split a feeding axis, which only a feeding kernel can. An order only: what comes sooner
         within the budget."""
         if last:
-            return [LIBRARY, *(c for c in choices if not self._feeding_axes & set(c[0]))]
+            return [LIBRARY, *sorted((c for c in choices if not self._feeding_axes & set(c[0])),
+                                     key=lambda c: c[1] not in self._feeding_axes)]
         return [*sorted(choices, key=lambda c: (not self._feeding_axes & set(c[0]), len(c[0]), c[1] is not None)),
                 LIBRARY]
 
