@@ -64,7 +64,13 @@ LIBRARY = "library"  # the first-kernel group of library ops (see `KernelGenerat
 # descent over its symbols per bucket) takes about as long as expanding this many states
 # (`scripts/bench_search.py` reports both counts and the seconds).
 DESIGN_STEPS = 10_000
-DEEP_PENDING = 16  # below depth 1, each block enumeration of a first pass gets 1/16 of the steps left
+# Below depth 1, each block enumeration of a first pass gets 1/DEEP_PENDING of the steps left. An
+# enumeration pays a fixed cost before its first graph (judging the ops over its kernel tensors:
+# 2,300 steps for MoE's last kernel); at 1/16 the later ones of a subtree got less than that and
+# completed nothing (MoE's two-kernel design was generated at 1.0M and 1.5M steps of work, not at
+# 400k, 800k or 1.2M); at 1/4 it is generated from 400k on, and the five Prism workloads' best
+# designs stay the same at 400k and at 3M.
+DEEP_PENDING = 4
 
 
 class KernelGenerator:
