@@ -352,10 +352,14 @@ def _search(run: RegionRun) -> str | None:
     from prism_serve.optimize.pipeline.search import optimize
 
     # one process: on two cores the workers' start-up (5-10 s) costs more than they save (see #11's notes);
-    # on a GPU, only instances that ptxas does not spill for it (compiled by the Triton vLLM will launch with)
+    # on a GPU, only instances that ptxas does not spill for it (compiled by the Triton vLLM will launch with),
+    # and the measured best of three verified designs; without one the modeled best is stored, the first
+    # to verify (verifying two more took 7 s of an MoE region's 18 s)
+    gpu = run.device.kind == "gpu"
+
     def search(known=()):
         return optimize(run.prog, run.spec, run.sizes, budget_s=run.budget_s, work=run.work, known=known,
-                        workers=1 if run.ray is None else None, static_check=run.device.kind == "gpu", ray=run.ray)
+                        top=3 if gpu else 1, workers=1 if run.ray is None else None, static_check=gpu, ray=run.ray)
     try:
         result = search(run.designs)
         if run.designs and not result.found:  # stored designs no longer verify here: search afresh
