@@ -22,7 +22,7 @@ from prism_serve.optimize.pipeline.search import optimize
 from prism_serve.optimize.pipeline.stages import verify_design
 from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
-from prism_serve.optimize.verify.check import check_numerics
+from prism_serve.optimize.verify.check import check_numerics, small_program
 from prism_serve.optimize.verify.proof import prove_equivalent
 from prism_serve.optimize.workloads.oracles import default_assignment, oracle
 from prism_serve.optimize.workloads.programs import moe_experts
@@ -132,6 +132,14 @@ def test_a_feeding_kernel_may_split_the_choices_and_the_search_reaches_the_two_k
     up, down = result.found[0].design.kernels
     assert (up.grid, up.loop, down.loop) == ((NUM_TOKENS, CHOICE), "x4", CHOICE)
     assert [o.op for o in up.ops].count("gather") == 2 and [o.op for o in down.ops].count("gather") == 1
+
+
+def test_the_numeric_check_runs_at_two_choices():
+    """The small Program of the numeric check cuts the top-k choices to 2 (each a block of its own in
+    the designs that split them), its other dims to 48, and keeps w13's gate and up halves."""
+    small = {n.name: n.attr("shape") for n in small_program(moe_experts(128, 8, 2048, 768, "bfloat16")).inputs}
+    assert small["topk_ids"] == (NUM_TOKENS, 2) and small["topk_weights"] == (NUM_TOKENS, 2, 1, 1, 1)
+    assert small["w13"] == (48, 2, 48, 48) and small["w2"] == (48, 1, 48, 48)
 
 
 def _edit(g: SGraph, edit) -> SGraph:

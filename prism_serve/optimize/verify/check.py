@@ -21,6 +21,12 @@ from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import Instance, instantiate
 
 SMALL_DIM = 48  # not a power of two, so padding and masks are exercised
+# an index input's dims besides tokens (MoE's top-k choices): each is a block of its own in the
+# designs that split it, so they cost interpreted blocks (the two-kernel design at Qwen3-30B-A3B's
+# 8 choices: 64 s of checks; at 2: 16 s).
+# Two still sum; an odd count would leave such designs no instance (a grid splits a dim in powers
+# of two, and a gathered matmul's batch tile must be one)
+SMALL_INDEX_DIM = 2
 
 
 def _placed_sizes(prog: Program) -> set[int]:
@@ -34,14 +40,21 @@ def _placed_sizes(prog: Program) -> set[int]:
 
 
 def small_program(prog: Program, limit: int = SMALL_DIM) -> Program:
-    """`prog` with every fixed dim over `limit` cut to `limit` (equal dims stay equal), but for the
-    sizes a slice or concat reads (rotary's head and rotary dims): a gathered table keeps its
-    columns and loses rows."""
+    """`prog` with every fixed dim over `limit` cut to `limit` and those of an index input's sizes
+    (other than tokens) to SMALL_INDEX_DIM (equal dims stay equal), but for the sizes a slice or
+    concat reads (rotary's head and rotary dims): a gathered table keeps its columns and loses rows."""
     kept = _placed_sizes(prog)
+    index_sizes = {d for n in prog.inputs if n.attr("dtype") in INDEX_DTYPES for d in n.attr("shape")
+                   if not isinstance(d, str)}
+
+    def small(d):
+        if isinstance(d, str) or d in kept:
+            return d
+        return min(d, SMALL_INDEX_DIM) if d in index_sizes else min(d, limit)
     nodes: list[Node] = []
     for n in prog.nodes:
         if n.op == "input":
-            shape = tuple(d if isinstance(d, str) or d <= limit or d in kept else limit for d in n.attr("shape"))
+            shape = tuple(small(d) for d in n.attr("shape"))
             n = node(n.name, "input", shape=shape, dtype=n.attr("dtype"))
         nodes.append(n)
     return Program(prog.name, tuple(nodes), prog.outputs)
