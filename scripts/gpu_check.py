@@ -17,7 +17,7 @@ beside the cost model's price of that path, so one run gives the model's error o
 (Spearman and median measured/modeled ratio per region; where vLLM is absent, also against
 torch.compile of the region as a named stand-in), and what the plugin would run (the kernel,
 plus the residual add beside rmsnorm_swiglu's) against it. The superoptimizer's own best design
-for each Prism workload that it found (read from the newest bench/results/search-*.json that
+for each workload it found one for (the Prism workloads, rotary, the MoE experts; read from the newest bench/results/search-*.json that
 scripts/bench_search.py wrote, proven there) is rebuilt for each shape and checked and timed the
 same way, in the first dtype, as design "searched". Writes gpu_check.json and gpu_check.md
 under --out and prints the table.
@@ -67,6 +67,8 @@ GPU_PLAN = {  # workload -> (list of dims, num_tokens list); attention shapes ca
                                                "rmsnorm_swiglu", "fused_add_rmsnorm_linear_bias")},
     **{w: (list(WORKLOADS[w].shapes), [0]) for w in ("attention", "qk_norm_attention")},
     **{w: ([{}], [1, 16, 256, 4096]) for w in ("rotary", "qk_norm_rotary")},
+    # Qwen3-30B-A3B's experts (Mixtral's fit no design yet); vLLM's fused MoE is the baseline
+    "moe_experts": ([{"num_experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768}], [1, 16, 256]),
 }
 INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden sizes
     "rms_norm": ([{"hidden": 96}], [1, 5]), "fused_add_rms_norm": ([{"hidden": 96}], [5]),
@@ -81,6 +83,8 @@ INTERPRET_PLAN = {  # tiny, awkward sizes: 1 token, non-power-of-two hidden size
     # the searched rotary designs hold their slices' bounds as numbers: they rebuild at head_dim 128 only
     "rotary": ([dict(num_q_heads=3, num_kv_heads=1, head_dim=128, max_position=40)], [1, 5]),
     "qk_norm_rotary": ([dict(num_q_heads=3, num_kv_heads=1, head_dim=128, max_position=40)], [5]),
+    # vLLM's CPU fused MoE takes hidden and intermediate sizes in multiples of 32
+    "moe_experts": ([dict(num_experts=3, top_k=2, hidden=32, intermediate=32)], [1]),
 }
 
 

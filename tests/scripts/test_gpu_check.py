@@ -10,6 +10,7 @@ PRISM_WORKLOADS = {"rmsnorm_linear", "rmsnorm_mlp", "swiglu", "attention", "qk_n
 VLLM_OPS = {"rms_norm", "fused_add_rms_norm", "silu_and_mul"}
 DECODER_REGIONS = {"fused_add_rmsnorm_linear", "rmsnorm_swiglu", "fused_add_rmsnorm_linear_bias"}
 ROTARY = {"rotary", "qk_norm_rotary"}
+MOE = {"moe_experts"}
 
 
 def test_interpret_mode_checks_every_workload(tmp_path):
@@ -20,7 +21,7 @@ def test_interpret_mode_checks_every_workload(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["interpret"] and result["all_correct"] and not result["skipped"]
     cases = result["cases"]
-    assert {c["workload"] for c in cases} == PRISM_WORKLOADS | VLLM_OPS | DECODER_REGIONS | ROTARY
+    assert {c["workload"] for c in cases} == PRISM_WORKLOADS | VLLM_OPS | DECODER_REGIONS | ROTARY | MOE
     assert {c["dtype"] for c in cases} == {"bfloat16", "float16"}
     assert any(c["num_tokens"] == 1 for c in cases)
     for c in cases:
@@ -29,7 +30,7 @@ def test_interpret_mode_checks_every_workload(tmp_path):
         assert c["candidates"][0]["assignment"] == c["assignment"]
     assert any("compile_us" in c for c in cases), "the torch.compile baseline path was never exercised"
     # every region kind is timed against vLLM's own path (vLLM is installed here) beside its modeled price
-    regions = [c for c in cases if c["workload"] in VLLM_OPS | DECODER_REGIONS | ROTARY | {"rmsnorm_linear", "swiglu"}]
+    regions = [c for c in cases if c["workload"] in VLLM_OPS | DECODER_REGIONS | ROTARY | MOE | {"rmsnorm_linear", "swiglu"}]
     for c in regions:
         assert c["baseline"] == "vllm" and c["vllm_modeled_us"] > 0 and c["served_us"] > 0
         assert c.get("baseline_us", 0) > 0 or c.get("baseline_error"), c
