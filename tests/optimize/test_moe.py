@@ -11,13 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prism_serve.baseline import vllm_modeled_us
 from prism_serve.errors import ProgramError
 from prism_serve.optimize.generate.context import make_context
-from prism_serve.optimize.generate.design import build
+from prism_serve.optimize.generate.design import BlockSpec, Design, build
 from prism_serve.optimize.generate.kernel import KernelGenerator
 from prism_serve.optimize.ir.program import NUM_TOKENS, Node
 from prism_serve.optimize.ir.reference import evaluate, random_inputs
 from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.pipeline.instances import rankings
 from prism_serve.optimize.pipeline.search import optimize
 from prism_serve.optimize.pipeline.stages import verify_design
 from prism_serve.optimize.target.gpus import get_gpu
@@ -109,12 +111,14 @@ def test_the_search_reaches_the_decode_design_and_both_checks_accept_it(activati
 
 
 CHOICE = "topk_ids1"  # the label of each token's top-k choices
+INTER = "w132"  # the label of the experts' intermediate dim
 
 
 def test_a_feeding_kernel_may_split_the_choices_and_the_search_reaches_the_two_kernel_design():
     """The top-k choices are a grid axis of a kernel that feeds another (its gate and up products, one
     row per (token, choice)), never of the last (whose output has no choice dim), which tries loops
-    over them first. At tiny Qwen2-MoE's dims, where the one-kernel decode design is over the
+    over them first; those that also split the intermediate dim come after the other feeding grids
+    (below). At tiny Qwen2-MoE's dims, where the one-kernel decode design is over the
     register budget, the full search reaches within the tests' warmup work, and verifies, the
     two-kernel design: per (token, choice) a loop over hidden gathers the chosen expert's gate and
     up rows, then per token (and hidden block) a loop over the choices applies the activation,
@@ -126,12 +130,39 @@ def test_a_feeding_kernel_may_split_the_choices_and_the_search_reaches_the_two_k
     last = gen.groups(choices, True)[1:]
     assert feeding and all(CHOICE not in c[0] for c in last)
     assert [c[1] for c in last[:2]] == [CHOICE, CHOICE] and all(c[1] != CHOICE for c in last[2:])
-    assert gen.groups(choices, False)[:len(feeding)] == sorted(feeding, key=lambda c: (len(c[0]), c[1] is not None))
+    assert gen.groups(choices, False)[:len(feeding)] == sorted(
+        feeding, key=lambda c: (INTER in c[0], len(c[0]), c[1] is not None))
     result = optimize(prog, H100, [8, 128], work=WARMUP_WORK, top=1, workers=1)
     assert result.found, result.stats.limit()
     up, down = result.found[0].design.kernels
     assert (up.grid, up.loop, down.loop) == ((NUM_TOKENS, CHOICE), "x4", CHOICE)
     assert [o.op for o in up.ops].count("gather") == 2 and [o.op for o in down.ops].count("gather") == 1
+
+
+def test_a_feeding_kernel_may_split_the_intermediate_dim_beside_the_choices():
+    """A feeding kernel's grid may split the intermediate dim, which only the gathered expert tables
+    hold, beside the choices (never alone, never in the last kernel): a block per (token, choice,
+    intermediate block) loops over hidden, as vLLM's w13 kernel does. The walk of that group reaches
+    the two-kernel design, which verifies; at Qwen3-30B-A3B's dims and one token its 8 choices are 8
+    blocks without the split, and with it the design models faster than vLLM's fused MoE priced by the
+    same model, where the unsplit (token, choice) grid models far slower."""
+    prog = moe_experts(E, K, 128, 96, "float32")
+    gen = KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=8, max_grid=3)
+    choices = gen.choices()
+    split = [c for c in choices if INTER in c[0]]
+    assert split and all(CHOICE in c[0] for c in split)
+    assert not any(INTER in c[0] for c in gen.groups(choices, True)[1:])
+    first = ((NUM_TOKENS, CHOICE, INTER), "x4")
+    design = next(gen.explore(2, first, choices, 60_000))
+    up, down = design.kernels
+    assert (up.grid, up.loop, down.loop) == (first[0], "x4", CHOICE)
+    proof, verdict, _ = verify_design(prog, design, H100)
+    assert proof.ok, proof.reason
+    assert verdict.ok, verdict.reasons
+    qwen3 = moe_experts(128, 8, 2048, 768, "bfloat16")
+    unsplit = Design((BlockSpec((NUM_TOKENS, CHOICE), up.loop, up.ops, up.split), down))
+    split_us, unsplit_us = (rankings(build(qwen3, d), H100, (1,))[0][0].modeled_us for d in (design, unsplit))
+    assert split_us < vllm_modeled_us(qwen3, 1, H100) < unsplit_us
 
 
 def test_the_numeric_check_runs_at_two_choices():

@@ -129,7 +129,8 @@ class KernelGenerator:
     def choices(self) -> list[tuple[tuple[str, ...], str | None]]:
         """(grid axes, loop label) per graph-defined kernel: an axis is an output's label, a
         joint axis (`_joint_axes`) or, for a kernel that feeds later ones only (`groups`), a
-        feeding axis (MoE's top-k choices, below), no label split by two axes. Grids that split more labels
+        feeding axis (MoE's top-k choices, below) and beside one a feeding split (`_feeding_splits`),
+        no label split by two axes. Grids that split more labels
         come first, then those of fewer axes, then loops over longer reductions first (an order
         only: what comes sooner); the choice-level shape rule drops grids without the token label
         where tensors have tokens. Judged (and counted) once per generator."""
@@ -146,9 +147,10 @@ class KernelGenerator:
         has_tokens = any(NUM_TOKENS in v.labels for v in ctx.inputs.values())
         sizes = {lb: d for v in ctx.inputs.values() for lb, d in zip(v.labels, v.type.shape) if isinstance(d, int)}
         reduced.sort(key=lambda lb: -sizes.get(lb, 0))  # a loop over the longest reduction first
-        axes = out_labels + self._joint_axes(out_labels) + sorted(self._feeding_axes)
+        axes = out_labels + self._joint_axes(out_labels) + sorted(self._feeding_axes) + sorted(self._feeding_splits)
         grids = [grid for r in range(min(self.max_grid, len(axes)), 0, -1) for grid in itertools.combinations(axes, r)
-                 if len(grid_labels(grid)) == sum(len(axis_labels(a)) for a in grid)]  # no label split twice
+                 if len(grid_labels(grid)) == sum(len(axis_labels(a)) for a in grid)  # no label split twice
+                 and (self._feeding_axes & set(grid) or not self._feeding_splits & set(grid))]
         # more parallel grids first (more labels split); of those, fewer axes first: a joint axis'
         # block loads what its labels' tensors share once
         grids.sort(key=lambda g: (-len(grid_labels(g)), len(g)))
@@ -173,6 +175,22 @@ class KernelGenerator:
         reduced = set().union(*(set(r) for r in _reduced(self.ctx)))
         return frozenset(lb for v in self.ctx.inputs.values() if v.type.dtype in INDEX_DTYPES for lb in v.labels
                          if lb != NUM_TOKENS and lb in reduced and lb not in outputs)
+
+    @cached_property
+    def _feeding_splits(self) -> frozenset[str]:
+        """The labels a feeding kernel's grid may split beside a feeding axis: those the Program
+        reduces that only gathered tables hold, not the outputs (MoE's intermediate dim, which w13
+        and w2 hold). A block per (token, choice, intermediate block) then reads a window of its
+        expert's rows and writes that window of the activation, as vLLM's w13 kernel does; with
+        one token and 8 choices the grid has 8 blocks without it."""
+        if not self._feeding_axes:
+            return frozenset()
+        ctx = self.ctx
+        outputs = {lb for v in self._outputs_labels() for lb in v.labels}
+        reduced = set().union(*(set(r) for r in _reduced(ctx)))
+        windows = {lb for key, made in ctx.indexing.slices.items() for lb in (key[0], made)}
+        return frozenset(lb for lb in reduced - outputs - windows - ctx.indexing.gathers - {NUM_TOKENS, None}
+                         if all(ctx.indexing.gathers & set(v.labels) for v in ctx.inputs.values() if lb in v.labels))
 
     def _joint_axes(self, out_labels: list[str]) -> list[str]:
         """The joint grid axes (`axes.joint_axis`): each pair of output labels but the tokens
@@ -281,11 +299,14 @@ class KernelGenerator:
         kernel is its 4th block graph of grid (tokens), its 11,604th of 15,201 with a loop over
         hidden), library ops last (each writes a whole tensor); but before all of them those that
         split a feeding axis, which only a feeding kernel can. An order only: what comes sooner
-        within the budget."""
+        within the budget. Of those, the grids that also split a `_feeding_splits` label come
+        after the others: the tiny-dims experts design needs a share of the steps a group further
+        down gets less of."""
         if last:
             return [LIBRARY, *sorted((c for c in choices if not self._feeding_axes & set(c[0])),
                                      key=lambda c: c[1] not in self._feeding_axes)]
-        return [*sorted(choices, key=lambda c: (not self._feeding_axes & set(c[0]), len(c[0]), c[1] is not None)),
+        return [*sorted(choices, key=lambda c: (not self._feeding_axes & set(c[0]), bool(self._feeding_splits & set(c[0])),
+                                                len(c[0]), c[1] is not None)),
                 LIBRARY]
 
     def _library_children(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int):
