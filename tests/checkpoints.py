@@ -24,7 +24,7 @@ DTYPE = "float32"
 # quality (scripts/bench_search.py measures that). On the embedded model the four norm and MLP
 # regions verify at 4 s as at warmup's default 60 s (2026-12-06, a 2-core AMD EPYC), and their
 # searches run until their work or their budget ends, so the work is that of a 10 s search: the
-# routed experts' two-kernel design needs 450,000 (not 425,000) at tiny Qwen2-MoE's dims (since a
+# routed experts' two-kernel design needs 450,000 steps (not 425,000) at tiny Qwen2-MoE's dims (since a
 # feeding kernel may split the intermediate dim, 2026-12-08; tests/optimize/test_moe.py). The
 # rotary region's whole search is 198,064 steps (every subtree ends), but takes 15-20 s under the
 # suite's load (not found at 8 s or 12 s, 2026-12-07): the budget, a wall-clock limit, is 20 s.

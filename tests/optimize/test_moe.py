@@ -26,10 +26,11 @@ from prism_serve.optimize.target.gpus import get_gpu
 from prism_serve.optimize.target.instance import instantiate
 from prism_serve.optimize.verify.check import check_numerics, small_program
 from prism_serve.optimize.verify.proof import prove_equivalent
-from prism_serve.optimize.workloads.oracles import default_assignment, oracle
+from prism_serve.optimize.workloads.oracles import default_assignment, load, node, oracle
 from prism_serve.optimize.workloads.programs import moe_experts
 
 from ..checkpoints import WARMUP_WORK
+from .kernel_check import check_instance
 
 H100 = get_gpu("h100")
 E, K, H, I = 4, 2, 64, 32  # vLLM's CPU kernel takes hidden and intermediate sizes in multiples of 32
@@ -112,13 +113,14 @@ def test_the_search_reaches_the_decode_design_and_both_checks_accept_it(activati
 
 CHOICE = "topk_ids1"  # the label of each token's top-k choices
 INTER = "w132"  # the label of the experts' intermediate dim
+OUT_HIDDEN = "w22"  # the label of the output's hidden dim
 
 
 def test_a_feeding_kernel_may_split_the_choices_and_the_search_reaches_the_two_kernel_design():
     """The top-k choices are a grid axis of a kernel that feeds another (its gate and up products, one
     row per (token, choice)), never of the last (whose output has no choice dim), which tries loops
-    over them first; those that also split the intermediate dim come after the other feeding grids
-    (below). At tiny Qwen2-MoE's dims, where the one-kernel decode design is over the
+    over them first; of the feeding grids, those that split the output's hidden dim come last. At
+    tiny Qwen2-MoE's dims, where the one-kernel decode design is over the
     register budget, the full search reaches within the tests' warmup work, and verifies, the
     two-kernel design: per (token, choice) a loop over hidden gathers the chosen expert's gate and
     up rows, then per token (and hidden block) a loop over the choices applies the activation,
@@ -131,7 +133,7 @@ def test_a_feeding_kernel_may_split_the_choices_and_the_search_reaches_the_two_k
     assert feeding and all(CHOICE not in c[0] for c in last)
     assert [c[1] for c in last[:2]] == [CHOICE, CHOICE] and all(c[1] != CHOICE for c in last[2:])
     assert gen.groups(choices, False)[:len(feeding)] == sorted(
-        feeding, key=lambda c: (INTER in c[0], len(c[0]), c[1] is not None))
+        feeding, key=lambda c: (OUT_HIDDEN in c[0], len(c[0]), c[1] is not None))
     result = optimize(prog, H100, [8, 128], work=WARMUP_WORK, top=1, workers=1)
     assert result.found, result.stats.limit()
     up, down = result.found[0].design.kernels
@@ -260,3 +262,32 @@ def test_a_wrong_two_kernel_design_is_rejected_by_the_proof_and_the_numeric_chec
     assert not prove_equivalent(bad).ok, "the proof accepted a wrong MoE design"
     inst = instantiate(bad, default_assignment(bad, block_tokens=1, target_tile=4), H100)
     assert not check_numerics(inst, tokens=(1, 5), seed=0).ok, "the numeric check accepted a wrong MoE design"
+
+
+def test_the_routing_weight_applied_to_the_input_is_rejected_by_the_proof_and_the_numeric_check():
+    """vLLM's `apply_router_weight_on_input` scales each token by its routing weight before the
+    experts (which the plugin's hook leaves to vLLM): through the activation that is another
+    function. The served design with x weighted in its first kernel and the weighted sum of its
+    second taken unweighted is rejected by both checks."""
+    good = oracle(_small())
+    up, down = good.kernels
+
+    def weighted_input(n: Node) -> list[Node]:
+        if n.name == "x":
+            return [n, load("wx", "topk_weights", (0, 1, None)), node("xw", "mul", "x", "wx")]
+        return [Node(n.name, n.op, ("xw",) + n.inputs[1:], n.attrs) if n.op == "matmul" else n]
+
+    def unweighted_output(n: Node) -> list[Node]:
+        if n.name in ("wk", "yw"):
+            return []
+        return [Node(n.name, n.op, ("y",), n.attrs) if n.inputs == ("yw",) else n]
+
+    bad = SGraph(good.name + "_mutant", good.program, good.intermediates,
+                 (BlockKernel(up.name, up.grid, up.forloop, tuple(m for n in up.nodes for m in weighted_input(n))),
+                  BlockKernel(down.name, down.grid, down.forloop,
+                              tuple(m for n in down.nodes for m in unweighted_output(n)))))
+    assert not prove_equivalent(bad).ok, "the proof accepted the routing weight applied to the input"
+    inst = instantiate(bad, default_assignment(bad, block_tokens=1, target_tile=4), H100)
+    assert not check_numerics(inst, tokens=(1, 5), seed=0).ok, "the numeric check accepted it"
+    with pytest.raises(AssertionError, match="over tolerance"):  # and at ordinary inputs, not only at outliers
+        check_instance(inst, 3, "float32")

@@ -299,15 +299,20 @@ class KernelGenerator:
         kernel is its 4th block graph of grid (tokens), its 11,604th of 15,201 with a loop over
         hidden), library ops last (each writes a whole tensor); but before all of them those that
         split a feeding axis, which only a feeding kernel can. An order only: what comes sooner
-        within the budget. Of those, the grids that also split a `_feeding_splits` label come
-        after the others: the tiny-dims experts design needs a share of the steps a group further
-        down gets less of."""
+        within the budget. Of those, the grids that also split an output label other than the
+        tokens come last: a kernel that writes a row per (token, choice) gains nothing from tiles
+        of the output's hidden dim, and a group further down gets a smaller share of the steps
+        (tiny Mixtral's experts design, whose grid splits the intermediate dim, came at 800,000
+        steps after them, at 500,000 before them)."""
         if last:
             return [LIBRARY, *sorted((c for c in choices if not self._feeding_axes & set(c[0])),
                                      key=lambda c: c[1] not in self._feeding_axes)]
-        return [*sorted(choices, key=lambda c: (not self._feeding_axes & set(c[0]), bool(self._feeding_splits & set(c[0])),
-                                                len(c[0]), c[1] is not None)),
-                LIBRARY]
+        outputs = {lb for v in self._outputs_labels() for lb in v.labels} - {NUM_TOKENS}
+
+        def order(c):
+            feeding = bool(self._feeding_axes & set(c[0]))
+            return not feeding, feeding and bool(outputs & set(grid_labels(c[0]))), len(c[0]), c[1] is not None
+        return [*sorted(choices, key=order), LIBRARY]
 
     def _library_children(self, kernels: tuple, tensors: dict[str, Value], written: frozenset[str], depth: int):
         last = len(kernels) == depth - 1
