@@ -19,6 +19,7 @@ from prism_serve.optimize.generate.kernel import KernelGenerator
 from prism_serve.optimize.ir.program import NUM_TOKENS, Node
 from prism_serve.optimize.ir.reference import evaluate, random_inputs
 from prism_serve.optimize.ir.sgraph import BlockKernel, SGraph
+from prism_serve.optimize.instantiate.tune import symbol_choices
 from prism_serve.optimize.pipeline.instances import rankings
 from prism_serve.optimize.pipeline.search import optimize
 from prism_serve.optimize.pipeline.stages import verify_design
@@ -291,3 +292,22 @@ def test_the_routing_weight_applied_to_the_input_is_rejected_by_the_proof_and_th
     assert not check_numerics(inst, tokens=(1, 5), seed=0).ok, "the numeric check accepted it"
     with pytest.raises(AssertionError, match="over tolerance"):  # and at ordinary inputs, not only at outliers
         check_instance(inst, 3, "float32")
+
+
+def test_a_top_k_that_is_no_power_of_two_gets_tiles_of_one_choice():
+    """Grid and loop symbols take powers of two that divide their dim, and for a dim of an integer
+    input also its size: each choice is a tile of its own, as a block matmul's batch dim must be.
+    Three choices (DeepSeek's are 6) then have an instance, which computes the Program at 1 and 7
+    tokens; at DeepSeek-V2-Lite's experts (64, top 6, hidden 2048, intermediate 1408) the served
+    design models faster at one token than vLLM's fused MoE priced by the same model."""
+    prog = moe_experts(5, 3, 32, 24, "float32")
+    g = oracle(prog)
+    choices = symbol_choices(g)
+    assert choices["K"] == (1, 3) and choices["FK"] == (1, 3)
+    assert choices["GI"] == (1, 2, 4, 8)  # the intermediate dim's: no index input holds it
+    for tokens in (1, 7):
+        inst = rankings(g, H100, (tokens,))[0][0].instance
+        assert dict(inst.assignment)["K"] == 3 and dict(inst.assignment)["FK"] == 3
+        check_instance(inst, tokens, "float32")
+    deepseek = moe_experts(64, 6, 2048, 1408, "bfloat16")
+    assert rankings(oracle(deepseek), H100, (1,))[0][0].modeled_us < vllm_modeled_us(deepseek, 1, H100)

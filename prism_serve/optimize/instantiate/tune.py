@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from prism_serve.errors import CodegenError, SGraphError
 from prism_serve.optimize.instantiate.cost import kernel_cost, modeled_us, tie_key
 from prism_serve.optimize.instantiate.static import KernelFacts, compile_facts
-from prism_serve.optimize.ir.program import NUM_TOKENS
+from prism_serve.optimize.ir.program import INDEX_DTYPES, NUM_TOKENS
 from prism_serve.optimize.ir.sgraph import BlockKernel, Kernel, SGraph
 from prism_serve.optimize.target.gpus import GpuSpec
 from prism_serve.optimize.target.instance import Instance, check_kernel, instantiate
@@ -63,11 +63,33 @@ def split_sizes(g: SGraph) -> dict[str, int]:
 
 def symbol_choices(g: SGraph) -> dict[str, tuple[int, ...]]:
     """Candidate values per symbol: token blocks for token axes, else the powers of two (up to
-    MAX_SPLIT) that divide the dim the symbol splits. `instantiate` checks the rest."""
-    sizes, tokens = split_sizes(g), _token_symbols(g)
-    return {s: TOKEN_BLOCKS if s in tokens else
-            tuple(v for v in _pow2_upto(min(sizes.get(s, MAX_SPLIT), MAX_SPLIT)) if sizes.get(s, v) % v == 0)
-            for s in g.symbols}
+    MAX_SPLIT) that divide the dim the symbol splits, and for a dim of an integer input (MoE's
+    top-k choices) also its size, tiles of one: a block matmul holds each choice in a tile of its
+    own, which DeepSeek's 6 choices had no power of two for. `instantiate` checks the rest."""
+    sizes, tokens, indexed = split_sizes(g), _token_symbols(g), _index_symbols(g)
+    out = {}
+    for s in g.symbols:
+        if s in tokens:
+            out[s] = TOKEN_BLOCKS
+            continue
+        size = sizes.get(s, MAX_SPLIT)
+        pow2 = tuple(v for v in _pow2_upto(min(size, MAX_SPLIT)) if sizes.get(s, v) % v == 0)
+        out[s] = pow2 + ((size,) if s in indexed and s in sizes and size <= MAX_SPLIT and size not in pow2 else ())
+    return out
+
+
+def _index_symbols(g: SGraph) -> set[str]:
+    """The grid and loop symbols that split a dim of an integer input."""
+    ints = {n.name for n in g.program.inputs if n.attr("dtype") in INDEX_DTYPES}
+    out = set()
+    for k in g.kernels:
+        if isinstance(k, BlockKernel):
+            for n in k.loads:
+                if n.attr("tensor") in ints:
+                    out |= {a.symbol for a, d in zip(k.grid, n.attr("imap")) if d is not None and not a.over_tokens}
+                    if n.attr("fmap") is not None:
+                        out.add(k.forloop)
+    return out
 
 
 def _token_symbols(g: SGraph) -> set[str]:

@@ -23,9 +23,7 @@ from prism_serve.optimize.target.instance import Instance, instantiate
 SMALL_DIM = 48  # not a power of two, so padding and masks are exercised
 # An index input's dims besides tokens (MoE's top-k choices) are cut further: each choice is a
 # block of its own in the designs that split them, an interpreted block (the two-kernel design's
-# check at Qwen3-30B-A3B's 8 choices took 64 s, at 2 it takes 16 s). Two still sum; an odd count
-# would leave those designs no instance (a grid splits a dim in powers of two, and a gathered
-# matmul's batch tile must be one).
+# check at Qwen3-30B-A3B's 8 choices took 64 s, at 2 it takes 16 s). Two still sum.
 SMALL_INDEX_DIM = 2
 
 
