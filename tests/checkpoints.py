@@ -23,9 +23,9 @@ DTYPE = "float32"
 # the search of the tests' warmups: they test capture, checks, storage and serving, not search
 # quality (scripts/bench_search.py measures that). On the embedded model the four norm and MLP
 # regions verify at 4 s as at warmup's default 60 s (2026-12-06, a 2-core AMD EPYC), and their
-# searches run until their work or their budget ends, so the work is that of a 10 s search: the
-# routed experts' two-kernel design needs 450,000 steps (not 425,000) at tiny Qwen2-MoE's dims (since a
-# feeding kernel may split the intermediate dim, 2026-12-08; tests/optimize/test_moe.py). The
+# searches run until their work or their budget ends, so the work is that of a 10 s search: tiny
+# Qwen3-MoE's qk_norm_rotary region finds none at 400,000 steps, and its designs at 500,000
+# (2026-12-08; the routed experts' two-kernel design fits from 300,000 at tiny Qwen2-MoE's dims). The
 # rotary region's whole search is 198,064 steps (every subtree ends), but takes 15-20 s under the
 # suite's load (not found at 8 s or 12 s, 2026-12-07): the budget, a wall-clock limit, is 20 s.
 WARMUP_WORK = 10 * WORK_PER_S

@@ -118,14 +118,15 @@ OUT_HIDDEN = "w22"  # the label of the output's hidden dim
 
 
 def test_a_feeding_kernel_may_split_the_choices_and_the_search_reaches_the_two_kernel_design():
-    """The top-k choices are a grid axis of a kernel that feeds another (its gate and up products, one
-    row per (token, choice)), never of the last (whose output has no choice dim), which tries loops
-    over them first; of the feeding grids, those that split the output's hidden dim come last. At
-    tiny Qwen2-MoE's dims, where the one-kernel decode design is over the
-    register budget, the full search reaches within the tests' warmup work, and verifies, the
-    two-kernel design: per (token, choice) a loop over hidden gathers the chosen expert's gate and
-    up rows, then per token (and hidden block) a loop over the choices applies the activation,
-    gathers the w2 rows and sums the weighted products."""
+    """The top-k choices are a grid axis of a kernel that feeds another (one row per (token,
+    choice)), never of the last (whose output has no choice dim), which tries loops over them first;
+    of the feeding grids, those that split the output's hidden dim come last. At tiny Qwen2-MoE's
+    dims, where the one-kernel decode design is over the register budget, the full search reaches
+    within the tests' warmup work, and verifies, the two-kernel design with the activation in the
+    first kernel's epilogue: per (token, choice) a loop over hidden gathers the chosen expert's gate
+    and up rows and stores act(gate) * up alone (a feeding kernel's graphs that store fewer tensors
+    come first), then per token (and hidden block) a loop over the choices gathers the w2 rows and
+    sums the weighted products."""
     prog = moe_experts(E, K, 128, 96, "float32")
     gen = KernelGenerator(make_context(prog), max_kernels=2, max_block_ops=8, max_grid=4)
     choices = gen.choices()
@@ -140,6 +141,8 @@ def test_a_feeding_kernel_may_split_the_choices_and_the_search_reaches_the_two_k
     up, down = result.found[0].design.kernels
     assert (up.grid, up.loop, down.loop) == ((NUM_TOKENS, CHOICE), "x4", CHOICE)
     assert [o.op for o in up.ops].count("gather") == 2 and [o.op for o in down.ops].count("gather") == 1
+    assert [o.op for o in up.ops].count("store") == 1 and "silu" in [o.op for o in up.ops]
+    assert "silu" not in [o.op for o in down.ops]
 
 
 def test_a_feeding_kernel_may_split_the_intermediate_dim_beside_the_choices():

@@ -71,8 +71,8 @@ NOT_SERVED: dict[tuple[str, str], str] = {}
 # the token bucket the vLLM runs serve the experts at: decode steps (they decode 1 to 3 sequences)
 DECODE = (1, 8)
 # the search work of an architecture's warmup where the tests' default is not enough: tiny Mixtral's
-# experts (intermediate 256, the tiny Qwen MoEs' is 96) get a design that fits from 700,000 steps
-# on (not at 600,000; 2026-12-08)
+# experts (intermediate 256, the tiny Qwen MoEs' is 96) get one design that fits at 500,000 steps
+# and two at 600,000 (2026-12-08)
 ARCH_WORK = {"tiny-mixtral": 2 * WARMUP_WORK}
 # the kinds of an MLP's activation, with or without its projection and norm
 MLP_KINDS = {"silu_and_mul", "swiglu", "rmsnorm_swiglu", "gelu_tanh_and_mul", "geglu", "rmsnorm_geglu"}
