@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prism_serve.baseline import vllm_modeled_us
-from prism_serve.errors import ProgramError
+from prism_serve.errors import ProgramError, SGraphError
 from prism_serve.optimize.generate.context import make_context
 from prism_serve.optimize.generate.design import BlockSpec, Design, build
 from prism_serve.optimize.generate.kernel import KernelGenerator
@@ -314,3 +314,22 @@ def test_a_top_k_that_is_no_power_of_two_gets_tiles_of_one_choice():
         check_instance(inst, tokens, "float32")
     deepseek = moe_experts(64, 6, 2048, 1408, "bfloat16")
     assert rankings(oracle(deepseek), H100, (1,))[0][0].modeled_us < vllm_modeled_us(deepseek, 1, H100)
+
+
+def test_a_design_that_routes_a_token_to_the_next_expert_cannot_be_built():
+    """A kernel reading expert e + 1's rows for choice e (the w2 table gathered from its second row
+    on) is no sGraph: the check refuses a gather along a dim a slice narrowed, so such a design
+    never reaches the proof, the numeric check or the registry."""
+    good = oracle(_small())
+    up, down = good.kernels
+
+    def next_expert(n: Node) -> list[Node]:
+        if n.op == "gather" and n.inputs[0] == "w2":
+            return [node("w2_next", "slice", "w2", dim=0, start=1, stop=E, step=1),
+                    Node(n.name, n.op, ("w2_next",) + n.inputs[1:], n.attrs)]
+        return [n]
+
+    nodes = tuple(m for n in down.nodes for m in next_expert(n))
+    with pytest.raises(SGraphError, match="which a slice narrowed"):
+        SGraph(good.name + "_mutant", good.program, good.intermediates,
+               (up, BlockKernel(down.name, down.grid, down.forloop, nodes)))
