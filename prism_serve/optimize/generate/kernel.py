@@ -139,11 +139,11 @@ class KernelGenerator:
         ctx = self.ctx
         windows = {lb for lb in ctx.indexing.slices.values()} | {lb for _, lb in ctx.indexing.concats.values()}
         # a grid axis never partitions a dim that a slice or concat makes (it is read whole)
-        out_labels = [lb for lb in ctx.labels if any(lb in v.labels for v in self._outputs_labels())
+        out_labels = [lb for lb in ctx.labels if lb in self._output_labels
                       and lb not in windows]
         # no loop walks a dim the Program slices: the windowed loads need it whole in the tile
         sliced = {lb for lb, _ in ctx.indexing.slices}
-        reduced = [lb for lb in ctx.labels if any(lb in r for r in _reduced(ctx)) and lb not in sliced]
+        reduced = [lb for lb in ctx.labels if lb in self._reduced_labels and lb not in sliced]
         has_tokens = any(NUM_TOKENS in v.labels for v in ctx.inputs.values())
         sizes = {lb: d for v in ctx.inputs.values() for lb, d in zip(v.labels, v.type.shape) if isinstance(d, int)}
         reduced.sort(key=lambda lb: -sizes.get(lb, 0))  # a loop over the longest reduction first
@@ -171,10 +171,8 @@ class KernelGenerator:
         for each token and the Program reduces (MoE's top-k). Such a kernel writes one row per
         (token, choice), which the last kernel weights and sums; the last kernel's grid splits
         output labels only."""
-        outputs = {lb for v in self._outputs_labels() for lb in v.labels}
-        reduced = set().union(*(set(r) for r in _reduced(self.ctx)))
         return frozenset(lb for v in self.ctx.inputs.values() if v.type.dtype in INDEX_DTYPES for lb in v.labels
-                         if lb != NUM_TOKENS and lb in reduced and lb not in outputs)
+                         if lb != NUM_TOKENS and lb in self._reduced_labels and lb not in self._output_labels)
 
     @cached_property
     def _feeding_splits(self) -> frozenset[str]:
@@ -186,10 +184,9 @@ class KernelGenerator:
         if not self._feeding_axes:
             return frozenset()
         ctx = self.ctx
-        outputs = {lb for v in self._outputs_labels() for lb in v.labels}
-        reduced = set().union(*(set(r) for r in _reduced(ctx)))
         windows = {lb for key, made in ctx.indexing.slices.items() for lb in (key[0], made)}
-        return frozenset(lb for lb in reduced - outputs - windows - ctx.indexing.gathers - {NUM_TOKENS, None}
+        return frozenset(lb for lb in self._reduced_labels - self._output_labels - windows - ctx.indexing.gathers
+                         - {NUM_TOKENS, None}
                          if all(ctx.indexing.gathers & set(v.labels) for v in ctx.inputs.values() if lb in v.labels))
 
     def _joint_axes(self, out_labels: list[str]) -> list[str]:
@@ -200,14 +197,21 @@ class KernelGenerator:
         from prism_serve.optimize.ir.labels import index_labels
         ctx = self.ctx
         held = [set(lbs) for lbs in index_labels(ctx.flat).dims.values()]
-        reduced = set().union(*(set(r) for r in _reduced(ctx)))
-        free = [lb for lb in out_labels if lb != NUM_TOKENS and lb not in reduced and lb not in ctx.indexing.gathers]
+        free = [lb for lb in out_labels if lb != NUM_TOKENS and lb not in self._reduced_labels
+                and lb not in ctx.indexing.gathers]
         return [joint_axis(pair) for pair in itertools.combinations(free, 2) if not any(set(pair) <= h for h in held)]
 
-    def _outputs_labels(self) -> list[Value]:
+    @cached_property
+    def _output_labels(self) -> frozenset[str]:
+        """Every index label the Program's outputs hold."""
         from prism_serve.optimize.ir.labels import index_labels
-        labels = index_labels(self.ctx.flat)
-        return [Value(o, t, labels.dims[o], ()) for o, t in self.ctx.outputs.items()]
+        dims = index_labels(self.ctx.flat).dims
+        return frozenset(lb for o in self.ctx.outputs for lb in dims[o])
+
+    @cached_property
+    def _reduced_labels(self) -> frozenset[str]:
+        """Every index label an op of the Program reduces."""
+        return frozenset().union(*_reduced(self.ctx))
 
     def explore(self, depth: int, first, choices, allowance: float) -> Iterator[Design]:
         """The designs of `depth` kernels whose first kernel is a library op (`first` is LIBRARY)
@@ -302,12 +306,11 @@ class KernelGenerator:
         within the budget. Of those, the grids that also split an output label other than the
         tokens come last: a kernel that writes a row per (token, choice) gains nothing from tiles
         of the output's hidden dim, and a group further down gets a smaller share of the steps
-        (tiny Mixtral's experts design, whose grid splits the intermediate dim, came at 800,000
-        steps after them, at 500,000 before them)."""
+        (tiny Mixtral's experts design came at 700,000 steps with them last, at 800,000 before)."""
         if last:
             return [LIBRARY, *sorted((c for c in choices if not self._feeding_axes & set(c[0])),
                                      key=lambda c: c[1] not in self._feeding_axes)]
-        outputs = {lb for v in self._outputs_labels() for lb in v.labels} - {NUM_TOKENS}
+        outputs = self._output_labels - {NUM_TOKENS}
 
         def order(c):
             feeding = bool(self._feeding_axes & set(c[0]))
